@@ -1,0 +1,75 @@
+"""ModelConfig: the shape of a Qwen3 dense / Qwen3-MoE decoder, validated at the boundary."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from rl_jax.config_utils import require
+
+DType = Literal["float32", "bfloat16"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Decoder-only transformer hyper-parameters (Qwen3 / Qwen3-MoE naming in comments).
+
+  MoE layers follow transformers' Qwen3-MoE rule: layer `i` is MoE iff
+  `n_experts > 0`, `i not in mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`.
+  """
+  vocab_size: int = 64
+  d_model: int = 64            # hidden_size
+  n_layers: int = 2            # num_hidden_layers
+  n_heads: int = 4             # num_attention_heads
+  n_kv_heads: int = 2          # num_key_value_heads (GQA)
+  head_dim: int = 16
+  d_ff: int = 128              # intermediate_size (dense MLP)
+  n_experts: int = 0           # num_experts; 0 = dense model
+  n_experts_per_tok: int = 2   # num_experts_per_tok (top-k)
+  moe_d_ff: int = 64           # moe_intermediate_size
+  norm_topk_prob: bool = True
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple[int, ...] = ()
+  router_aux_loss_coef: float = 0.0  # Switch load-balancing loss weight (0 = off)
+  rope_theta: float = 1_000_000.0
+  rms_eps: float = 1e-6
+  tie_embeddings: bool = True
+  dtype: DType = "float32"        # compute dtype
+  param_dtype: DType = "float32"  # storage dtype of the trainer's parameters
+  remat: bool = False             # per-layer rematerialization
+  init_std: float = 0.02
+
+  def __post_init__(self):
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
+      require(getattr(self, key) > 0, f"model.{key}", f"must be positive, got {getattr(self, key)}")
+    require(self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads",
+            f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+    require(self.head_dim % 2 == 0, "model.head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
+    require(self.n_experts >= 0, "model.n_experts", "must be >= 0")
+    if self.n_experts:
+      require(0 < self.n_experts_per_tok <= self.n_experts, "model.n_experts_per_tok",
+              f"must be in [1, n_experts={self.n_experts}], got {self.n_experts_per_tok}")
+      require(self.moe_d_ff > 0, "model.moe_d_ff", "must be positive for an MoE model")
+      require(self.decoder_sparse_step >= 1, "model.decoder_sparse_step", "must be >= 1")
+    bad = [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]
+    require(not bad, "model.mlp_only_layers", f"layer indices {bad} outside [0, {self.n_layers})")
+
+  @property
+  def is_moe(self) -> bool:
+    return bool(self.moe_layers)
+
+  @property
+  def moe_layers(self) -> tuple[int, ...]:
+    """Indices of the MoE layers, in order; position in this tuple = MoE-layer index."""
+    if not self.n_experts:
+      return ()
+    return tuple(i for i in range(self.n_layers)
+                 if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
+
+  @property
+  def moe_index(self) -> dict[int, int]:
+    """Explicit map layer index -> MoE-layer index (SPEC "Routing replay": interleaving)."""
+    return {layer: j for j, layer in enumerate(self.moe_layers)}
+
+  @property
+  def n_moe_layers(self) -> int:
+    return len(self.moe_layers)

@@ -1,0 +1,68 @@
+"""Static-shape KV cache (optionally quantized) for prefill + decode."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from rl_jax.models.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerKV:
+  """One layer's cache: k/v `[B, S, Hkv, D]` (low-bit values when `spec` quantizes) + scales."""
+  k: jax.Array
+  v: jax.Array
+  k_scale: jax.Array | None = None
+  v_scale: jax.Array | None = None
+  spec: Any = dataclasses.field(default=None, metadata=dict(static=True))
+
+  @property
+  def quantized(self) -> bool:
+    return self.k_scale is not None
+
+  def update(self, k_new_BTHD: jax.Array, v_new_BTHD: jax.Array, index: jax.Array, dtype
+             ) -> tuple["LayerKV", jax.Array, jax.Array]:
+    """Writes the new slab at slot `index` and returns (cache', k_all, v_all) as read back.
+
+    Reading back what was written (instead of using the fresh k/v) matches what a
+    serving engine with a quantized cache computes for the current token too.
+    """
+    start = (0, index, 0, 0)
+    if not self.quantized:
+      k = jax.lax.dynamic_update_slice(self.k, k_new_BTHD.astype(self.k.dtype), start)
+      v = jax.lax.dynamic_update_slice(self.v, v_new_BTHD.astype(self.v.dtype), start)
+      new = dataclasses.replace(self, k=k, v=v)
+      return new, k.astype(dtype), v.astype(dtype)
+    from rl_jax.quant import kv as qkv  # pylint: disable=g-import-not-at-top
+    kq, ks = qkv.kv_quantize(k_new_BTHD, self.spec)
+    vq, vs = qkv.kv_quantize(v_new_BTHD, self.spec)
+    new = dataclasses.replace(
+        self,
+        k=jax.lax.dynamic_update_slice(self.k, kq, start),
+        v=jax.lax.dynamic_update_slice(self.v, vq, start),
+        k_scale=jax.lax.dynamic_update_slice(self.k_scale, ks.astype(self.k_scale.dtype), start),
+        v_scale=jax.lax.dynamic_update_slice(self.v_scale, vs.astype(self.v_scale.dtype), start))
+    k_all = qkv.kv_dequantize(new.k, new.k_scale, self.spec, dtype)
+    v_all = qkv.kv_dequantize(new.v, new.v_scale, self.spec, dtype)
+    return new, k_all, v_all
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, kv_spec=None
+               ) -> list[LayerKV]:
+  """Zero cache for every layer; `kv_spec` (a quant FormatSpec) selects low-bit storage."""
+  shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+  fmt = getattr(kv_spec, "format", None)
+  if kv_spec is None or fmt in ("fp32", "bf16"):
+    cdt = {"fp32": jnp.float32, "bf16": jnp.bfloat16}.get(fmt, dtype)
+    return [LayerKV(jnp.zeros(shape, cdt), jnp.zeros(shape, cdt)) for _ in range(cfg.n_layers)]
+  from rl_jax.quant import kv as qkv  # pylint: disable=g-import-not-at-top
+  # Quantizing a zero slab gives the stored layout (packing, dtypes, scale shape).
+  vals, scales = jax.eval_shape(lambda x: qkv.kv_quantize(x, kv_spec), jax.ShapeDtypeStruct(shape, dtype))
+  def zeros(s):
+    return jnp.zeros(s.shape, s.dtype)
+  return [LayerKV(zeros(vals), zeros(vals), zeros(scales), zeros(scales), spec=kv_spec)
+          for _ in range(cfg.n_layers)]

@@ -1,0 +1,117 @@
+"""Device mesh `(data, fsdp, expert, tensor)` from config and the one table of partition rules."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from rl_jax.config_utils import ConfigError, require
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+# Batch dimensions are split over every axis that does not split the model's features.
+BATCH_AXES = ("data", "fsdp", "expert")
+
+# Logical parameter axis -> mesh axis. The only place partitioning is decided:
+# FSDP shards the model dimension, tensor parallel the heads / MLP / vocab
+# dimensions, expert parallel the expert dimension.
+LOGICAL_RULES: dict[str | None, str | None] = {
+    "embed": "fsdp",
+    "vocab": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "expert": "expert",
+    None: None,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Mesh axis sizes; one axis may be -1 to take all remaining devices."""
+  data: int = 1
+  fsdp: int = -1
+  expert: int = 1
+  tensor: int = 1
+
+  def __post_init__(self):
+    sizes = [self.data, self.fsdp, self.expert, self.tensor]
+    require(sum(s == -1 for s in sizes) <= 1, "mesh", "at most one axis may be -1")
+    for name, s in zip(MESH_AXES, sizes):
+      require(s == -1 or s >= 1, f"mesh.{name}", f"must be >= 1 or -1, got {s}")
+
+  def resolve(self, n_devices: int) -> tuple[int, ...]:
+    sizes = [self.data, self.fsdp, self.expert, self.tensor]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+      if n_devices % known:
+        raise ConfigError(f"config key 'mesh': {n_devices} devices not divisible by fixed axes {known}")
+      sizes[sizes.index(-1)] = n_devices // known
+    if math.prod(sizes) != n_devices:
+      raise ConfigError(f"config key 'mesh': axis sizes {dict(zip(MESH_AXES, sizes))} "
+                        f"need {math.prod(sizes)} devices, have {n_devices}")
+    return tuple(sizes)
+
+
+def make_mesh(cfg: MeshConfig | None = None, devices=None) -> Mesh:
+  """A 4-axis mesh over `devices` (default: all devices of all processes)."""
+  cfg = cfg or MeshConfig()
+  devices = list(jax.devices() if devices is None else devices)
+  shape = cfg.resolve(len(devices))
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def _is_var(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def logical_to_spec(axes, shape, mesh: Mesh) -> P:
+  """PartitionSpec for a parameter; a dimension not divisible by its mesh axis stays replicated."""
+  if axes is None:
+    return P()
+  out = []
+  for name, dim in zip(axes, shape):
+    mesh_axis = LOGICAL_RULES.get(name)
+    if mesh_axis is not None and dim % mesh.shape[mesh_axis] != 0:
+      mesh_axis = None
+    out.append(mesh_axis)
+  return P(*out)
+
+
+def state_shardings(state: Any, mesh: Mesh) -> Any:
+  """NamedSharding per variable of an `nnx.State` (a pytree prefix of the state)."""
+  def one(v):
+    if _is_var(v):
+      axes = v.get_metadata().get("axes")
+      value = v.get_value() if hasattr(v, "get_value") else v.value
+      return NamedSharding(mesh, logical_to_spec(axes, getattr(value, "shape", ()), mesh))
+    return NamedSharding(mesh, P())
+  return jax.tree.map(one, state, is_leaf=_is_var)
+
+
+def shard_state(state: Any, mesh: Mesh) -> Any:
+  return jax.device_put(state, state_shardings(state, mesh))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+  """Leading dimension split over the batch axes, the rest replicated."""
+  return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def shard_batch(batch: Any, mesh: Mesh) -> Any:
+  """Puts every array of `batch` with its leading (batch) dimension split over the batch axes."""
+  return jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh, np.ndim(x))) if np.ndim(x)
+                      else jax.device_put(x, replicated(mesh)), batch)
+
+
+def batch_divisor(mesh: Mesh) -> int:
+  """Batch sizes must be multiples of this to split evenly over the batch axes."""
+  return math.prod(mesh.shape[a] for a in BATCH_AXES)
