@@ -1,0 +1,184 @@
+"""Model properties: KV cache == recompute, dropless MoE == naive loop, replay, remat, sharding."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rl_jax import sharding as sh
+from rl_jax.config_utils import ConfigError
+from rl_jax.models import ModelConfig, Transformer, init_cache
+from rl_jax.models import moe as moe_lib
+
+# float32 tolerance for results computed with different reduction orders / layouts.
+F32_ATOL = 2e-5
+
+MOE = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8,
+                  d_ff=64, n_experts=8, n_experts_per_tok=2, moe_d_ff=16, mlp_only_layers=(1,),
+                  tie_embeddings=False, router_aux_loss_coef=0.01, init_std=0.2)
+DENSE = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                    d_ff=64, init_std=0.2)
+
+
+def _tokens(b=4, t=7, seed=0, vocab=64):
+  return jax.random.randint(jax.random.key(seed), (b, t), 0, vocab)
+
+
+def test_moe_layer_map_follows_qwen3_rule():
+  cfg = ModelConfig(n_layers=6, n_experts=4, decoder_sparse_step=2, mlp_only_layers=(3,))
+  assert cfg.moe_layers == (1, 5)
+  assert cfg.moe_index == {1: 0, 5: 1}
+
+
+def test_config_errors_name_the_key():
+  with pytest.raises(ConfigError, match="model.n_kv_heads"):
+    ModelConfig(n_heads=4, n_kv_heads=3)
+  with pytest.raises(ConfigError, match="model.n_experts_per_tok"):
+    ModelConfig(n_experts=4, n_experts_per_tok=5)
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+def test_kv_cache_decode_equals_full_recompute(cfg):
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  tok = _tokens(2, 9)
+  full = model(tok)
+  cache = init_cache(cfg, 2, 12)
+  out = model(tok[:, :5], cache=cache, cache_index=0)
+  np.testing.assert_allclose(out.logits_BTV, full.logits_BTV[:, :5], atol=F32_ATOL)
+  cache = out.cache
+  for i in range(5, 9):
+    out = model(tok[:, i:i + 1], cache=cache, cache_index=i)
+    cache = out.cache
+    np.testing.assert_allclose(out.logits_BTV[:, 0], full.logits_BTV[:, i], atol=F32_ATOL)
+    np.testing.assert_array_equal(out.expert_ids_BTLK[:, 0], full.expert_ids_BTLK[:, i])
+
+
+def test_left_padding_matches_unpadded():
+  model = Transformer(MOE, rngs=nnx.Rngs(1))
+  tok = _tokens(1, 5)
+  padded = jnp.concatenate([jnp.zeros((1, 3), tok.dtype), tok], axis=1)
+  valid = jnp.array([[False] * 3 + [True] * 5])
+  a = model(tok).logits_BTV
+  b = model(padded, valid_BT=valid).logits_BTV[:, 3:]
+  np.testing.assert_allclose(a, b, atol=F32_ATOL)
+
+
+def _naive_moe(x_ND, ids_NK, gates_NK, wg, wu, wd):
+  out = np.zeros_like(x_ND)
+  for n in range(x_ND.shape[0]):
+    for slot in range(ids_NK.shape[1]):
+      e = int(ids_NK[n, slot])
+      h = jax.nn.silu(x_ND[n] @ wg[e]) * (x_ND[n] @ wu[e])
+      out[n] += gates_NK[n, slot] * np.asarray(h @ wd[e])
+  return out
+
+
+def test_ragged_dot_experts_equal_naive_loop():
+  key = jax.random.key(3)
+  n, d, f, e, k = 11, 8, 6, 5, 2
+  ks = jax.random.split(key, 5)
+  x = jax.random.normal(ks[0], (n, d))
+  wg, wu = jax.random.normal(ks[1], (e, d, f)), jax.random.normal(ks[2], (e, d, f))
+  wd = jax.random.normal(ks[3], (e, f, d))
+  ids, gates, _, _ = moe_lib.route(jax.random.normal(ks[4], (n, e)), k, True)
+  got = moe_lib.dropless_experts(x, ids, gates, wg, wu, wd, e)
+  want = _naive_moe(np.asarray(x), np.asarray(ids), np.asarray(gates), wg, wu, wd)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_no_token_dropped_under_maximally_skewed_router():
+  # Every token prefers expert 0 (then 1): a capacity-limited MoE would drop most.
+  n, d, f, e, k = 64, 8, 4, 8, 2
+  x = jax.random.normal(jax.random.key(0), (n, d))
+  logits = jnp.tile(jnp.array([10.0, 5.0] + [0.0] * (e - 2)), (n, 1))
+  ids, gates, _, _ = moe_lib.route(logits, k, True)
+  assert set(np.unique(np.asarray(ids))) == {0, 1}
+  ks = jax.random.split(jax.random.key(1), 3)
+  wg, wu = jax.random.normal(ks[0], (e, d, f)), jax.random.normal(ks[1], (e, d, f))
+  wd = jax.random.normal(ks[2], (e, f, d))
+  got = np.asarray(moe_lib.dropless_experts(x, ids, gates, wg, wu, wd, e))
+  want = _naive_moe(np.asarray(x), np.asarray(ids), np.asarray(gates), wg, wu, wd)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+  assert np.all(np.abs(got).sum(-1) > 0), "a token got no expert output"
+
+
+def test_replay_with_natural_ids_reproduces_forward_exactly():
+  model = Transformer(MOE, rngs=nnx.Rngs(2))
+  tok = _tokens()
+  nat = model(tok)
+  rep = model(tok, replay_ids_BTLK=nat.expert_ids_BTLK)
+  np.testing.assert_array_equal(rep.logits_BTV, nat.logits_BTV)
+  np.testing.assert_array_equal(rep.expert_ids_BTLK, nat.expert_ids_BTLK)
+
+
+def test_replay_other_ids_changes_output_and_router_gets_gradient():
+  model = Transformer(MOE, rngs=nnx.Rngs(2))
+  tok = _tokens()
+  nat = model(tok)
+  other = (nat.expert_ids_BTLK + 3) % MOE.n_experts  # distinct slots, all differ from natural
+  mask = jnp.ones(tok.shape, bool).at[:, -1].set(False)  # last position falls back to top-k
+  rep = model(tok, replay_ids_BTLK=other, replay_mask_BT=mask, return_router_logits=True)
+  assert np.abs(np.asarray(rep.logits_BTV - nat.logits_BTV)).max() > 1e-3
+  np.testing.assert_array_equal(rep.expert_ids_BTLK[:, :-1], other[:, :-1])
+  # Unmasked position: the trainer's own top-k of its (replay-perturbed) router scores.
+  _, own_top = jax.lax.top_k(rep.router_logits_BTLE[:, -1], MOE.n_experts_per_tok)
+  np.testing.assert_array_equal(rep.expert_ids_BTLK[:, -1], own_top)
+
+  graphdef, state = nnx.split(model)
+  def loss(state):
+    return jnp.mean(nnx.merge(graphdef, state)(tok, replay_ids_BTLK=other, replay_mask_BT=mask)
+                    .logits_BTV ** 2)
+  g = jax.grad(loss)(state)
+  for layer in MOE.moe_layers:
+    assert np.abs(np.asarray(g["layers"][layer]["ffn"]["w_router"][...])).max() > 0
+
+
+def _loss_fn(graphdef, tok):
+  def loss(state):
+    out = nnx.merge(graphdef, state)(tok)
+    logp = jax.nn.log_softmax(out.logits_BTV[:, :-1])
+    nll = -jnp.take_along_axis(logp, tok[:, 1:, None], -1).mean()
+    return nll + 0.01 * out.aux_loss
+  return loss
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+def test_remat_gives_identical_loss_and_grads(cfg):
+  import dataclasses
+  tok = _tokens()
+  a_graph, a_state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+  b_graph, b_state = nnx.split(Transformer(dataclasses.replace(cfg, remat=True), rngs=nnx.Rngs(0)))
+  la, ga = jax.jit(jax.value_and_grad(_loss_fn(a_graph, tok)))(a_state)
+  lb, gb = jax.jit(jax.value_and_grad(_loss_fn(b_graph, tok)))(b_state)
+  assert float(la) == float(lb)  # the forward is bit-identical
+  # The backward recomputes activations inside a separately fused XLA program, so
+  # gradients may differ by float32 reassociation only (a few ulp).
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), ga, gb)
+
+
+@pytest.mark.parametrize("cfg,mesh_cfg", [
+    (DENSE, sh.MeshConfig(data=2, fsdp=2, expert=1, tensor=2)),
+    (MOE, sh.MeshConfig(data=1, fsdp=2, expert=2, tensor=2)),
+], ids=["dense", "moe"])
+def test_sharded_equals_single_device(cfg, mesh_cfg):
+  assert jax.device_count() == 8, "tests/conftest.py forces 8 host devices"
+  mesh = sh.make_mesh(mesh_cfg)
+  graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+  tok = _tokens(8, 6)
+  loss = _loss_fn(graphdef, tok)
+  l1, g1 = jax.jit(jax.value_and_grad(loss))(state)
+  sstate = sh.shard_state(state, mesh)
+  shardings = sh.state_shardings(state, mesh)
+  # Shardings really split the weights (not all replicated).
+  specs = [s.spec for s in jax.tree.leaves(shardings)]
+  assert any(any(a is not None for a in spec) for spec in specs)
+  stok = jax.device_put(tok, sh.batch_sharding(mesh))
+  def sloss(state, tok):
+    return jax.value_and_grad(_loss_fn(graphdef, tok))(state)
+  l8, g8 = jax.jit(sloss, in_shardings=(shardings, sh.batch_sharding(mesh)),
+                   out_shardings=(sh.replicated(mesh), shardings))(sstate, stok)
+  np.testing.assert_allclose(l8, l1, rtol=1e-6)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=F32_ATOL), g8, g1)
+  logits1 = jax.jit(lambda s: nnx.merge(graphdef, s)(tok).logits_BTV)(state)
+  logits8 = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t).logits_BTV)(sstate, stok)
+  np.testing.assert_allclose(logits8, logits1, atol=F32_ATOL)
