@@ -115,3 +115,8 @@ def shard_batch(batch: Any, mesh: Mesh) -> Any:
 def batch_divisor(mesh: Mesh) -> int:
   """Batch sizes must be multiples of this to split evenly over the batch axes."""
   return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def param_shardings(state: Any, mesh: Mesh) -> dict:
+  """`state_shardings` as a pure nested dict, matching `nnx.to_pure_dict(state)`."""
+  return nnx.to_pure_dict(state_shardings(state, mesh))

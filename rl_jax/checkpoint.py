@@ -1,0 +1,60 @@
+"""Orbax checkpoints of a training state pytree plus JSON metadata; resume from the latest."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+  """Synchronous orbax CheckpointManager under `workdir/checkpoints`.
+
+  Synchronous on purpose: a step returns only once its checkpoint is complete, so
+  a kill -9 can at worst lose the step being written (orbax finalizes a step by
+  an atomic rename; unfinished temporaries are ignored on restore).
+  Only process 0 writes; every process restores.
+  """
+
+  def __init__(self, workdir: str, max_to_keep: int = 3, subdir: str = "checkpoints"):
+    self.directory = os.path.abspath(os.path.join(workdir, subdir))
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                           enable_async_checkpointing=False)
+    self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, items: dict[str, Any], meta: dict) -> None:
+    """Saves named pytrees (e.g. params, opt_state) at `step`; refuses non-finite values."""
+    bad = [f"{name}{jax.tree_util.keystr(p)}" for name, tree in items.items()
+           for p, x in jax.tree_util.tree_leaves_with_path(tree)
+           if np.issubdtype(np.asarray(x).dtype, np.floating) and not np.all(np.isfinite(np.asarray(x)))]
+    if bad:
+      raise FloatingPointError(f"refusing to checkpoint step {step}: non-finite values in {bad[:5]}")
+    args = {name: ocp.args.StandardSave(tree) for name, tree in items.items()}
+    self.manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args), force=True)
+    self.manager.wait_until_finished()
+
+  def restore(self, targets: dict[str, Any], step: int | None = None) -> tuple[dict, dict, int]:
+    """Restores the named items of `targets` (a subset is fine) into their structure / shardings.
+
+    Returns (items, meta, step).
+    """
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    args = {name: ocp.args.StandardRestore(jax.tree.map(_abstract, tree)) for name, tree in targets.items()}
+    out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **args))
+    return {name: out[name] for name in targets}, out["meta"], step
+
+  def close(self) -> None:
+    self.manager.close()
+
+
+def _abstract(x):
+  if isinstance(x, jax.Array):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+  return x

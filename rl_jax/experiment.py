@@ -1,0 +1,85 @@
+"""Shared job plumbing: config sections -> dataclasses, model / tokenizer / mesh construction."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rl_jax import sharding as sh
+from rl_jax.config_utils import ConfigError, from_dict
+from rl_jax.models import ModelConfig, Transformer
+from rl_jax.tasks import Task, get_task
+from rl_jax.tasks.tokenizer import CharTokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+  name: str = "countdown_easy"
+  overrides: dict = dataclasses.field(default_factory=dict)
+
+
+def check_top_level(config: Any, allowed: set[str]) -> None:
+  """Unknown top-level sections fail before any compute, naming the key."""
+  keys = set(config.keys())
+  unknown = sorted(keys - allowed)
+  if unknown:
+    raise ConfigError(f"unknown top-level config key(s) {unknown} for job "
+                      f"'{config.get('job')}'; valid: {sorted(allowed)}")
+
+
+def section(config: Any, name: str, cls: type) -> Any:
+  return from_dict(cls, config.get(name, {}) if name in config else {}, prefix=name)
+
+
+def make_task(cfg: TaskConfig) -> Task:
+  return get_task(cfg.name, cfg.overrides or None)
+
+
+def make_tokenizer(task: Task, model_cfg: ModelConfig) -> CharTokenizer:
+  tok = CharTokenizer()
+  if model_cfg.vocab_size < tok.vocab_size:
+    raise ConfigError(f"config key 'model.vocab_size': {model_cfg.vocab_size} is smaller than the "
+                      f"tokenizer's vocabulary ({tok.vocab_size}) for task '{task.name}'")
+  return tok
+
+
+def init_params(model_cfg: ModelConfig, seed: int, mesh=None) -> tuple[Any, dict]:
+  """(graphdef, params as a pure dict), params placed with their shardings when a mesh is given."""
+  model = Transformer(model_cfg, rngs=nnx.Rngs(seed))
+  graphdef, state = nnx.split(model)
+  params = nnx.to_pure_dict(state)
+  if mesh is not None:
+    params = jax.device_put(params, sh.param_shardings(state, mesh))
+  return graphdef, params
+
+
+def abstract_state(model_cfg: ModelConfig):
+  """(graphdef, abstract nnx.State) without allocating parameters."""
+  model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+  return nnx.split(model)
+
+
+def check_batch(value: int, key: str, mesh) -> None:
+  d = sh.batch_divisor(mesh)
+  if value % d:
+    raise ConfigError(f"config key '{key}': {value} is not a multiple of the mesh's batch "
+                      f"split {d} (data*fsdp*expert)")
+
+
+def token_logprobs(logits_BTV: jax.Array, targets_BT: jax.Array, temperature: float = 1.0) -> jax.Array:
+  """log softmax(logits / T)[target], in float32."""
+  logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32) / temperature, axis=-1)
+  return jnp.take_along_axis(logp, targets_BT[..., None], axis=-1)[..., 0]
+
+
+def init_opt_state(optimizer, params, mesh):
+  """Optimizer state laid out like the params it mirrors; scalars (step counts) replicated."""
+  opt_state = jax.jit(optimizer.init)(params)
+  def place(x):
+    if isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh:
+      return x
+    return jax.device_put(x, sh.replicated(mesh))
+  return jax.tree.map(place, opt_state)

@@ -1,0 +1,28 @@
+"""Entry point: python -m rl_jax.main --config=configs/x.py[:arg] --workdir=DIR [--config.a.b=v]."""
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+JOBS = ("sft", "rl")
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file operation at INFO
+  config = _CONFIG.value
+  job = config.get("job")
+  if job == "sft":
+    from rl_jax import sft  # pylint: disable=g-import-not-at-top
+    sft.run(config, _WORKDIR.value)
+  elif job == "rl":
+    from rl_jax.rl import trainer  # pylint: disable=g-import-not-at-top
+    trainer.run(config, _WORKDIR.value)
+  else:
+    raise app.UsageError(f"config key 'job': {job!r} is not one of {list(JOBS)}")
+
+
+if __name__ == "__main__":
+  app.run(main)

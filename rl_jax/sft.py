@@ -1,0 +1,192 @@
+"""SFT job: next-token training on generated task solutions; the cold start for RL."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tqdm
+from flax import nnx
+
+from rl_jax import data as data_lib
+from rl_jax import experiment as ex
+from rl_jax import sharding as sh
+from rl_jax.checkpoint import Checkpointer
+from rl_jax.config_utils import require
+from rl_jax.metrics import LoggingConfig, MetricsWriter
+from rl_jax.models import ModelConfig
+from rl_jax.models.decode import greedy_reference
+from rl_jax.optim import OptimConfig, make_optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  steps: int = 1000
+  batch_size: int = 64
+  max_len: int = 40             # tokens per sequence (prompt + completion + eos)
+  eval_every: int = 250
+  eval_size: int = 128
+  eval_max_new_tokens: int = 16
+  checkpoint_every: int = 250
+  max_to_keep: int = 2
+
+  def __post_init__(self):
+    for k in ("steps", "batch_size", "max_len", "eval_every", "eval_size", "checkpoint_every"):
+      require(getattr(self, k) > 0, f"sft.{k}", f"must be > 0, got {getattr(self, k)}")
+
+
+# Test hook: raise InjectedCrash after this step (simulates a job killed mid-run).
+_CRASH_AFTER_STEP: int | None = None
+
+
+class InjectedCrash(RuntimeError):
+  pass
+
+
+TOP_LEVEL = {"job", "seed", "task", "model", "mesh", "optim", "sft", "logging"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTJob:
+  seed: int
+  task: ex.TaskConfig
+  model: ModelConfig
+  mesh: sh.MeshConfig
+  optim: OptimConfig
+  sft: SFTConfig
+  logging: LoggingConfig
+
+  @classmethod
+  def from_config(cls, config: Any) -> "SFTJob":
+    ex.check_top_level(config, TOP_LEVEL)
+    return cls(seed=int(config.get("seed", 0)),
+               task=ex.section(config, "task", ex.TaskConfig),
+               model=ex.section(config, "model", ModelConfig),
+               mesh=ex.section(config, "mesh", sh.MeshConfig),
+               optim=ex.section(config, "optim", OptimConfig),
+               sft=ex.section(config, "sft", SFTConfig),
+               logging=ex.section(config, "logging", LoggingConfig))
+
+
+def nll_loss(graphdef, params, batch, aux_coef: float):
+  """Mean next-token NLL over loss-masked targets (+ the MoE load-balancing loss)."""
+  out = nnx.merge(graphdef, params)(batch["inputs_BT"], valid_BT=batch["valid_BT"])
+  logp_BT = ex.token_logprobs(out.logits_BTV, batch["targets_BT"])
+  mask = batch["loss_mask_BT"].astype(jnp.float32)
+  nll = -jnp.sum(logp_BT * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+  return nll + aux_coef * out.aux_loss, {"nll": nll, "aux_loss": out.aux_loss}
+
+
+def make_train_step(graphdef, optimizer, aux_coef: float):
+  """One optimizer step; a non-finite loss or gradient leaves params and state unchanged."""
+  def step(params, opt_state, batch):
+    (loss, aux), grads = jax.value_and_grad(
+        functools.partial(nll_loss, graphdef, batch=batch, aux_coef=aux_coef), has_aux=True)(params)
+    gnorm = optax.global_norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+    updates, new_opt = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    return keep(new_params, params), keep(new_opt, opt_state), {
+        "loss": loss, **aux, "grad_norm": gnorm, "finite": ok}
+  return step
+
+
+def evaluate(job_task, tok, graphdef, params, seed: int, n: int, max_new: int, batch: int = 128):
+  """Held-out greedy accuracy on the first `n` eval problems (reference decode loop)."""
+  problems = job_task.make_problems(seed, "eval", 0, n)
+  max_prompt = max(len(data_lib.prompt_ids(job_task, tok, p)) for p in problems)
+  model = nnx.merge(graphdef, params)
+  rewards = []
+  for i in range(0, n, batch):
+    chunk = problems[i:i + batch]
+    ids, valid = data_lib.prompt_batch(job_task, tok, chunk, max_prompt)
+    out = greedy_reference(model, ids, valid, max_new, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    texts = data_lib.decode_completions(tok, out)
+    rewards += [job_task.reward(p, t) for p, t in zip(chunk, texts)]
+  return float(np.mean(rewards))
+
+
+def run(config: Any, workdir: str) -> dict:
+  """Runs (or resumes) SFT in `workdir`; returns the final metrics."""
+  job = SFTJob.from_config(config)
+  mesh = sh.make_mesh(job.mesh)
+  ex.check_batch(job.sft.batch_size, "sft.batch_size", mesh)
+  task = ex.make_task(job.task)
+  tok = ex.make_tokenizer(task, job.model)
+  os.makedirs(workdir, exist_ok=True)
+
+  graphdef, params = ex.init_params(job.model, job.seed, mesh)
+  optimizer = make_optimizer(job.optim)
+  opt_state = ex.init_opt_state(optimizer, params, mesh)
+  ckpt = Checkpointer(workdir, max_to_keep=job.sft.max_to_keep)
+  start = 0
+  if ckpt.latest_step() is not None:
+    items, _, start = ckpt.restore({"params": params, "opt_state": opt_state})
+    params, opt_state = items["params"], items["opt_state"]
+    print(f"[sft] resumed from step {start} in {ckpt.directory}")
+
+  param_sh = jax.tree.map(lambda x: x.sharding, params)
+  opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
+  batch_sh = sh.batch_sharding(mesh)
+  train_step = jax.jit(make_train_step(graphdef, optimizer, job.model.router_aux_loss_coef),
+                       in_shardings=(param_sh, opt_sh, batch_sh),
+                       out_shardings=(param_sh, opt_sh, sh.replicated(mesh)),
+                       donate_argnums=(0, 1))
+  writer = MetricsWriter(workdir, job.logging, config.to_dict() if hasattr(config, "to_dict") else None)
+  s = job.sft
+  final: dict = {}
+  t0 = time.time()
+  bar = tqdm.tqdm(range(start, s.steps), initial=start, total=s.steps, desc="sft",
+                  disable=jax.process_index() != 0, mininterval=2.0)
+  for step in bar:
+    problems = task.make_problems(job.seed, "train", step * s.batch_size, s.batch_size)
+    batch = data_lib.sft_batch(task, tok, problems, s.max_len)
+    params, opt_state, m = train_step(params, opt_state, batch)
+    m = jax.device_get(m)
+    if not bool(m["finite"]):
+      raise FloatingPointError(
+          f"non-finite loss/gradient at SFT step {step + 1} (loss={m['loss']}, grad_norm="
+          f"{m['grad_norm']}); the update was not applied and nothing was saved. Last good "
+          f"checkpoint: step {ckpt.latest_step()} in {ckpt.directory}")
+    done = step + 1
+    row = {"loss": m["loss"], "nll": m["nll"], "grad_norm": m["grad_norm"], "aux_loss": m["aux_loss"],
+           "time_s": time.time() - t0}
+    if done % s.eval_every == 0 or done == s.steps:
+      row["eval_accuracy"] = evaluate(task, tok, graphdef, params, job.seed, s.eval_size,
+                                      s.eval_max_new_tokens)
+      bar.set_postfix(loss=f"{float(m['loss']):.3f}", acc=f"{row['eval_accuracy']:.3f}")
+    writer.write(done, row)
+    final = row
+    if done % s.checkpoint_every == 0 or done == s.steps:
+      ckpt.save(done, {"params": params, "opt_state": opt_state}, {"step": done, "job": "sft"})
+    if _CRASH_AFTER_STEP is not None and done == _CRASH_AFTER_STEP:
+      raise InjectedCrash(f"injected crash after step {done}")
+  bar.close()
+  writer.close()
+  ckpt.close()
+  if jax.process_index() == 0 and final:
+    summary = {k: float(v) for k, v in final.items()}
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=1)
+    print(f"[sft] done: step {s.steps}, loss {summary['loss']:.4f}, "
+          f"eval_accuracy {summary.get('eval_accuracy', float('nan')):.3f}")
+  return final
+
+
+def load_params(workdir: str, model_cfg: ModelConfig, seed: int = 0, mesh=None) -> tuple[Any, dict, int]:
+  """(graphdef, params, step) from the latest SFT checkpoint in `workdir` (params item only)."""
+  graphdef, params = ex.init_params(model_cfg, seed, mesh)
+  ckpt = Checkpointer(workdir)
+  try:
+    items, _, step = ckpt.restore({"params": params})
+  finally:
+    ckpt.close()
+  return graphdef, items["params"], step

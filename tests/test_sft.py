@@ -1,0 +1,62 @@
+"""SFT job: runs end to end, checkpoints, and resumes after a crash to the same final parameters."""
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from configs import sft_countdown_tiny
+from rl_jax import sft
+from rl_jax.config_utils import ConfigError
+from rl_jax.config_utils import from_dict
+from rl_jax.models import ModelConfig
+from rl_jax.metrics import read_metrics
+
+
+def _config():
+  cfg = sft_countdown_tiny.get_config("test")
+  cfg.sft.eval_every = 12  # one eval at the end keeps the test short
+  return cfg
+
+
+def _final_params(workdir):
+  cfg = _config()
+  _, params, step = sft.load_params(workdir, from_dict(ModelConfig, cfg.model))
+  return params, step
+
+
+def test_sft_crash_resume_matches_uninterrupted(tmp_path, monkeypatch):
+  clean = str(tmp_path / "clean")
+  sft.run(_config(), clean)
+  want, step = _final_params(clean)
+  assert step == 12
+  rows = read_metrics(clean)
+  assert [r["step"] for r in rows] == list(range(1, 13))
+  assert "eval_accuracy" in rows[-1]
+
+  crashed = str(tmp_path / "crashed")
+  monkeypatch.setattr(sft, "_CRASH_AFTER_STEP", 6)  # dies after step 6; last checkpoint is 4
+  with pytest.raises(sft.InjectedCrash):
+    sft.run(_config(), crashed)
+  monkeypatch.setattr(sft, "_CRASH_AFTER_STEP", None)
+  sft.run(_config(), crashed)
+  got, step = _final_params(crashed)
+  assert step == 12
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, want)
+
+
+def test_sft_config_errors_name_the_key(tmp_path):
+  cfg = _config()
+  cfg.unlock()
+  cfg.sft.bogus = 1
+  with pytest.raises(ConfigError, match="sft.bogus"):
+    sft.run(cfg, str(tmp_path))
+  cfg = _config()
+  cfg.optim.name = "lion"
+  with pytest.raises(ConfigError, match="optim.name"):
+    sft.run(cfg, str(tmp_path))
+  cfg = _config()
+  cfg.model.vocab_size = 10
+  with pytest.raises(ConfigError, match="model.vocab_size"):
+    sft.run(cfg, str(tmp_path))
+  assert not os.path.exists(tmp_path / "checkpoints")
