@@ -1,0 +1,163 @@
+"""Backend dispatch (`auto` / `pallas` / `xla`) for quantize, dequantize and quantized matmuls."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rl_jax.config_utils import ConfigError
+from rl_jax.quant import formats as F
+from rl_jax.quant import kernels
+from rl_jax.quant.qtensor import QTensor
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def resolve_backend(backend: str) -> str:
+  """'auto' -> 'pallas' on GPU/TPU, 'xla' on CPU (Pallas on CPU is an emulator, and slow)."""
+  if backend == "auto":
+    return "xla" if jax.default_backend() == "cpu" else "pallas"
+  if backend in ("pallas", "xla"):
+    return backend
+  raise ConfigError(f"key 'backend': {backend!r} is not one of ['auto', 'pallas', 'xla']")
+
+
+def _kernel_opts() -> dict:
+  platform = jax.default_backend()
+  # No Pallas compiler on CPU: the kernels run in interpret mode. Triton (GPU)
+  # wants power-of-two block shapes.
+  return dict(interpret=platform == "cpu", pow2=platform == "gpu")
+
+
+def quantize_rows(x_MK: jax.Array, fmt: F.Format, block: int | None, scale_dtype: str,
+                  backend: str = "auto") -> tuple[jax.Array, jax.Array]:
+  """Per-row absmax quantization along the last axis -> (codes, scales in storage dtype)."""
+  if resolve_backend(backend) == "pallas":
+    return kernels.quantize_rows(x_MK, fmt, block, scale_dtype, **_kernel_opts())
+  return F.quantize_ref(x_MK, fmt, axis=1, block=block, scale_dtype=scale_dtype)
+
+
+def dequantize_rows(codes: jax.Array, scales: jax.Array, fmt: F.Format, block: int | None,
+                    scale_dtype: str, k: int, dtype, backend: str = "auto") -> jax.Array:
+  """Inverse of `quantize_rows` -> `[M, k]` in `dtype`."""
+  if resolve_backend(backend) == "pallas":
+    return kernels.dequantize_rows(codes, scales, fmt, block, scale_dtype, k, dtype,
+                                   **_kernel_opts())
+  return F.dequantize_ref(codes, scales, fmt, axis=1, length=k, scale_dtype=scale_dtype,
+                          dtype=dtype)
+
+
+def quantize_weight(w: jax.Array, spec, act=None, backend: str = "auto"):
+  """Weight `[K, N]` / `[E, K, N]` -> QTensor (scales over K per output channel or K-block).
+
+  `spec` is a `config.WeightSpec`; `act` an optional `config.ActivationSpec`
+  attached for W+A matmuls. fp32 / bf16 formats return the plain cast array.
+  """
+  fmt = F.get_format(spec.format)
+  if not fmt.quantized:
+    return w.astype(fmt.storage_dtype)
+  if w.ndim not in (2, 3):
+    raise ValueError(f"quantized weights are [K, N] or [E, K, N], got shape {w.shape}")
+  w3 = w if w.ndim == 3 else w[None]
+  if resolve_backend(backend) == "pallas":
+    codes, scales = kernels.quantize_cols(w3, fmt, spec.block, spec.scale_dtype, **_kernel_opts())
+  else:
+    codes, scales = F.quantize_ref(w3, fmt, axis=1, block=spec.block, scale_dtype=spec.scale_dtype)
+  if w.ndim == 2:
+    codes, scales = codes[0], scales[0]
+  quant_act = act is not None and F.get_format(act.format).quantized
+  return QTensor(codes, scales, format=fmt.name, shape=tuple(w.shape),
+                 logical_dtype=jnp.dtype(w.dtype).name, block_size=spec.block,
+                 scale_dtype=spec.scale_dtype,
+                 act_format=act.format if quant_act else None,
+                 act_block_size=act.block if quant_act else None,
+                 act_scale_dtype=act.scale_dtype if quant_act else "fp32", backend=backend)
+
+
+def dequantize_weight(qt: QTensor, dtype=None) -> jax.Array:
+  """QTensor -> float weight of its logical shape, in `dtype` (default: logical dtype)."""
+  dtype = qt.dtype if dtype is None else jnp.dtype(dtype)
+  k = qt.shape[-2]
+  values = qt.values if qt.ndim == 3 else qt.values[None]
+  scales = qt.scales if qt.ndim == 3 else qt.scales[None]
+  if resolve_backend(qt.backend) == "pallas":
+    out = kernels.dequantize_cols(values, scales, qt.fmt,
+                                  qt.block_size, qt.scale_dtype, k, dtype, **_kernel_opts())
+  else:
+    out = F.dequantize_ref(values, scales, qt.fmt, axis=1, length=k, scale_dtype=qt.scale_dtype,
+                           dtype=dtype)
+  return out if qt.ndim == 3 else out[0]
+
+
+def fake_quantize_activations(x_MK: jax.Array, qt: QTensor) -> jax.Array:
+  """The float32 values the W+A matmul sees for x (quantize -> dequantize per token / block)."""
+  if qt.act_format is None:
+    return x_MK.astype(jnp.float32)
+  afmt = F.get_format(qt.act_format)
+  codes, scales = quantize_rows(x_MK, afmt, qt.act_block_size, qt.act_scale_dtype, qt.backend)
+  return dequantize_rows(codes, scales, afmt, qt.act_block_size, qt.act_scale_dtype,
+                         x_MK.shape[-1], jnp.float32, qt.backend)
+
+
+def _check_k(x, k: int, qt: QTensor):
+  if x.shape[-1] != k:
+    raise ValueError(f"x[..., {x.shape[-1]}] does not contract with a quantized weight of "
+                     f"logical shape {qt.shape}")
+
+
+def qmatmul(x_sK: jax.Array, qt: QTensor) -> jax.Array:
+  """`x[..., K] @ W[K, N]` -> `[..., N]` in x's dtype, accumulated in float32.
+
+  With `qt.act_format` set, x is first quantized per token (absmax over K) or
+  per K-block: a W+A quantized matmul; otherwise weight-only. Equal (to float
+  tolerance) to the float matmul of the dequantized operands.
+  """
+  if qt.ndim != 2:
+    raise ValueError(f"qmatmul needs a 2-D [K, N] weight, got logical shape {qt.shape}")
+  k, n = qt.shape
+  _check_k(x_sK, k, qt)
+  lead = x_sK.shape[:-1]
+  x = x_sK.reshape(-1, k)
+  if resolve_backend(qt.backend) == "pallas":
+    opts = _kernel_opts()
+    common = dict(k=k, w_fmt=qt.fmt, w_block=qt.block_size, w_sd=qt.scale_dtype, **opts)
+    if qt.act_format is None:
+      out = kernels.qmatmul(x, qt.values, qt.scales, **common)
+    else:
+      afmt = F.get_format(qt.act_format)
+      codes, x_scales = kernels.quantize_rows(x, afmt, qt.act_block_size, qt.act_scale_dtype,
+                                              **opts)
+      out = kernels.qmatmul(codes, qt.values, qt.scales, x_scales=x_scales, a_fmt=afmt,
+                            a_block=qt.act_block_size, a_sd=qt.act_scale_dtype, **common)
+  else:
+    out = jnp.dot(fake_quantize_activations(x, qt), dequantize_weight(qt, jnp.float32),
+                  precision=_HIGHEST, preferred_element_type=jnp.float32)
+  return out.reshape(lead + (n,)).astype(x_sK.dtype)
+
+
+def ragged_qmatmul(x_NK: jax.Array, qt: QTensor, group_sizes_E: jax.Array) -> jax.Array:
+  """`lax.ragged_dot` of expert-sorted rows with a quantized `[E, K, N]` weight -> `[rows, N]`.
+
+  Dequantizes the experts' weights (Pallas kernel or jnp) and, for W+A, fake-
+  quantizes the rows per token, then runs `lax.ragged_dot` in float32.
+  """
+  if qt.ndim != 3:
+    raise ValueError(f"ragged_qmatmul needs a 3-D [E, K, N] weight, got logical shape {qt.shape}")
+  _check_k(x_NK, qt.shape[1], qt)
+  out = jax.lax.ragged_dot(fake_quantize_activations(x_NK, qt), dequantize_weight(qt, jnp.float32),
+                           group_sizes_E, precision=_HIGHEST,
+                           preferred_element_type=jnp.float32)
+  return out.astype(x_NK.dtype)
+
+
+def matmul(x_sK: jax.Array, w) -> jax.Array:
+  """`x @ w` for a plain `[K, N]` array or a QTensor (the model's one call site for linears)."""
+  if isinstance(w, QTensor):
+    return qmatmul(x_sK, w)
+  return jnp.dot(x_sK, w.astype(x_sK.dtype))
+
+
+def ragged_matmul(x_NK: jax.Array, w, group_sizes_E: jax.Array) -> jax.Array:
+  """`lax.ragged_dot` for a plain `[E, K, N]` array or a QTensor."""
+  if isinstance(w, QTensor):
+    return ragged_qmatmul(x_NK, w, group_sizes_E)
+  return jax.lax.ragged_dot(x_NK, w.astype(x_NK.dtype), group_sizes_E)

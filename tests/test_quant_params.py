@@ -1,0 +1,236 @@
+"""QuantConfig checks; quantize_params on dicts / nnx.State; QTensor via jit, sharding, orbax."""
+import importlib.util
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from rl_jax.config_utils import ConfigError, from_dict
+from rl_jax.quant import (ActivationSpec, KVSpec, QTensor, QuantConfig, WeightSpec, ops,
+                          quantize_params)
+
+# --------------------------------------------------------------------------- config
+
+
+def test_from_dict_builds_nested_sections_with_role_defaults():
+  cfg = from_dict(QuantConfig, {"weights": {"format": "fp4"}, "activations": {"format": "fp8"},
+                                "kv": {"format": "int8"}, "backend": "xla"},
+                  prefix="sampler.quant")
+  assert cfg.weights == WeightSpec("fp4", "block", 32, "e8m0")  # MXFP4
+  assert cfg.activations == ActivationSpec("fp8", "token", 128, "fp32")
+  assert cfg.kv == KVSpec("int8", "token", 128, "bf16")
+  assert QuantConfig() == from_dict(QuantConfig, {}) and not QuantConfig().weights.quantized
+  assert hash(cfg) == hash(from_dict(QuantConfig, {"weights": {"format": "fp4"},
+                                                   "activations": {"format": "fp8"},
+                                                   "kv": {"format": "int8"}, "backend": "xla"}))
+
+
+@pytest.mark.parametrize("name", QuantConfig.PRESETS)
+def test_presets(name):
+  cfg = QuantConfig.preset(name)
+  expected = {"fp8_wa_fp4_kv": ("fp8", "fp8", "fp4"), "int8_wa_int4_kv": ("int8", "int8", "int4"),
+              "fp8_wa_fp8_kv": ("fp8", "fp8", "fp8"), "int8_wa_int8_kv": ("int8", "int8", "int8"),
+              "int4_w": ("int4", "fp32", "fp32"), "fp4_w": ("fp4", "fp32", "fp32"),
+              "none": ("fp32", "fp32", "fp32"), "bf16": ("bf16", "fp32", "bf16")}[name]
+  assert (cfg.weights.format, cfg.activations.format, cfg.kv.format) == expected
+
+
+@pytest.mark.parametrize("section,match", [
+    ({"weights": {"format": "int3"}}, r"sampler\.quant\.weights\.format"),
+    ({"weights": {"fromat": "int8"}}, r"sampler\.quant\.weights\.fromat"),
+    ({"bogus": 1}, r"sampler\.quant\.bogus"),
+    ({"backend": "cuda"}, r"sampler\.quant\.backend"),
+    ({"weights": {"format": "int8", "granularity": "token"}},
+     r"sampler\.quant\.weights.*granularity"),
+    ({"kv": {"format": "int8", "granularity": "channel"}}, r"sampler\.quant\.kv.*granularity"),
+    ({"weights": {"format": "fp4", "block_size": 15}}, r"sampler\.quant\.weights.*block_size"),
+    ({"weights": {"format": "int8", "block_size": 0}}, r"block_size"),
+    ({"kv": {"format": "int8", "scale_dtype": "fp16"}}, r"sampler\.quant\.kv\.scale_dtype"),
+    ({"activations": {"format": "int8"}}, r"activations\.format.*quantized weights"),
+])
+def test_invalid_configs_name_the_key(section, match):
+  with pytest.raises(ConfigError, match=match):
+    from_dict(QuantConfig, section, prefix="sampler.quant")
+
+
+def test_unknown_preset():
+  with pytest.raises(ConfigError, match="preset"):
+    QuantConfig.preset("int2_everything")
+
+
+# --------------------------------------------------------------------------- params
+
+D, F_, E, V = 16, 24, 4, 32
+
+
+def _tree(dtype=jnp.float32):
+  rng = np.random.default_rng(0)  # numpy: eager jax.random would compile per shape
+  n = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)
+  return {"embedding": n(V, D), "final_norm": {"scale": jnp.ones((D,), dtype)},
+          "w_unembed": n(D, V),
+          "layers": [{"attn": {"wq": n(D, 2 * D), "wk": n(D, D), "wv": n(D, D), "wo": n(2 * D, D),
+                               "q_norm": {"scale": jnp.ones((8,), dtype)}},
+                      "moe": {"w_router": n(D, E), "w_gate": n(E, D, F_), "w_up": n(E, D, F_),
+                              "w_down": n(E, F_, D)}}]}
+
+
+_quantize_jit = jax.jit(quantize_params, static_argnums=1)
+
+
+def test_quantize_params_replaces_only_linear_weights():
+  """Linear weights become QTensors (per expert + channel scales for 3-D); the rest is untouched."""
+  tree = jax.eval_shape(_tree)
+  cfg = QuantConfig.preset("int8_wa_int4_kv")
+  q = jax.eval_shape(lambda t: quantize_params(t, cfg), tree)
+  layer = q["layers"][0]
+  for name in ("wq", "wk", "wv", "wo"):
+    qt = layer["attn"][name]
+    assert isinstance(qt, QTensor) and qt.shape == tree["layers"][0]["attn"][name].shape
+    assert qt.values.dtype == jnp.int8 and qt.scales.shape == (1, qt.shape[1])
+    assert qt.act_format == "int8" and qt.dtype == jnp.float32
+  gate = layer["moe"]["w_gate"]
+  assert gate.values.shape == (E, D, F_) and gate.scales.shape == (E, 1, F_)
+  for path in (("embedding",), ("w_unembed",), ("final_norm", "scale"),
+               ("layers", 0, "moe", "w_router"), ("layers", 0, "attn", "q_norm", "scale")):
+    a, b = tree, q
+    for p in path:
+      a, b = a[p], b[p]
+    assert not isinstance(b, QTensor) and (a.shape, a.dtype) == (b.shape, b.dtype)
+  # With values: dequantized expert weights are within int8's bound scale / 2 per element.
+  w = _tree()["layers"][0]["moe"]["w_down"]
+  deq = jax.jit(lambda t: quantize_params(t, cfg)["w_down"].dequantize())({"w_down": w})
+  amax = np.max(np.abs(np.asarray(w)), axis=1, keepdims=True)
+  assert np.all(np.abs(np.asarray(deq) - np.asarray(w)) <= amax / 127 * (0.5 + 1e-5))
+
+
+def test_quantize_params_lm_head_plain_formats_and_4bit_packing():
+  tree = jax.eval_shape(_tree)
+  cfg = QuantConfig(weights=WeightSpec("fp4", block_size=8), quantize_lm_head=True)
+  head = jax.eval_shape(lambda t: quantize_params(t, cfg), tree)["w_unembed"]
+  assert isinstance(head, QTensor) and head.values.shape == (D // 2, V)  # packed along K
+  assert head.scales.shape == (D // 8, V) and head.scales.dtype == jnp.uint8  # e8m0 bytes
+  assert head.values.dtype == jnp.uint8 and head.act_format is None
+  bf16 = jax.eval_shape(lambda t: quantize_params(t, QuantConfig.preset("bf16")), tree)
+  assert bf16["layers"][0]["attn"]["wq"].dtype == jnp.bfloat16
+  assert bf16["embedding"].dtype == jnp.float32
+
+
+def test_quantize_params_errors_name_the_parameter():
+  tree = jax.eval_shape(_tree)
+  cfg = QuantConfig(weights=WeightSpec("int4", "block", 32))
+  with pytest.raises(ConfigError, match=r"layers/0/attn/w[qkv].*block_size=32"):
+    jax.eval_shape(lambda t: quantize_params(t, cfg), tree)
+  cfg = QuantConfig(weights=WeightSpec("int8"), activations=ActivationSpec("int8", "block", 32))
+  with pytest.raises(ConfigError, match=r"layers/0/attn/w[qkv].*activations.block_size"):
+    jax.eval_shape(lambda t: quantize_params(t, cfg), tree)
+
+
+class _Tiny(nnx.Module):
+  def __init__(self):
+    self.embedding = nnx.Param(jnp.ones((V, D)))
+    self.wq = nnx.Param(jnp.asarray(np.random.default_rng(1).standard_normal((D, 8)), jnp.float32))
+    self.scale = nnx.Param(jnp.ones((D,)))
+
+  def __call__(self, x):
+    return ops.matmul(x * self.scale.get_value(), self.wq.get_value())
+
+
+def test_quantize_params_on_nnx_state():
+  """nnx.State paths end in `.value`: the Variable's name decides; merge gives a usable model."""
+  model = _Tiny()
+  graphdef, state = nnx.split(model)
+  qstate = _quantize_jit(state, QuantConfig.preset("fp8_wa_fp8_kv"))
+  assert isinstance(qstate, nnx.State)
+  assert isinstance(qstate["wq"].get_value(), QTensor)
+  assert not isinstance(qstate["embedding"].get_value(), QTensor)
+  qmodel = nnx.merge(graphdef, qstate)
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((3, D)).astype(np.float32))
+
+  @jax.jit
+  def run(m, x):
+    qt = m.wq.get_value()
+    return m(x), ops.fake_quantize_activations(x, qt) @ qt.dequantize()
+
+  out, ref = run(qmodel, x)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- QTensor
+
+
+def test_qtensor_through_jit_tree_map_and_sharding():
+  rng = np.random.default_rng(2)
+  w = jnp.asarray(rng.standard_normal((D, 64)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((5, D)), jnp.float32)
+  qt = jax.jit(lambda w: ops.quantize_weight(w, WeightSpec("int4", "block", 8), backend="xla"))(w)
+  assert jax.tree_util.tree_structure(jax.jit(lambda q: q)(qt)) == jax.tree_util.tree_structure(qt)
+  copied = jax.tree_util.tree_map(lambda a: a + 0, qt)
+  assert isinstance(copied, QTensor) and copied.shape == (D, 64) and copied.format == "int4"
+  assert qt.nbytes == (D // 2) * 64 + (D // 8) * 64 * 4
+  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+  sharded = jax.device_put(qt, NamedSharding(mesh, P(None, "model")))  # N split: every child
+  assert sharded.values.sharding.spec == P(None, "model")
+  # A K split cannot apply to the packed [K/2, N] values' and [K/8, N] scales' K uniformly:
+  # `shardings` keeps it only where it divides.
+  tree = qt.shardings(NamedSharding(mesh, P("model", "data")))
+  assert tree.values.spec == P("model", "data") and tree.scales.spec == P(None, "data")
+  sharded2 = jax.device_put(qt, tree)
+  f = jax.jit(lambda x, q: q.qmatmul(x))
+  ref = f(x, qt)
+  np.testing.assert_allclose(np.asarray(f(x, sharded)), np.asarray(ref), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(f(x, sharded2)), np.asarray(ref), rtol=1e-6, atol=1e-6)
+
+
+def test_orbax_roundtrip(tmp_path):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  tree = jax.jit(lambda: {
+      "fp4": ops.quantize_weight(jnp.ones((D, 8)), WeightSpec("fp4", block_size=8), backend="xla"),
+      "fp8": ops.quantize_weight(jnp.ones((2, D, 8)), WeightSpec("fp8"), backend="xla")})()
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(os.fspath(tmp_path / "q"), tree)
+  ckpt.wait_until_finished()
+  abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+  back = ckpt.restore(os.fspath(tmp_path / "q"), abstract)
+  for key in tree:
+    assert isinstance(back[key], QTensor) and back[key].format == tree[key].format
+    for a, b in zip(jax.tree_util.tree_leaves(back[key]), jax.tree_util.tree_leaves(tree[key])):
+      assert a.dtype == b.dtype
+      np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+@pytest.mark.parametrize("aspec", [None, ActivationSpec("int8")])
+def test_ragged_qmatmul_matches_per_expert_matmul(aspec):
+  rng = np.random.default_rng(5)
+  w = jnp.asarray(rng.standard_normal((3, D, 8)).astype(np.float32))
+  x = jnp.asarray(rng.standard_normal((7, D)).astype(np.float32))
+  sizes = jnp.array([2, 0, 5], jnp.int32)
+
+  @jax.jit
+  def run(x, w):
+    qt = ops.quantize_weight(w, WeightSpec("fp8"), act=aspec, backend="xla")
+    return ops.ragged_matmul(x, qt, sizes), ops.fake_quantize_activations(x, qt), qt.dequantize()
+
+  out, xd, wd = run(x, w)
+  xd, wd = np.asarray(xd, np.float64), np.asarray(wd, np.float64)
+  ref = np.concatenate([xd[:2] @ wd[0], xd[2:] @ wd[2]])
+  np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_memory_targets_on_qwen3_shapes():
+  """The benchmark's accounting on one Qwen3-0.6B layer (ratios do not depend on the depth)."""
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_quant_memory.py")
+  spec = importlib.util.spec_from_file_location("bench_quant_memory", path)
+  bench = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = bench  # dataclasses look their module up while the class is built
+  spec.loader.exec_module(bench)
+  shape = bench.Qwen3Shape(layers=1)
+  for fmt, target in (("int8", 0.51), ("fp8", 0.51), ("int4", 0.27), ("fp4", 0.27)):
+    linear, whole = bench.weight_ratios(QuantConfig(weights=WeightSpec(fmt)), shape)
+    kv, _ = bench.kv_ratio(KVSpec(fmt), shape, batch=4, tokens=16)
+    assert linear <= target and kv <= target, (fmt, linear, kv)
+    assert linear < whole < 1.0
