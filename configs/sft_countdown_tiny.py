@@ -26,6 +26,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if arg == "test":
     cfg.model.n_layers = 2
     cfg.model.d_model = 32
+    # head_dim 32 so that fp4's 32-wide blocks fit the KV cache of the test model too.
+    cfg.model.n_heads = 2
+    cfg.model.n_kv_heads = 1
+    cfg.model.head_dim = 32
     cfg.optim.total_steps = 12
     cfg.optim.warmup_steps = 2
     cfg.sft.steps = 12

@@ -1,0 +1,402 @@
+"""The jitted RL loss of every SPEC method, score centering, aggregation and diagnostics."""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Optional
+
+import jax
+from jax.custom_derivatives import SymbolicZero
+import jax.numpy as jnp
+import numpy as np
+
+from rl_jax.rl import methods
+from rl_jax.rl.loss_config import LossConfig
+from rl_jax.rl.loss_diagnostics import loss_diagnostics
+
+sg = jax.lax.stop_gradient
+Metrics = dict[str, jax.Array]
+
+
+# --- Log-probs at a few ids without a second [B, T, V] tensor ------------------------------
+
+# Where a logit is -inf (a masked vocabulary slot), p = 0 and log p = -inf; clamping log p
+# to a finite floor keeps p * log p at 0 instead of 0 * -inf = NaN, without a select.
+_LOGP_FLOOR = -1e30
+
+
+def _lse_entropy(logits_NV: jax.Array, inv_temp: float):
+  """logsumexp and entropy of softmax(logits * inv_temp), float32, as reductions over V.
+
+  H = lse - sum_v p_v z_v = log s - sum_v e_v (z_v - m) / s with e = exp(z - m), s = sum e:
+  only reductions of elementwise expressions of the logits.
+  """
+  # The max is taken on the logits in their own dtype (exact, and inv_temp > 0 commutes with
+  # it), so no float32 copy of a bf16 [N, V] input is made just to feed this reduction.
+  m_N1 = sg(jnp.max(logits_NV, axis=-1, keepdims=True).astype(jnp.float32) * inv_temp)
+  z = logits_NV.astype(jnp.float32) * inv_temp
+  zc = jnp.maximum(z - m_N1, _LOGP_FLOOR)
+  e = jnp.exp(zc)
+  # Both sums in one variadic reduction: one pass over V that reads the logits and keeps
+  # e and e * zc in registers (two separate reductions make XLA:CPU materialize them).
+  s_N, ez_N = jax.lax.reduce((e, e * zc), (np.float32(0), np.float32(0)),
+                             lambda a, b: (a[0] + b[0], a[1] + b[1]), (1,))
+  log_s = jnp.log(s_N)
+  return m_N1[:, 0] + log_s, log_s - ez_N / s_N
+
+
+def _gather_impl(logits_NV, ids_NK, inv_temp):
+  lse_N, ent_N = _lse_entropy(logits_NV, inv_temp)
+  picked = jnp.take_along_axis(logits_NV, ids_NK, axis=-1).astype(jnp.float32) * inv_temp
+  return (picked - lse_N[:, None], ent_N), (lse_N, ent_N)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gather_logprobs_2d(logits_NV, ids_NK, inv_temp):
+  return _gather_impl(logits_NV, ids_NK, inv_temp)[0]
+
+
+def _gather_fwd(logits_NV, ids_NK, inv_temp):
+  # symbolic_zeros=True: primals arrive wrapped, so the backward can tell which outputs
+  # actually carry a cotangent (the entropy usually does not: it is a diagnostic).
+  logits_NV, ids_NK = logits_NV.value, ids_NK.value
+  out, (lse_N, ent_N) = _gather_impl(logits_NV, ids_NK, inv_temp)
+  return out, (logits_NV, ids_NK, lse_N, ent_N)
+
+
+def _gather_bwd(inv_temp, res, cts):
+  """d/dz_j of log p_k = [j = id_k] - p_j;  d/dz_j of H = -p_j (log p_j + H).
+
+  One elementwise pass over V builds the dense part, then the K gathered cotangents are
+  scattered in (repeated ids add up). The temperature is folded into the [N] / [N, K]
+  coefficients, and a symbolically-zero cotangent skips its term entirely.
+  """
+  logits_NV, ids_NK, lse_N, ent_N = res
+  g_NK, g_ent_N = cts
+  has_lp = not isinstance(g_NK, SymbolicZero)
+  has_ent = not isinstance(g_ent_N, SymbolicZero)
+  if not (has_lp or has_ent):
+    return None, None
+  logp = logits_NV.astype(jnp.float32) * inv_temp - lse_N[:, None]
+  p = jnp.exp(logp)
+  if has_lp:
+    dense = p * (-inv_temp * jnp.sum(g_NK, axis=-1, keepdims=True))
+  else:
+    dense = jnp.zeros(p.shape, jnp.float32)
+  if has_ent:
+    c_N1 = (-inv_temp * g_ent_N)[:, None]
+    dense = dense + c_N1 * p * (jnp.maximum(logp, _LOGP_FLOOR) + ent_N[:, None])
+  if has_lp:
+    rows = jnp.arange(ids_NK.shape[0])[:, None]
+    dense = dense.at[rows, ids_NK].add(inv_temp * g_NK)
+  return dense.astype(logits_NV.dtype), None
+
+
+_gather_logprobs_2d.defvjp(_gather_fwd, _gather_bwd, symbolic_zeros=True)
+
+
+def gather_logprobs(logits_XV: jax.Array, ids_XK: jax.Array,
+                    temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """log softmax(logits / temperature) at `ids`, and the entropy, for any leading shape X.
+
+  SPEC "Log-prob semantics": the trainer's logits are temperature-scaled exactly as the
+  sampler's were before its log-softmax. Computed in float32 whatever the logits' dtype.
+  A custom VJP keeps the memory at one [X, V] float32 tensor (the gradient): the forward is
+  reductions plus a K-wide gather, the backward one fused pass plus a K-wide scatter.
+
+  Returns:
+    logp_XK float32 and entropy_X float32 (both differentiable).
+  """
+  lead, v = logits_XV.shape[:-1], logits_XV.shape[-1]
+  k = ids_XK.shape[-1]
+  if ids_XK.shape[:-1] != lead:
+    raise ValueError(f"ids {ids_XK.shape} do not match logits {logits_XV.shape}")
+  logp_NK, ent_N = _gather_logprobs_2d(logits_XV.reshape(-1, v),
+                                       ids_XK.reshape(-1, k).astype(jnp.int32),
+                                       1.0 / float(temperature))
+  return logp_NK.reshape(*lead, k), ent_N.reshape(lead)
+
+
+# --- Score centering (001, Eqs. 6-12) -------------------------------------------------------
+
+def score_centering_coeffs(head_logp_BTK: jax.Array, topk_logq_BTK: jax.Array,
+                           adv_BT: jax.Array, cfg: LossConfig) -> tuple[jax.Array, dict]:
+  """Coefficients c_v of the centering term sum_{v in H} sg(c_v) log p_v (001, Eq. 12).
+
+  w_v = f(p_v / q_v) with f the method's weight function (f = 1 for PG);
+    full (k = V, no tail): c_v = q_v w_v                                    (Eq. 11 / 9)
+    topk:                  c_v = q_v w_v - alpha p_v,  alpha = rho f(1 / rho),
+                           rho = max(1 - sum_H q, eps) / max(1 - sum_H p, eps)  (Eq. 7, 10)
+  The tail of the reconstructed sampler is rho * p, so by sum_v p_v s_v = 0 its expected
+  score is -rho sum_H p_v s_v: the correction needs only the k head ids (Eq. 8).
+
+  Returns:
+    c_BTK (stop-gradient) and, for 'topk', per-token diagnostics {sc_rho, sc_trainer_head_mass}.
+  """
+  f = methods.weight_fn_for(cfg)
+  head_logp_BTK = sg(head_logp_BTK)
+  adv_BT1 = adv_BT[..., None]
+  q = jnp.exp(topk_logq_BTK)
+  p = jnp.exp(head_logp_BTK)
+  r = jnp.exp(jnp.clip(head_logp_BTK - topk_logq_BTK, -methods.MAX_LOG_RATIO,
+                       methods.MAX_LOG_RATIO))
+  c = q * f(r, adv_BT1, cfg)
+  stats = {}
+  if cfg.score_centering == "topk":
+    p_head_BT = jnp.sum(p, axis=-1)
+    tail_q = jnp.maximum(1.0 - jnp.sum(q, axis=-1), cfg.sc_eps)
+    tail_p = jnp.maximum(1.0 - p_head_BT, cfg.sc_eps)
+    rho_BT = tail_q / tail_p
+    alpha_BT = rho_BT * f(1.0 / rho_BT, adv_BT, cfg)
+    c = c - alpha_BT[..., None] * p
+    stats = {"sc_rho_mean": rho_BT, "sc_trainer_head_mass_mean": p_head_BT}
+  return sg(c), stats
+
+
+# --- Aggregation (SPEC "Loss aggregation") --------------------------------------------------
+
+def aggregate(ell_BT: jax.Array, mask_BT: jax.Array, aggregation: str) -> jax.Array:
+  """Reduces masked per-token losses ell_it to the scalar loss.
+
+  batch_tokens: sum_it ell / sum_i L_i                  (001's shared objective, Eq. 13)
+  constant:     sum_it ell / (B * L_max)                (MiniRL; L_max = T, the padded
+                response length of the arrays: pad to the configured maximum response
+                length, not to the batch's longest response, or the scale drifts per batch)
+  seq_mean:     (1/B) sum_i (1/L_i) sum_t ell_it        (length normalization, GRPO / CISPO)
+  B counts every row, empty (all-padding) rows included.
+  """
+  b, t = ell_BT.shape
+  if aggregation == "batch_tokens":
+    return jnp.sum(ell_BT) / jnp.maximum(jnp.sum(mask_BT), 1.0)
+  if aggregation == "constant":
+    return jnp.sum(ell_BT) / (b * t)
+  if aggregation == "seq_mean":
+    return jnp.sum(jnp.sum(ell_BT, axis=1) / jnp.maximum(jnp.sum(mask_BT, axis=1), 1.0)) / b
+  raise ValueError(f"unknown aggregation {aggregation!r}")
+
+
+def _jit_loss(*static_argnames):
+  """jax.jit with `cfg` static, after checking it is a LossConfig (a ConfigDict would fail
+  with an opaque hashing error; convert it with config_utils.from_dict at the boundary)."""
+  def deco(fn):
+    jitted = jax.jit(fn, static_argnames=static_argnames)
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+      cfg = sig.bind_partial(*args, **kwargs).arguments.get("cfg")
+      if not isinstance(cfg, LossConfig):
+        raise TypeError("cfg must be a LossConfig (build it with config_utils.from_dict("
+                        f"LossConfig, config.loss, prefix='loss')), got {type(cfg).__name__}")
+      return jitted(*args, **kwargs)
+
+    wrapper.jitted = jitted
+    wrapper.lower = jitted.lower
+    wrapper._cache_size = jitted._cache_size  # pylint: disable=protected-access
+    return wrapper
+  return deco
+
+
+# --- The loss on per-token log-probs --------------------------------------------------------
+
+def _check_bt(name, x, b, t):
+  if x is not None and x.shape != (b, t):
+    raise ValueError(f"{name} must have shape (B, T) = {(b, t)}, got {x.shape}")
+
+
+def _check_common(mask_BT, adv_B, logq_BT, cfg, logp_old_BT, b, t):
+  _check_bt("mask_BT", mask_BT, b, t)
+  _check_bt("logq_BT", logq_BT, b, t)
+  _check_bt("logp_old_BT", logp_old_BT, b, t)
+  if adv_B.shape != (b,):
+    raise ValueError(f"adv_B must have shape (B,) = {(b,)}, got {adv_B.shape}")
+  if cfg.needs_logp_old and logp_old_BT is None:
+    raise ValueError(
+        f"loss.method={cfg.method!r} with minirl_clip={cfg.minirl_clip}, "
+        f"minirl_train_infer_is={cfg.minirl_train_infer_is} needs logp_old_BT (p_old from the "
+        "forward pass at theta_old); it was not given")
+
+
+def _loss_core(logp_BT, head_logp_BTK, entropy_BT, mask_BT, adv_B, logq_BT, cfg,
+               logp_old_BT, topk_logq_BTK) -> tuple[jax.Array, Metrics]:
+  """Rule + score centering + aggregation + diagnostics on [B, T(, K)] arrays."""
+  mask_BT = mask_BT.astype(jnp.float32)
+  on = mask_BT > 0
+  logp_BT = logp_BT.astype(jnp.float32)
+  fill = sg(logp_BT)
+  # Padding positions may hold anything the sampler wrote (0, -inf, NaN): replace them by
+  # on-policy values so no rule sees a non-finite number, then zero their losses below.
+  logq_BT = jnp.where(on, sg(logq_BT).astype(jnp.float32), fill)
+  if logp_old_BT is not None:
+    logp_old_BT = jnp.where(on, sg(logp_old_BT).astype(jnp.float32), fill)
+  adv_BT = jnp.broadcast_to(sg(adv_B).astype(jnp.float32)[:, None], logp_BT.shape)
+  x = methods.TokenInputs(logp_BT, logq_BT, logp_old_BT, adv_BT, mask_BT)
+  out = methods.METHOD_REGISTRY[cfg.method].rule(x, cfg)
+  objective_BT = out.objective_BT
+  sc_stats = None
+  if cfg.score_centering != "none":
+    head_logp_BTK = head_logp_BTK.astype(jnp.float32)
+    topk_logq_BTK = jnp.where(on[..., None], sg(topk_logq_BTK).astype(jnp.float32),
+                              sg(head_logp_BTK))
+    c_BTK, sc_stats = score_centering_coeffs(head_logp_BTK, topk_logq_BTK, adv_BT, cfg)
+    c_BTK = jnp.where(on[..., None], c_BTK, 0.0)
+    # J_t = [rule term] - A sum_H sg(c_v) log p_v  (001, Eq. 12; loss = -J).
+    objective_BT = objective_BT - adv_BT * jnp.sum(c_BTK * head_logp_BTK, axis=-1)
+  ell_BT = jnp.where(on, -objective_BT, 0.0)
+  loss = aggregate(ell_BT, mask_BT, cfg.aggregation)
+  metrics = loss_diagnostics(
+      logp_BT=logp_BT, logq_BT=logq_BT, logp_old_BT=logp_old_BT, mask_BT=mask_BT,
+      rule_out=out, entropy_BT=entropy_BT, topk_logq_BTK=topk_logq_BTK, sc_stats=sc_stats)
+  metrics["loss"] = sg(loss)
+  return loss, metrics
+
+
+@_jit_loss("cfg")
+def rl_loss_from_logprobs(logp_BT: jax.Array, mask_BT: jax.Array, adv_B: jax.Array,
+                          logq_BT: jax.Array, cfg: LossConfig, *,
+                          logp_old_BT: Optional[jax.Array] = None,
+                          head_logp_BTK: Optional[jax.Array] = None,
+                          topk_logq_BTK: Optional[jax.Array] = None,
+                          entropy_BT: Optional[jax.Array] = None) -> tuple[jax.Array, Metrics]:
+  """The RL loss from the trainer's log-probs of the sampled tokens (no vocabulary axis).
+
+  Same math as `rl_loss`. Score centering additionally needs `head_logp_BTK`, the trainer's
+  log-probs at the sampler's top-k ids (aligned with `topk_logq_BTK`, already cut to
+  `cfg.topk`; for 'full', all V ids). `entropy_BT` only feeds the `entropy` diagnostic.
+  """
+  b, t = logp_BT.shape
+  _check_common(mask_BT, adv_B, logq_BT, cfg, logp_old_BT, b, t)
+  if cfg.needs_topk and (head_logp_BTK is None or topk_logq_BTK is None):
+    raise ValueError(f"loss.score_centering={cfg.score_centering!r} needs head_logp_BTK and "
+                     "topk_logq_BTK")
+  if cfg.needs_topk and head_logp_BTK.shape != topk_logq_BTK.shape:
+    raise ValueError(f"head_logp_BTK {head_logp_BTK.shape} != topk_logq_BTK "
+                     f"{topk_logq_BTK.shape}")
+  return _loss_core(logp_BT, head_logp_BTK, entropy_BT, mask_BT, adv_B, logq_BT, cfg,
+                    logp_old_BT, topk_logq_BTK)
+
+
+def _select_ids(targets_BT, topk_ids_BTK, topk_logq_BTK, cfg, v, b, t):
+  """Ids to gather (sampled token first, then the SC head) and the head's sampler logprobs."""
+  _check_bt("targets_BT", targets_BT, b, t)
+  if not cfg.needs_topk:
+    return targets_BT[..., None], topk_logq_BTK
+  if topk_ids_BTK is None or topk_logq_BTK is None:
+    raise ValueError(f"loss.score_centering={cfg.score_centering!r} needs the sampler's "
+                     "top-k ids and logprobs (topk_ids_BTK, topk_logq_BTK)")
+  if topk_ids_BTK.shape != topk_logq_BTK.shape or topk_ids_BTK.shape[:2] != (b, t):
+    raise ValueError(f"topk_ids_BTK {topk_ids_BTK.shape} and topk_logq_BTK "
+                     f"{topk_logq_BTK.shape} must both be (B, T, K) with (B, T) = {(b, t)}")
+  k_rec = topk_ids_BTK.shape[-1]
+  if cfg.score_centering == "full":
+    if k_rec != v:
+      raise ValueError(f"loss.score_centering='full' needs the sampler's full distribution "
+                       f"(top-k logged with k = V = {v}); got K = {k_rec}. Use 'topk'.")
+  else:
+    if cfg.topk > v:
+      raise ValueError(f"loss.topk={cfg.topk} is larger than the vocabulary V = {v}")
+    if k_rec < cfg.topk:
+      raise ValueError(f"loss.topk={cfg.topk} but the sampler recorded only K = {k_rec}")
+    # lax.top_k returns the head sorted by probability, so a prefix is the top-cfg.topk.
+    topk_ids_BTK = topk_ids_BTK[..., :cfg.topk]
+    topk_logq_BTK = topk_logq_BTK[..., :cfg.topk]
+  return jnp.concatenate([targets_BT[..., None], topk_ids_BTK], axis=-1), topk_logq_BTK
+
+
+@_jit_loss("cfg")
+def rl_loss(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array, adv_B: jax.Array,
+            logq_BT: jax.Array, cfg: LossConfig, *, logp_old_BT: Optional[jax.Array] = None,
+            topk_ids_BTK: Optional[jax.Array] = None,
+            topk_logq_BTK: Optional[jax.Array] = None) -> tuple[jax.Array, Metrics]:
+  """RL loss (minus objective) and diagnostics for `cfg.method` (SPEC "Correction methods").
+
+  Per token, with A_i the response's advantage and r_t = p(y_t)/q(y_t):
+    ell_t = -J_t(rule)                                          (Table 1 of 001; 000 Eq. 7)
+            + A * sum_{v in H} sg(c_v) log p_v   if score centering (001, Eq. 6 / 11 / 12)
+  then masked and reduced by `cfg.aggregation` (see `aggregate`).
+
+  Args:
+    logits_BTV: trainer logits, un-temperature-scaled; [:, t] predicts targets_BT[:, t].
+      Log-probs also work (log-softmax is idempotent) if they were made at temperature 1.
+    targets_BT: sampled token ids y_t.
+    mask_BT: 1 on response tokens, 0 on prompt / padding.
+    adv_B: advantage of each response (see advantages.compute_advantages).
+    logq_BT: sampler log q(y_t), the temperature-scaled full-vocabulary log-softmax.
+    cfg: LossConfig (static; one compile per config and shape).
+    logp_old_BT: trainer log p_old(y_t) at theta_old; required by MiniRL's mask and its
+      `- train_infer_is` ablation; else used only for the KL / prob-diff diagnostics.
+    topk_ids_BTK, topk_logq_BTK: sampler top-k ids and logprobs (sorted descending);
+      required by score centering (K = V for 'full'); also give `head_mass_*`.
+
+  Returns:
+    (loss scalar, metrics dict of stop-gradient float32 scalars, see loss_diagnostics).
+  """
+  b, t, v = logits_BTV.shape
+  _check_common(mask_BT, adv_B, logq_BT, cfg, logp_old_BT, b, t)
+  ids_BTK1, topk_logq_BTK = _select_ids(targets_BT, topk_ids_BTK, topk_logq_BTK, cfg, v, b, t)
+  lp_BTK1, ent_BT = gather_logprobs(logits_BTV, ids_BTK1, cfg.temperature)
+  head = lp_BTK1[..., 1:] if cfg.needs_topk else None
+  return _loss_core(lp_BTK1[..., 0], head, ent_BT, mask_BT, adv_B, logq_BT, cfg,
+                    logp_old_BT, topk_logq_BTK)
+
+
+def chunked_logprobs(hidden_BTD: jax.Array, w_unembed_DV: jax.Array, ids_BTK: jax.Array,
+                     temperature: float, chunk_size: int) -> tuple[jax.Array, jax.Array]:
+  """gather_logprobs(hidden @ W, ids) computed over the sequence in chunks.
+
+  Each chunk's logits [B, chunk, V] are made inside `lax.scan` under `jax.checkpoint`, so
+  neither the forward nor the backward keeps more than one chunk of logits alive: the
+  backward recomputes a chunk's logits from its hidden states. T is padded up to a whole
+  number of chunks; the pad is sliced off. chunk_size = 0 (or >= T) is one chunk.
+  """
+  b, t, d = hidden_BTD.shape
+  k = ids_BTK.shape[-1]
+
+  def one_chunk(h_BcD, ids_BcK):
+    logits = jnp.einsum("bcd,dv->bcv", h_BcD, w_unembed_DV,
+                        preferred_element_type=jnp.float32)
+    return gather_logprobs(logits, ids_BcK, temperature)
+
+  if chunk_size <= 0 or chunk_size >= t:
+    return one_chunk(hidden_BTD, ids_BTK)
+  n = -(-t // chunk_size)
+  pad = n * chunk_size - t
+  h = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
+  ids = jnp.pad(ids_BTK, ((0, 0), (0, pad), (0, 0)))
+  h_NBcD = h.reshape(b, n, chunk_size, d).swapaxes(0, 1)
+  ids_NBcK = ids.reshape(b, n, chunk_size, k).swapaxes(0, 1)
+  body = jax.checkpoint(one_chunk, policy=jax.checkpoint_policies.nothing_saveable)
+
+  def step(carry, xs):
+    return carry, body(*xs)
+
+  _, (lp_NBcK, ent_NBc) = jax.lax.scan(step, None, (h_NBcD, ids_NBcK))
+  lp_BTK = lp_NBcK.swapaxes(0, 1).reshape(b, n * chunk_size, k)[:, :t]
+  ent_BT = ent_NBc.swapaxes(0, 1).reshape(b, n * chunk_size)[:, :t]
+  return lp_BTK, ent_BT
+
+
+@_jit_loss("cfg", "chunk_size")
+def rl_loss_from_hidden(hidden_BTD: jax.Array, w_unembed_DV: jax.Array, targets_BT: jax.Array,
+                        mask_BT: jax.Array, adv_B: jax.Array, logq_BT: jax.Array,
+                        cfg: LossConfig, *, logp_old_BT: Optional[jax.Array] = None,
+                        topk_ids_BTK: Optional[jax.Array] = None,
+                        topk_logq_BTK: Optional[jax.Array] = None,
+                        chunk_size: Optional[int] = None) -> tuple[jax.Array, Metrics]:
+  """`rl_loss` with logits = hidden_BTD @ w_unembed_DV made chunk by chunk over T.
+
+  For long responses: only one [B, chunk, V] float32 logits block is live at a time (see
+  `chunked_logprobs`). The per-token rule, score centering and aggregation then run on the
+  gathered [B, T, K] log-probs, so the result equals the unchunked one (sequence-level
+  statistics such as GSPO's mean see the whole response). `chunk_size` defaults to
+  `cfg.chunk_size` (0 = unchunked).
+  """
+  b, t, _ = hidden_BTD.shape
+  v = w_unembed_DV.shape[-1]
+  _check_common(mask_BT, adv_B, logq_BT, cfg, logp_old_BT, b, t)
+  ids_BTK1, topk_logq_BTK = _select_ids(targets_BT, topk_ids_BTK, topk_logq_BTK, cfg, v, b, t)
+  chunk = cfg.chunk_size if chunk_size is None else chunk_size
+  lp_BTK1, ent_BT = chunked_logprobs(hidden_BTD, w_unembed_DV, ids_BTK1, cfg.temperature, chunk)
+  head = lp_BTK1[..., 1:] if cfg.needs_topk else None
+  return _loss_core(lp_BTK1[..., 0], head, ent_BT, mask_BT, adv_B, logq_BT, cfg,
+                    logp_old_BT, topk_logq_BTK)

@@ -1,0 +1,92 @@
+"""SamplerConfig: generation, recording, weight-noise and quantization settings of the sampler."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from rl_jax.config_utils import ConfigError, from_dict, require
+
+from rl_jax.quant.config import QuantConfig
+
+NoiseMode = Literal["none", "relative", "absolute"]
+SamplerDType = Literal["float32", "bfloat16"]
+
+
+def _default_quant() -> QuantConfig:
+  return QuantConfig.preset("none")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+  """The sampler `q` of SPEC "Notation"; build with `from_dict(SamplerConfig, d, prefix="sampler")`.
+
+  Prompts are re-laid out left-padded into a `max_prompt_len`-wide buffer, so one
+  compiled program serves every batch of the same size. `record_topk = 0` turns the
+  top-k recording off, `record_topk = vocab` records the full distribution (checked
+  against the vocabulary by `check_vocab`, since the model is not known here).
+  The staleness period K is a trainer setting, not a sampler one.
+  """
+  max_prompt_len: int = 64
+  max_new_tokens: int = 64
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0               # 0 = no top-k truncation when sampling
+  greedy: bool = False
+  record_topk: int = 128       # 0 = off; SPEC default 128, `vocab` = full distribution
+  record_experts: bool = True
+  dtype: SamplerDType = "float32"
+  noise: NoiseMode = "none"
+  noise_sigma: float = 0.0
+  # A QuantConfig section, or the name of one of `QuantConfig.PRESETS`.
+  quant: QuantConfig | str = dataclasses.field(default_factory=_default_quant)
+  eos_id: int = 1
+  pad_id: int = 0
+
+  def __post_init__(self):
+    require(self.max_prompt_len >= 1, "sampler.max_prompt_len", f"must be >= 1, got {self.max_prompt_len}")
+    require(self.max_new_tokens >= 1, "sampler.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+    require(self.temperature > 0, "sampler.temperature",
+            f"must be > 0 (use greedy=True for argmax decoding), got {self.temperature}")
+    require(0.0 < self.top_p <= 1.0, "sampler.top_p", f"must be in (0, 1], got {self.top_p}")
+    require(self.top_k >= 0, "sampler.top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+    require(self.record_topk >= 0, "sampler.record_topk", f"must be >= 0 (0 = off), got {self.record_topk}")
+    require(self.noise_sigma >= 0, "sampler.noise_sigma", f"must be >= 0, got {self.noise_sigma}")
+    require(self.noise == "none" or self.noise_sigma > 0, "sampler.noise_sigma",
+            f"noise={self.noise!r} needs noise_sigma > 0")
+    require(self.eos_id >= 0, "sampler.eos_id", f"must be >= 0, got {self.eos_id}")
+    require(self.pad_id >= 0, "sampler.pad_id", f"must be >= 0, got {self.pad_id}")
+    quant = self.quant
+    if quant is None:
+      quant = QuantConfig.preset("none")
+    elif isinstance(quant, str):
+      try:
+        quant = QuantConfig.preset(quant)
+      except ConfigError as e:
+        raise ConfigError(f"config key 'sampler.quant': {e}") from None
+    elif not isinstance(quant, QuantConfig):
+      quant = from_dict(QuantConfig, quant, prefix="sampler.quant")
+    # Frozen dataclass: normalizing the nested section needs object.__setattr__.
+    object.__setattr__(self, "quant", quant)
+
+  def check_vocab(self, vocab_size: int) -> None:
+    """Raises ConfigError if a vocabulary-sized setting exceeds the model's vocabulary."""
+    require(self.record_topk <= vocab_size, "sampler.record_topk",
+            f"{self.record_topk} exceeds the vocabulary size {vocab_size} (use {vocab_size} for the full "
+            "distribution)")
+    require(self.top_k <= vocab_size, "sampler.top_k", f"{self.top_k} exceeds the vocabulary size {vocab_size}")
+    for key in ("eos_id", "pad_id"):
+      require(getattr(self, key) < vocab_size, f"sampler.{key}",
+              f"{getattr(self, key)} is not a token id of a {vocab_size}-token vocabulary")
+
+  @property
+  def max_len(self) -> int:
+    """Length S of the token buffer and of the KV cache: prompt slots + response slots."""
+    return self.max_prompt_len + self.max_new_tokens
+
+
+def sampler_config(section: Any) -> SamplerConfig:
+  """`from_dict(SamplerConfig, section, prefix="sampler")`, the one entry point for configs."""
+  try:
+    return from_dict(SamplerConfig, section, prefix="sampler")
+  except TypeError as e:  # e.g. a QuantConfig that rejects a value type
+    raise ConfigError(f"[sampler] {e}") from None

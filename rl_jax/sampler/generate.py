@@ -1,0 +1,465 @@
+"""Jitted prefill + KV-cache decode that records logq, top-k logprobs and routed experts on device."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from rl_jax.models.kv_cache import LayerKV, init_cache
+from rl_jax.models.layers import dtype_of
+from rl_jax.models.transformer import default_positions
+from rl_jax.sampler.config import SamplerConfig
+from rl_jax.sharding import BATCH_AXES, batch_divisor, shard_batch
+
+# Python-side trace counter of the generation program: tests read it to prove that calls
+# with the same shapes never retrace (a retrace is what triggers a recompilation).
+TRACE_COUNT = {"generate": 0}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Rollout:
+  """What the sampler generated and recorded, all on device.
+
+  Layout (S = max_prompt_len + max_new_tokens, P = max_prompt_len, T = max_new_tokens):
+    - `tokens_BS`: one buffer; the prompt is re-laid out *left-padded* in slots [0, P)
+      (so every prompt ends at slot P-1) and response token t sits at slot P + t.
+      Padding (left of the prompt, after the end of the response) holds `pad_id`.
+    - `prompt_mask_BS` / `response_mask_BS`: real prompt / real response tokens. A
+      response ends with its EOS token (included, mask True) or at T tokens.
+    - `positions_BS`: RoPE positions, `default_positions(prompt_mask | response_mask)`,
+      exactly what the sampler used; the trainer can pass them or let the model
+      recompute them from `valid_BS`.
+    - `logq_BT`, `topk_ids_BTK`, `topk_logq_BTK`, `head_mass_BT`: for response token t
+      (slot P + t): `log q(y_t)` and the top-k of `log q(. | y_<t)`, where q is the
+      log-softmax of the temperature-scaled full-vocabulary logits (SPEC "Log-prob
+      semantics"; never renormalized over a top-p / top-k set). `head_mass = sum_H q_v`.
+      Zero where `response_mask` is False.
+    - `expert_ids_BSLK`: experts routed by the sampler in each MoE layer (L = MoE
+      layers in `ModelConfig.moe_layers` order) for the token *at slot s*, prompt and
+      response alike: the trainer's `replay_ids_BTLK` for a forward over `tokens_BS`.
+      `expert_valid_BS` marks the slots that carry a route: real prompt tokens and every
+      response token except each row's last one, which the sampler never fed back.
+  In the trainer's teacher-forced forward over `tokens_BS`, the logits at slot s predict
+  token s+1; `trainer_targets` and `response_slice` do that shift (see below).
+  """
+  tokens_BS: jax.Array
+  positions_BS: jax.Array
+  prompt_mask_BS: jax.Array
+  response_mask_BS: jax.Array
+  logq_BT: jax.Array
+  topk_ids_BTK: jax.Array | None
+  topk_logq_BTK: jax.Array | None
+  head_mass_BT: jax.Array | None
+  expert_ids_BSLK: jax.Array | None
+  expert_valid_BS: jax.Array
+  lengths_B: jax.Array
+  prompt_lengths_B: jax.Array
+  prompt_len: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def valid_BS(self) -> jax.Array:
+    """Real tokens (prompt or response): the trainer's `valid_BT`."""
+    return self.prompt_mask_BS | self.response_mask_BS
+
+  @property
+  def response_BT(self) -> jax.Array:
+    """Response tokens `[B, T]`, aligned with `logq_BT`."""
+    return self.tokens_BS[:, self.prompt_len:]
+
+  @property
+  def response_mask_BT(self) -> jax.Array:
+    return self.response_mask_BS[:, self.prompt_len:]
+
+
+# ----------------------------------------------------------------------------------------
+# Alignment helpers for the trainer.
+
+
+def trainer_targets(rollout: Rollout) -> tuple[jax.Array, jax.Array]:
+  """Targets and loss mask aligned with the logits of a forward over `rollout.tokens_BS`.
+
+  `logits_BSV[:, s]` predicts token s+1, so `targets_BS[:, s] = tokens_BS[:, s+1]` and
+  `mask_BS[:, s] = response_mask_BS[:, s+1]` (the last slot predicts nothing: pad,
+  False). `log p(y)` at response tokens is then
+  `take_along_axis(log_softmax(logits_BSV / T), targets_BS[..., None], -1)[..., 0]`
+  under `mask_BS`, and `response_slice(that, rollout)` lines it up with `logq_BT`.
+  """
+  pad = jnp.zeros_like(rollout.tokens_BS[:, :1])
+  targets_BS = jnp.concatenate([rollout.tokens_BS[:, 1:], pad], axis=1)
+  mask_BS = jnp.concatenate([rollout.response_mask_BS[:, 1:], jnp.zeros_like(pad, bool)], axis=1)
+  return targets_BS, mask_BS
+
+
+def response_slice(x_BS: jax.Array, rollout: Rollout) -> jax.Array:
+  """The logits-aligned slots [P-1, P-1+T) of `x_BS...`: entry t goes with response token t.
+
+  Apply it to anything computed from the trainer's logits over `tokens_BS` (logits,
+  log-probs at `trainer_targets`, top-k) to compare with `logq_BT` / `topk_*_BTK`.
+  """
+  t = rollout.logq_BT.shape[1]
+  return jax.lax.slice_in_dim(x_BS, rollout.prompt_len - 1, rollout.prompt_len - 1 + t, axis=1)
+
+
+def trainer_logprobs(logits_BSV: jax.Array, rollout: Rollout, temperature: float
+                     ) -> tuple[jax.Array, jax.Array | None]:
+  """The trainer's `log p` lined up with the rollout: `(logp_BT, logp_at_topk_BTK)`.
+
+  `logits_BSV` is the trainer's forward over `rollout.tokens_BS` (with
+  `rollout.positions_BS` / `rollout.valid_BS`). Same temperature and full-vocabulary
+  log-softmax as the sampler, so `logp_BT - logq_BT` is the log IS ratio, and
+  `logp_at_topk_BTK` is `log p` at the sampler's top-k ids (score centering's head).
+  """
+  logp_BTV = response_slice(next_token_logq(logits_BSV, temperature), rollout)
+  logp_BT = jnp.take_along_axis(logp_BTV, rollout.response_BT[..., None], axis=-1)[..., 0]
+  logp_BT = jnp.where(rollout.response_mask_BT, logp_BT, 0.0)
+  if rollout.topk_ids_BTK is None:
+    return logp_BT, None
+  return logp_BT, jnp.take_along_axis(logp_BTV, rollout.topk_ids_BTK, axis=-1)
+
+
+def response_to_logit_slots(x_BT: jax.Array, rollout: Rollout, fill=0) -> jax.Array:
+  """Inverse of `response_slice`: puts a response-aligned `x_BT...` at logits slots `[B, S...]`."""
+  b, t = x_BT.shape[:2]
+  s = rollout.tokens_BS.shape[1]
+  left = jnp.full((b, rollout.prompt_len - 1) + x_BT.shape[2:], fill, x_BT.dtype)
+  right = jnp.full((b, s - (rollout.prompt_len - 1) - t) + x_BT.shape[2:], fill, x_BT.dtype)
+  return jnp.concatenate([left, x_BT, right], axis=1)
+
+
+# ----------------------------------------------------------------------------------------
+# Group sampling helpers.
+
+
+def repeat_prompts(prompts: Any, group_size: int) -> Any:
+  """Each prompt `group_size` times in a row: rows [i*G, (i+1)*G) are prompt i's group.
+
+  `prompts` may be an array or any pytree of batch-leading arrays (e.g. `(ids, valid)`).
+  """
+  if group_size < 1:
+    raise ValueError(f"group size must be >= 1, got {group_size}")
+  return jax.tree.map(lambda x: jnp.repeat(jnp.asarray(x), group_size, axis=0), prompts)
+
+
+def group_index(num_prompts: int, group_size: int) -> jax.Array:
+  """Prompt index of every row of a `repeat_prompts` batch, `[num_prompts * group_size]`."""
+  return jnp.repeat(jnp.arange(num_prompts, dtype=jnp.int32), group_size)
+
+
+def split_keys(key: jax.Array, n: int) -> jax.Array:
+  """`n` independent keys, a deterministic function of `key` (one per row, step, ...)."""
+  return jax.random.split(key, n)
+
+
+# ----------------------------------------------------------------------------------------
+# Sampling.
+
+
+def next_token_logq(logits_BV: jax.Array, temperature: float) -> jax.Array:
+  """`log q(. | prefix)`: log-softmax of the temperature-scaled full-vocabulary logits.
+
+  The trainer must compute `log p` with this same function (SPEC "Log-prob semantics").
+  """
+  logits_BV = logits_BV.astype(jnp.float32)
+  if temperature != 1.0:
+    logits_BV = logits_BV / temperature
+  return jax.nn.log_softmax(logits_BV, axis=-1)
+
+
+_TWO_STAGE_MIN_RATIO = 512
+
+
+def exact_top_k(x_BV: jax.Array, k: int, min_ratio: int = _TWO_STAGE_MIN_RATIO
+                ) -> tuple[jax.Array, jax.Array]:
+  """`lax.top_k(x_BV, k)`, bit for bit (values, ids, tie order), with less sorting work.
+
+  Two stages: split the vocabulary into chunks of c, keep the k chunks with the largest
+  maxima, and take the top-k of their k*c elements. Exact: under the order (value
+  desc, index asc) that `lax.top_k` uses, an element preceded by k chunk maxima is
+  preceded by k elements, so every top-k element lies in a kept chunk; chunks are kept
+  in vocabulary order so ties still break toward the lower id. With c ~ sqrt(V / 4k)
+  the selection runs over V / c + k c elements instead of V (Qwen3's 152k vocabulary,
+  k = 128: chunks of 16, 9.5k + 2k instead of 152k).
+  """
+  b, v = x_BV.shape
+  # On CPU (jax 0.10) lax.top_k is faster up to V ~ 32k at k = 128, the two stages from
+  # V ~ 64k on (x3 at 152k); below `min_ratio * k` the plain op is used.
+  if v < min_ratio * k:
+    return jax.lax.top_k(x_BV, k)
+  chunk = 1
+  while 4 * k * (2 * chunk) ** 2 <= v:  # largest power of two with c^2 <= V / (4k)
+    chunk *= 2
+  n_chunks = -(-v // chunk)
+  pad = n_chunks * chunk - v
+  if pad:  # -inf padding at the end loses every tie against a real element
+    x_BV = jnp.concatenate([x_BV, jnp.full((b, pad), -jnp.inf, x_BV.dtype)], axis=1)
+  x_BNC = x_BV.reshape(b, n_chunks, chunk)
+  _, chunks_BK = jax.lax.top_k(jnp.max(x_BNC, axis=-1), k)
+  chunks_BK = jnp.sort(chunks_BK, axis=-1)
+  cand_BM = jnp.take_along_axis(x_BNC, chunks_BK[:, :, None], axis=1).reshape(b, k * chunk)
+  ids_BM = (chunks_BK[:, :, None] * chunk + jnp.arange(chunk, dtype=chunks_BK.dtype)).reshape(b, k * chunk)
+  vals_BK, pos_BK = jax.lax.top_k(cand_BM, k)
+  return vals_BK, jnp.take_along_axis(ids_BM, pos_BK, axis=-1)
+
+
+def _truncate(logq_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
+  """Masks (-inf) tokens outside the top-k, then outside the top-p nucleus of what is left."""
+  x = logq_BV
+  if top_k:
+    kth_B1 = exact_top_k(x, top_k)[0][:, -1:]
+    x = jnp.where(x >= kth_B1, x, -jnp.inf)
+  if top_p < 1.0:
+    sorted_BV = -jnp.sort(-x, axis=-1)
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    # A token is kept if the mass strictly before it is < top_p: the most likely token
+    # is always kept, and the kept set is the smallest prefix reaching top_p.
+    keep_BV = (jnp.cumsum(probs_BV, axis=-1) - probs_BV) < top_p
+    n_keep_B1 = jnp.sum(keep_BV, axis=-1, keepdims=True)
+    thresh_B1 = jnp.take_along_axis(sorted_BV, n_keep_B1 - 1, axis=-1)
+    x = jnp.where(x >= thresh_B1, x, -jnp.inf)
+  return x
+
+
+def _sample(logits_BV, logq_BV, keys_B, step, cfg: SamplerConfig) -> jax.Array:
+  if cfg.greedy:
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  x = _truncate(logq_BV, cfg.top_k, cfg.top_p)
+  # One key per row and step: a row's sample does not depend on how the batch is split.
+  step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys_B, step)
+  return jax.vmap(jax.random.categorical)(step_keys, x).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------
+# The generation program.
+
+
+def _left_pad(prompts_BP, valid_BP, width: int, pad_id: int):
+  """Re-lays out any padding (left, right, ragged) as left padding in a `width` buffer."""
+  b, p = prompts_BP.shape
+  # Stable sort on the mask moves padding first and keeps the tokens' order.
+  order_BP = jnp.argsort(valid_BP.astype(jnp.int32), axis=1, stable=True)
+  toks = jnp.take_along_axis(prompts_BP, order_BP, axis=1)
+  valid = jnp.take_along_axis(valid_BP, order_BP, axis=1)
+  if p >= width:  # every row has <= width real tokens (checked on the host)
+    toks, valid = toks[:, p - width:], valid[:, p - width:]
+  else:
+    toks = jnp.concatenate([jnp.full((b, width - p), pad_id, toks.dtype), toks], axis=1)
+    valid = jnp.concatenate([jnp.zeros((b, width - p), bool), valid], axis=1)
+  return jnp.where(valid, toks, pad_id).astype(jnp.int32), valid
+
+
+def _constrainer(mesh: Mesh | None, n_kv_heads: int):
+  """Sharding constraints: batch dim over BATCH_AXES; KV-cache heads also over 'tensor'.
+
+  The heads split matches the tensor-parallel split of wk / wv (`sharding.LOGICAL_RULES`),
+  so each device attends over the heads it projected, without gathering the cache.
+  """
+  if mesh is None:
+    return lambda tree: tree
+  heads = "tensor" if n_kv_heads % mesh.shape["tensor"] == 0 else None
+
+  def one(x, cache=False):
+    if not hasattr(x, "ndim") or x.ndim == 0:
+      return x
+    rest = [None] * (x.ndim - 1)
+    if cache:  # [B, S, H, D] values and [B, S, H, n] scales
+      rest[1] = heads
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(BATCH_AXES, *rest)))
+
+  def constrain(tree):
+    is_kv = lambda x: isinstance(x, LayerKV)
+    return jax.tree.map(lambda x: jax.tree.map(functools.partial(one, cache=True), x) if is_kv(x) else one(x),
+                        tree, is_leaf=is_kv)
+  return constrain
+
+
+def _finite_scales(cache: list) -> list:
+  """Unit scales in not-yet-written slots of a quantized cache.
+
+  `init_cache` fills scales with zeros, but e8m0 (fp4 block scales) has no zero: a zero
+  cast to it is NaN. Masked attention gives such slots probability 0, yet 0 * NaN in
+  `probs @ v` is NaN, so one unwritten slot would poison every row. Scale 1 with zero
+  codes reads back as exact zeros in every format.
+  """
+  def fix(layer):
+    if layer.k_scale is None:
+      return layer
+    return dataclasses.replace(layer, k_scale=jnp.ones_like(layer.k_scale), v_scale=jnp.ones_like(layer.v_scale))
+  return [fix(layer) for layer in cache]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "kv_spec", "mesh"))
+def _generate(graphdef, state, prompts_BP, valid_BP, key, *, cfg: SamplerConfig, kv_spec, mesh):
+  TRACE_COUNT["generate"] += 1
+  model = nnx.merge(graphdef, state)
+  mcfg = model.cfg
+  cfg.check_vocab(mcfg.vocab_size)
+  if mcfg.dtype != cfg.dtype:
+    raise ValueError(f"the sampler graph computes in {mcfg.dtype} but sampler.dtype is {cfg.dtype}: build it "
+                     "with weights.sampler_graphdef(model_cfg, cfg.dtype)")
+  constrain = _constrainer(mesh, mcfg.n_kv_heads)
+  b = prompts_BP.shape[0]
+  p, t, s = cfg.max_prompt_len, cfg.max_new_tokens, cfg.max_len
+  n_moe, k_exp = mcfg.n_moe_layers, mcfg.n_experts_per_tok
+  record_experts = cfg.record_experts and n_moe > 0
+  k_rec = cfg.record_topk
+
+  tokens_BP, pvalid_BP = constrain(_left_pad(prompts_BP, valid_BP.astype(bool), p, cfg.pad_id))
+  prompt_len_B = jnp.sum(pvalid_BP, axis=1, dtype=jnp.int32)
+  positions_BP = default_positions(pvalid_BP)
+  tokens_BS = jnp.concatenate([tokens_BP, jnp.full((b, t), cfg.pad_id, jnp.int32)], axis=1)
+  # Response token j sits at slot p + j with position prompt_len + j.
+  positions_BS = jnp.concatenate([positions_BP, prompt_len_B[:, None] + jnp.arange(t, dtype=jnp.int32)], 1)
+  # Keys of response slots are valid; the causal `slot <= query slot` rule hides the
+  # future ones. Rows that finished keep decoding garbage that nobody reads.
+  kv_valid_BS = jnp.concatenate([pvalid_BP, jnp.ones((b, t), bool)], axis=1)
+  cache = constrain(_finite_scales(init_cache(mcfg, b, s, dtype_of(mcfg.dtype), kv_spec)))
+  experts_BSLK = jnp.zeros((b, s, n_moe, k_exp), jnp.int32) if record_experts else None
+
+  # Prefill: every prompt token but the last in one forward pass, no logits. The last
+  # prompt token (slot p-1, real for every row thanks to left padding) is the first
+  # decode step, so every logged distribution comes out of the same T=1 code path.
+  if p > 1:
+    out = model(tokens_BP[:, :p - 1], positions_BP[:, :p - 1], pvalid_BP[:, :p - 1], cache=cache,
+                cache_index=0, kv_valid_BS=kv_valid_BS, compute_logits=False)
+    cache = constrain(out.cache)
+    if record_experts:
+      experts_BSLK = jax.lax.dynamic_update_slice(experts_BSLK, out.expert_ids_BTLK, (0, 0, 0, 0))
+
+  keys_B = jax.random.split(key, b)
+  carry = dict(
+      step=jnp.zeros((), jnp.int32), cache=cache, tokens_BS=tokens_BS,
+      done_B=jnp.zeros((b,), bool),
+      active_BT=jnp.zeros((b, t), bool),
+      logq_BT=jnp.zeros((b, t), jnp.float32),
+      topk_ids_BTK=jnp.zeros((b, t, k_rec), jnp.int32) if k_rec else None,
+      topk_logq_BTK=jnp.zeros((b, t, k_rec), jnp.float32) if k_rec else None,
+      experts_BSLK=experts_BSLK)
+  carry = constrain(carry)
+
+  def cond(c):
+    return (c["step"] < t) & ~jnp.all(c["done_B"])
+
+  def body(c):
+    j = c["step"]
+    slot = p - 1 + j
+    tok_B1 = jax.lax.dynamic_slice_in_dim(c["tokens_BS"], slot, 1, axis=1)
+    pos_B1 = jax.lax.dynamic_slice_in_dim(positions_BS, slot, 1, axis=1)
+    out = model(tok_B1, pos_B1, cache=c["cache"], cache_index=slot, kv_valid_BS=kv_valid_BS)
+    logits_BV = out.logits_BTV[:, 0]
+    logq_BV = next_token_logq(logits_BV, cfg.temperature)
+    active_B = ~c["done_B"]
+    y_B = jnp.where(active_B, _sample(logits_BV, logq_BV, keys_B, j, cfg), cfg.pad_id)
+    logq_B = jnp.where(active_B, jnp.take_along_axis(logq_BV, y_B[:, None], axis=-1)[:, 0], 0.0)
+    new = dict(c)
+    new["step"] = j + 1
+    new["cache"] = out.cache
+    new["tokens_BS"] = jax.lax.dynamic_update_slice(c["tokens_BS"], y_B[:, None], (0, slot + 1))
+    new["done_B"] = c["done_B"] | (y_B == cfg.eos_id)
+    new["active_BT"] = jax.lax.dynamic_update_slice(c["active_BT"], active_B[:, None], (0, j))
+    new["logq_BT"] = jax.lax.dynamic_update_slice(c["logq_BT"], logq_B[:, None], (0, j))
+    if k_rec:
+      top_logq_BK, top_ids_BK = exact_top_k(logq_BV, k_rec)
+      top_logq_BK = jnp.where(active_B[:, None], top_logq_BK, 0.0)
+      top_ids_BK = jnp.where(active_B[:, None], top_ids_BK, 0).astype(jnp.int32)
+      new["topk_ids_BTK"] = jax.lax.dynamic_update_slice(c["topk_ids_BTK"], top_ids_BK[:, None], (0, j, 0))
+      new["topk_logq_BTK"] = jax.lax.dynamic_update_slice(c["topk_logq_BTK"], top_logq_BK[:, None], (0, j, 0))
+    if record_experts:
+      new["experts_BSLK"] = jax.lax.dynamic_update_slice(c["experts_BSLK"], out.expert_ids_BTLK,
+                                                         (0, slot, 0, 0))
+    return constrain(new)
+
+  c = jax.lax.while_loop(cond, body, carry)
+
+  resp_BT = c["active_BT"]
+  zeros_BP = jnp.zeros((b, p), bool)
+  response_mask_BS = jnp.concatenate([zeros_BP, resp_BT], axis=1)
+  prompt_mask_BS = jnp.concatenate([pvalid_BP, jnp.zeros((b, t), bool)], axis=1)
+  # Slot p-1+j was fed at step j, which produced a real token iff resp_BT[:, j]; the
+  # last response slot is never fed. So a route exists exactly where resp_BT says.
+  expert_valid_BS = jnp.concatenate([pvalid_BP[:, :p - 1], resp_BT, jnp.zeros((b, 1), bool)], axis=1)
+  experts = c["experts_BSLK"]
+  if experts is not None:
+    experts = jnp.where(expert_valid_BS[:, :, None, None], experts, 0)
+  topk_logq = c["topk_logq_BTK"]
+  head_mass_BT = None
+  if k_rec:
+    head_mass_BT = jnp.where(resp_BT, jnp.sum(jnp.exp(topk_logq), axis=-1), 0.0)
+  rollout = Rollout(
+      tokens_BS=c["tokens_BS"],
+      positions_BS=default_positions(prompt_mask_BS | response_mask_BS),
+      prompt_mask_BS=prompt_mask_BS, response_mask_BS=response_mask_BS,
+      logq_BT=c["logq_BT"], topk_ids_BTK=c["topk_ids_BTK"], topk_logq_BTK=topk_logq,
+      head_mass_BT=head_mass_BT, expert_ids_BSLK=experts, expert_valid_BS=expert_valid_BS,
+      lengths_B=jnp.sum(resp_BT, axis=1, dtype=jnp.int32), prompt_lengths_B=prompt_len_B,
+      prompt_len=p)
+  return constrain(rollout)
+
+
+def check_prompts(prompts_BP, prompt_valid_BP, cfg: SamplerConfig) -> None:
+  """Host-side checks: shapes agree, no empty prompt, none longer than `max_prompt_len`.
+
+  Prompts are never truncated: an over-long prompt is an error naming the row. Skipped
+  for traced inputs (`generate` called inside another jit), which cannot be read.
+  """
+  if isinstance(prompt_valid_BP, jax.core.Tracer):
+    return
+  if np.ndim(prompts_BP) != 2 or np.shape(prompts_BP) != np.shape(prompt_valid_BP):
+    raise ValueError(f"prompts {np.shape(prompts_BP)} and prompt_valid {np.shape(prompt_valid_BP)} must be "
+                     "the same [B, P] shape")
+  lengths = np.asarray(prompt_valid_BP).astype(bool).sum(axis=1)
+  too_long = np.flatnonzero(lengths > cfg.max_prompt_len)
+  if too_long.size:
+    i = int(too_long[0])
+    raise ValueError(f"prompt row {i} has {int(lengths[i])} tokens > sampler.max_prompt_len="
+                     f"{cfg.max_prompt_len} ({too_long.size} row(s) too long); prompts are never "
+                     "truncated: raise sampler.max_prompt_len or filter the prompts")
+  empty = np.flatnonzero(lengths == 0)
+  if empty.size:
+    raise ValueError(f"prompt row {int(empty[0])} is empty: every prompt needs at least one token")
+
+
+def _kv_spec_from(cfg: SamplerConfig):
+  """The KV-cache format of `cfg.quant`; fp32 means "the sampler's own dtype" (None)."""
+  kv = getattr(cfg.quant, "kv", None)
+  if kv is None or getattr(kv, "format", None) in (None, "fp32"):
+    return None
+  return kv
+
+
+def generate(graphdef: nnx.GraphDef, sampler_state: Any, prompts_BP, prompt_valid_BP, key: jax.Array,
+             cfg: SamplerConfig, kv_spec: Any = "config", mesh: Mesh | None = None) -> Rollout:
+  """Samples `max_new_tokens` continuations of a batch of prompts in one jitted program.
+
+  Args:
+    graphdef / sampler_state: the sampler model (`weights.sampler_graphdef`,
+      `weights.sync_weights`).
+    prompts_BP / prompt_valid_BP: int token ids and their mask, left-, right- or
+      ragged-padded; re-laid out left-padded into `cfg.max_prompt_len` slots.
+    key: PRNG key; the rollout is a deterministic function of it (row b samples step j
+      with `fold_in(split(key, B)[b], j)`).
+    cfg: sampling and recording settings (static: one compilation per cfg and shape).
+    kv_spec: KV-cache format; by default `cfg.quant.kv` (None = the sampler's dtype).
+    mesh: if given, the batch is split over `rl_jax.sharding.BATCH_AXES`; B must be a
+      multiple of `batch_divisor(mesh)`. The state keeps whatever sharding it has.
+
+  Returns a `Rollout` (see its docstring for the slot alignment).
+  """
+  check_prompts(prompts_BP, prompt_valid_BP, cfg)
+  if isinstance(kv_spec, str) and kv_spec == "config":
+    kv_spec = _kv_spec_from(cfg)
+  prompts_BP = jnp.asarray(prompts_BP, jnp.int32)
+  prompt_valid_BP = jnp.asarray(prompt_valid_BP, bool)
+  if mesh is not None:
+    div = batch_divisor(mesh)
+    if prompts_BP.shape[0] % div:
+      raise ValueError(f"batch {prompts_BP.shape[0]} is not a multiple of the mesh's batch axes {div}")
+    prompts_BP, prompt_valid_BP = shard_batch((prompts_BP, prompt_valid_BP), mesh)
+  return _generate(graphdef, sampler_state, prompts_BP, prompt_valid_BP, key, cfg=cfg, kv_spec=kv_spec,
+                   mesh=mesh)

@@ -1,0 +1,610 @@
+"""RL loss: every weight rule against SPEC's table, on-policy == PG, aggregation, jit, chunking, errors."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl_jax.config_utils import ConfigError, from_dict
+from rl_jax.rl import losses
+from rl_jax.rl.loss_config import METHODS, LossConfig
+from rl_jax.rl.losses import (gather_logprobs, rl_loss, rl_loss_from_hidden,
+                              rl_loss_from_logprobs)
+from rl_jax.rl.methods import METHOD_REGISTRY
+
+SC_METHODS = ("pg", "naive_is", "tis", "cispo", "mis", "ppo", "dapo")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compile():
+  """XLA's backend optimizations cost more than these tiny programs run; numerics are IEEE
+  either way. Tests batch many configs into one jit for the same reason."""
+  old = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", old)
+
+
+def _log_softmax(x):
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _rollout(seed=0, b=3, t=6, v=9, k=3, noise=0.7, temperature=1.0):
+  """Trainer logits, a perturbed sampler's logged data, a ragged mask and advantages (numpy)."""
+  rng = np.random.default_rng(seed)
+  logits = (2.0 * rng.normal(size=(b, t, v))).astype(np.float32)
+  samp_logq_BTV = _log_softmax(
+      (logits + noise * rng.normal(size=(b, t, v))) / temperature).astype(np.float32)
+  cdf = np.cumsum(np.exp(samp_logq_BTV), -1)
+  targets = np.minimum((cdf < rng.random((b, t, 1))).sum(-1), v - 1)
+  logq = np.take_along_axis(samp_logq_BTV, targets[..., None], -1)[..., 0]
+  topk_ids = np.argsort(-samp_logq_BTV, -1, kind="stable")[..., :k]
+  topk_logq = np.take_along_axis(samp_logq_BTV, topk_ids, -1)
+  lengths = np.array([t, t - 2, 1] + [t] * (b - 3))[:b]
+  mask = (np.arange(t)[None] < lengths[:, None]).astype(np.float32)
+  adv = np.linspace(1.0, -0.7, b).astype(np.float32)
+  return dict(logits=logits, targets=targets, mask=mask, adv=adv, logq=logq,
+              topk_ids=topk_ids, topk_logq=topk_logq, samp_logq_BTV=samp_logq_BTV)
+
+
+def _trainer_logp(logits, targets, temperature=1.0):
+  lp = _log_softmax(logits / temperature)
+  return np.take_along_axis(lp, targets[..., None], -1)[..., 0].astype(np.float32)
+
+
+# --- Config ---------------------------------------------------------------------------------
+
+def test_config_defaults_are_spec():
+  c = from_dict(LossConfig, {}, prefix="loss")
+  assert (c.tis_high, c.mis_low, c.mis_high) == (2.0, 0.5, 5.0)
+  assert (c.ppo_low, c.ppo_high, c.dapo_low, c.dapo_high) == (0.8, 1.2, 0.8, 1.28)
+  assert (c.gspo_low, c.gspo_high, c.topr_high, c.dppo_tv, c.dual_clip) == (
+      0.9997, 1.0004, 1.0, 0.2, 3.0)
+  assert (c.minirl_eps_low, c.minirl_eps_high, c.minirl_tis_c) == (0.2, 0.27, 5.0)
+  assert c.minirl_train_infer_is and c.minirl_clip
+  assert (c.topk, c.sc_eps, c.temperature, c.chunk_size) == (128, 1e-6, 1.0, 0)
+  assert set(METHOD_REGISTRY) == set(METHODS) and len(METHODS) == 11
+  assert hash(c) == hash(LossConfig())  # static jit argument: equal configs share a compile
+
+
+@pytest.mark.parametrize("section,match", [
+    ({"method": "grpo"}, "loss.method"),
+    ({"aggregation": "token_mean"}, "loss.aggregation"),
+    ({"score_centering": "yes"}, "loss.score_centering"),
+    ({"tis_cap": 2.0}, "loss.tis_cap"),
+    ({"method": "gspo", "score_centering": "topk"}, "score_centering.*sequence-level"),
+    ({"method": "topr", "score_centering": "full"}, "score_centering.*sequence-level"),
+    ({"method": "dppo", "score_centering": "topk"}, "score_centering.*total variation"),
+    ({"method": "minirl", "score_centering": "topk"}, "score_centering.*p_old"),
+    ({"method": "pg", "minirl_clip": False}, "minirl_clip"),
+    ({"method": "tis", "minirl_train_infer_is": False}, "minirl_train_infer_is"),
+    ({"ppo_low": 1.1}, "ppo_low"),
+    ({"mis_low": 5.0, "mis_high": 0.5}, "mis_high"),
+    ({"dual_clip": 1.0}, "dual_clip"),
+    ({"topk": 0}, "topk"),
+    ({"temperature": 0.0}, "temperature"),
+])
+def test_config_rejects(section, match):
+  with pytest.raises(ConfigError, match=match):
+    from_dict(LossConfig, section, prefix="loss")
+
+
+def test_sc_composability_matches_registry():
+  for m in METHODS:
+    composable = METHOD_REGISTRY[m].weight_fn is not None
+    assert composable == (m in SC_METHODS)
+    if composable:
+      LossConfig(method=m, score_centering="topk")
+    else:
+      with pytest.raises(ConfigError):
+        LossConfig(method=m, score_centering="topk")
+
+
+def test_runtime_errors():
+  r = _rollout(v=9, k=3)
+  args = (r["logits"], r["targets"], r["mask"], r["adv"], r["logq"])
+  # All of these fail while tracing, before anything compiles.
+  with pytest.raises(ValueError, match="logp_old_BT"):
+    rl_loss(*args, LossConfig(method="minirl"))
+  with pytest.raises(ValueError, match="logp_old_BT"):
+    rl_loss(*args, LossConfig(method="minirl", minirl_clip=False, minirl_train_infer_is=False))
+  with pytest.raises(ValueError, match="top-k ids"):
+    rl_loss(*args, LossConfig(score_centering="topk", topk=3))
+  kw = dict(topk_ids_BTK=r["topk_ids"], topk_logq_BTK=r["topk_logq"])
+  with pytest.raises(ValueError, match="larger than the vocabulary"):
+    rl_loss(*args, LossConfig(score_centering="topk", topk=10), **kw)
+  with pytest.raises(ValueError, match="recorded only K = 3"):
+    rl_loss(*args, LossConfig(score_centering="topk", topk=4), **kw)
+  with pytest.raises(ValueError, match="full distribution"):
+    rl_loss(*args, LossConfig(score_centering="full"), **kw)
+  with pytest.raises(ValueError, match="adv_B"):
+    rl_loss(r["logits"], r["targets"], r["mask"], r["adv"][:2], r["logq"], LossConfig())
+  with pytest.raises(TypeError, match="LossConfig"):
+    rl_loss(*args, {"method": "pg"})
+  # MiniRL without its mask and with train-infer IS reads only p / q: no p_old needed.
+  loss, _ = rl_loss(*args, LossConfig(method="minirl", minirl_clip=False))
+  assert np.isfinite(loss)
+
+
+# --- Log-probs ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,temperature", [(jnp.float32, 0.7), (jnp.bfloat16, 1.3)])
+def test_gather_logprobs_matches_log_softmax(dtype, temperature):
+  rng = np.random.default_rng(1)
+  logits = jnp.asarray(3.0 * rng.normal(size=(2, 3, 17)), dtype)
+  ids = rng.integers(0, 17, (2, 3, 5))
+  ids[..., 0] = ids[..., 1]  # a repeated id must collect both cotangents
+  c_lp = rng.normal(size=(2, 3, 5)).astype(np.float32)
+  c_ent = rng.normal(size=(2, 3)).astype(np.float32)
+
+  def ref(x):
+    lp = jax.nn.log_softmax(x.astype(jnp.float32) / temperature)
+    return jnp.take_along_axis(lp, ids, -1), -jnp.sum(jnp.exp(lp) * lp, -1)
+
+  def mine(x):
+    return gather_logprobs(x, ids, temperature)
+
+  @jax.jit
+  def both(x):
+    obj = lambda fn: lambda y: jnp.sum(fn(y)[0] * c_lp) + jnp.sum(fn(y)[1] * c_ent)
+    return mine(x), ref(x), jax.grad(obj(mine))(x), jax.grad(obj(ref))(x)
+
+  (lp, ent), (lp_ref, ent_ref), g_mine, g_ref = both(logits)
+  assert lp.dtype == ent.dtype == jnp.float32 and g_mine.dtype == dtype
+  np.testing.assert_allclose(lp, lp_ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(ent, ent_ref, rtol=1e-5, atol=1e-5)
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2  # bf16 output: 8 mantissa bits
+  np.testing.assert_allclose(g_mine.astype(jnp.float32), g_ref.astype(jnp.float32), rtol=tol,
+                             atol=tol)
+
+
+def test_masked_vocabulary_slot_and_entropy_gradient():
+  """A -inf logit is a token of probability 0: finite values, zero gradient, and the entropy
+  gradient (alone, so the log-prob cotangent is a symbolic zero) equals the 3-token one."""
+  logits = jnp.array([[0.0, 1.0, -jnp.inf, 2.0]])
+  ids = jnp.array([[3, 0]])
+  finite = jnp.array([[0.0, 1.0, 2.0]])
+
+  def ref_entropy(y):
+    lp = jax.nn.log_softmax(y)
+    return -jnp.sum(jnp.exp(lp) * lp)
+
+  @jax.jit
+  def run(x):
+    both = lambda y: jnp.sum(gather_logprobs(y, ids)[0]) + jnp.sum(gather_logprobs(y, ids)[1])
+    ent_only = lambda y: jnp.sum(gather_logprobs(y, ids)[1])
+    return (gather_logprobs(x, ids), jax.grad(both)(x), jax.grad(ent_only)(x),
+            jax.grad(ref_entropy)(finite))
+
+  (lp, ent), g, g_ent, g_ent_ref = run(logits)
+  p = np.exp(_log_softmax(np.array([0.0, 1.0, 2.0])))
+  np.testing.assert_allclose(lp[0], np.log(p[[2, 0]]), rtol=1e-6)
+  np.testing.assert_allclose(ent[0], -np.sum(p * np.log(p)), rtol=1e-6)
+  assert np.isfinite(g).all() and g[0, 2] == 0.0
+  np.testing.assert_allclose(g_ent[0, [0, 1, 3]], g_ent_ref[0], rtol=1e-5, atol=1e-7)
+  assert g_ent[0, 2] == 0.0
+
+
+# --- On-policy: every method is PG -----------------------------------------------------------
+
+def test_on_policy_every_method_equals_pg():
+  """p == q == p_old: every rule's weight is 1 and every centering term has zero gradient."""
+  r = _rollout(seed=3, v=9, k=3)
+  lp_BTV = _log_softmax(r["logits"]).astype(np.float32)
+  logq = _trainer_logp(r["logits"], r["targets"])  # q == p (and p_old == p)
+  order = np.argsort(-lp_BTV, -1, kind="stable")
+  head = dict(topk_ids_BTK=order[..., :3],
+              topk_logq_BTK=np.take_along_axis(lp_BTV, order[..., :3], -1))
+  full = dict(topk_ids_BTK=order, topk_logq_BTK=np.take_along_axis(lp_BTV, order, -1))
+  variants = [(LossConfig(method=m), {}) for m in METHODS]
+  variants += [(LossConfig(method=m, score_centering="topk", topk=3), head) for m in SC_METHODS]
+  variants += [(LossConfig(method=m, score_centering="full"), full) for m in ("pg", "tis", "mis")]
+  # A sampler that recorded more than cfg.topk (sorted): its first cfg.topk entries are used.
+  variants += [(LossConfig(method="tis", score_centering="topk", topk=3), full)]
+  args = (r["targets"], r["mask"], r["adv"], logq)
+
+  @jax.jit
+  def grads(x):
+    g = lambda cfg, kw: jax.grad(lambda y: rl_loss(y, *args, cfg, logp_old_BT=logq, **kw)[0])(x)
+    return g(LossConfig(), {}), [g(cfg, kw) for cfg, kw in variants]
+
+  g_pg, gs = grads(r["logits"])
+  assert np.abs(g_pg).max() > 1e-3
+  for (cfg, _), g in zip(variants, gs):
+    np.testing.assert_allclose(g, g_pg, rtol=1e-5, atol=1e-7,
+                               err_msg=f"{cfg.method} sc={cfg.score_centering}")
+  tis_head = [g for (c, kw), g in zip(variants, gs)
+              if c.method == "tis" and c.score_centering == "topk"]
+  np.testing.assert_array_equal(tis_head[0], tis_head[1])
+
+
+def test_vanilla_sc_equals_pg_exactly_when_p_equals_q():
+  """p == q: the top-k coefficients q_v - rho p_v vanish, so loss and gradient are PG's."""
+  lp = np.log(np.array([[[0.5, 0.25, 0.125, 0.125]]], np.float32))  # exact in binary
+  ids = np.array([[[0, 1]]])
+  rest = (np.array([[1]]), np.ones((1, 1), np.float32), np.array([0.75], np.float32), lp[..., 1])
+  kw = dict(topk_ids_BTK=ids, topk_logq_BTK=np.take_along_axis(lp, ids, -1))
+  sc_cfg = LossConfig(score_centering="topk", topk=2)
+
+  @jax.jit
+  def run(x):
+    pg = jax.value_and_grad(lambda y: rl_loss(y, *rest, LossConfig())[0])(x)
+    sc = jax.value_and_grad(lambda y: rl_loss(y, *rest, sc_cfg, **kw)[0])(x)
+    return pg, sc
+
+  (l_pg, g_pg), (l_sc, g_sc) = run(lp)
+  assert float(l_pg) == float(l_sc)
+  np.testing.assert_array_equal(g_sc, g_pg)
+
+
+# --- Weight rules on hand-built ratios (SPEC table) -----------------------------------------
+
+RATIOS = np.array([0.3, 0.6, 0.85, 1.0, 1.1, 1.25, 1.5, 2.5, 4.0, 6.0], np.float32)
+ADVS = np.array([1.0, -0.5], np.float32)
+
+
+def _ratio_batch(ratios=RATIOS, advs=ADVS, q=0.1):
+  logq = np.full((len(advs), len(ratios)), np.log(q), np.float32)
+  logp = (logq + np.log(ratios)[None]).astype(np.float32)
+  return logp, logq, np.asarray(advs, np.float32)
+
+
+def _rules(cfgs, logp, logq, adv, mask=None, **kw):
+  """(loss, metrics, w) per config, w_t recovered from d loss / d log p; one compile for all.
+
+  batch_tokens: loss = -(1/N) sum_t J_t and dJ_t / dlog p_t = w_t A, so w = -grad N / A.
+  """
+  mask = np.ones_like(logp) if mask is None else mask
+
+  @jax.jit
+  def run(lp):
+    return [jax.value_and_grad(
+        lambda y, c=c: rl_loss_from_logprobs(y, mask, adv, logq, c, **kw), has_aux=True)(lp)
+            for c in cfgs]
+
+  n = float(mask.sum())
+  return [(float(l), m, -np.asarray(g) * n / adv[:, None]) for (l, m), g in run(logp)]
+
+
+def _ppo_expected(r, a, lo, hi, dual=3.0):
+  j = np.minimum(r * a, np.clip(r, lo, hi) * a)
+  if a < 0:
+    j = np.maximum(j, dual * a)
+  w = np.where((a > 0) & (r > hi) | (a < 0) & ((r < lo) | (r > dual)), 0.0, r)
+  return j, w
+
+
+def test_token_ratio_rules():
+  methods = ["pg", "naive_is", "tis", "cispo", "mis", "ppo", "dapo"]
+  logp, logq, adv = _ratio_batch()
+  r = RATIOS
+  for method, (loss, m, w) in zip(methods, _rules([LossConfig(method=x) for x in methods],
+                                                  logp, logq, adv)):
+    js, ws, clipped, dropped = [], [], 0, 0
+    for i, a in enumerate(ADVS):
+      if method in ("ppo", "dapo"):
+        lo, hi = (0.8, 1.2) if method == "ppo" else (0.8, 1.28)
+        j, wi = _ppo_expected(r, a, lo, hi)
+        dropped += np.sum((wi == 0) & ~((a < 0) & (r > 3.0)))  # dual clip is counted apart
+      else:
+        wi = {"pg": np.ones_like(r), "naive_is": r, "tis": np.minimum(r, 2.0),
+              "cispo": np.minimum(r, 1.28),
+              "mis": np.where((r >= 0.5) & (r <= 5.0), r, 0.0)}[method]
+        j = wi * a * logp[i]  # stop-gradient weight times A log p
+        clipped += {"tis": np.sum(r > 2.0), "cispo": np.sum(r > 1.28)}.get(method, 0)
+        dropped += np.sum(wi == 0)
+      js.append(j)
+      ws.append(wi)
+    np.testing.assert_allclose(w, np.stack(ws), rtol=1e-5, atol=1e-6, err_msg=method)
+    np.testing.assert_allclose(loss, -np.sum(js) / logp.size, rtol=1e-5, err_msg=method)
+    np.testing.assert_allclose(m["frac_clipped"], clipped / logp.size, atol=1e-7, err_msg=method)
+    np.testing.assert_allclose(m["frac_dropped"], dropped / logp.size, atol=1e-7, err_msg=method)
+
+
+def test_ppo_dual_clip_at_3():
+  """A < 0 and r > 3: the term is capped at -3A, no gradient; r in (1.2, 3] keeps gradient r."""
+  r = np.array([2.9, 3.0, 3.1, 6.0], np.float32)
+  logp, logq, adv = _ratio_batch(r, np.array([-2.0], np.float32))
+  cfgs = [LossConfig(method="ppo"), LossConfig(method="dapo"),
+          LossConfig(method="ppo", dual_clip=5.0)]
+  (l_ppo, m_ppo, w_ppo), (l_dapo, m_dapo, w_dapo), (_, _, w5) = _rules(cfgs, logp, logq, adv)
+  for loss, m, w in ((l_ppo, m_ppo, w_ppo), (l_dapo, m_dapo, w_dapo)):
+    np.testing.assert_allclose(w[0], [2.9, 3.0, 0.0, 0.0], rtol=1e-5)
+    np.testing.assert_allclose(loss, -np.mean([2.9 * -2, 3.0 * -2, 3 * -2, 3 * -2]), rtol=1e-5)
+    np.testing.assert_allclose(m["frac_dual_clipped"], 0.5)
+  np.testing.assert_allclose(w5[0], [2.9, 3.0, 3.1, 0.0], rtol=1e-5)
+
+
+def test_gspo_geometric_mean_whole_response():
+  # Per-token log-ratios; each row's mean decides the whole response.
+  rows = [
+      # mean 1e-4 -> s inside the band, although every token ratio and even their
+      # arithmetic mean (1.0009) lie outside it: the statistic is the geometric mean.
+      ([5e-2, -5e-2, 3e-4], 1.0),
+      ([2e-3, 0.0, 1e-3], 1.0),      # mean 1e-3 > log 1.0004, A > 0 -> dropped
+      ([-2e-3, 0.0, -1e-3], -1.0),   # mean -1e-3 < log 0.9997, A < 0 -> dropped
+      ([2e-3, 0.0, 1e-3], -1.0),     # above the band but A < 0 -> kept (pessimistic)
+      ([-2e-3, 0.0, -1e-3], 1.0),    # below the band but A > 0 -> kept
+      ([np.log(4.0)] * 3, -1.0),     # s = 4 > 3, A < 0 -> dual clip
+  ]
+  logr = np.array([r for r, _ in rows], np.float32)
+  adv = np.array([a for _, a in rows], np.float32)
+  logq = np.full(logr.shape, np.log(0.05), np.float32)
+  # A padded 4th position with garbage logq must not enter the geometric mean.
+  logq = np.concatenate([logq, np.full((len(rows), 1), -1e9, np.float32)], 1)
+  logp = np.concatenate([logq[:, :3] + logr, np.full((len(rows), 1), -1.0, np.float32)], 1)
+  mask = (np.arange(4)[None] < 3).astype(np.float32).repeat(len(rows), 0)
+  [(loss, m, w)] = _rules([LossConfig(method="gspo")], logp, logq, adv, mask=mask)
+  s = np.exp(logr.mean(1))
+  kept = np.array([1, 0, 0, 1, 1, 0], bool)
+  want_w = np.where(kept, s, 0.0)[:, None] * np.array([1, 1, 1, 0])[None]
+  np.testing.assert_allclose(w, want_w, rtol=1e-5, atol=1e-7)
+  j = [_ppo_expected(np.float32(si), a, 0.9997, 1.0004)[0] for si, a in zip(s, adv)]
+  np.testing.assert_allclose(loss, -np.sum(np.array(j) * 3) / 18, rtol=1e-5)
+  np.testing.assert_allclose(m["frac_dropped"], 2 / 6)
+  np.testing.assert_allclose(m["frac_dual_clipped"], 1 / 6)
+
+
+def test_topr_only_weights_negative_advantages():
+  rows = [([np.log(3.0), 0.0], 1.0),             # A > 0: weight 1 whatever the ratio
+          ([np.log(0.25), np.log(2.0)], -1.0),   # product 0.5 -> weight 0.5
+          ([np.log(2.0), 0.0], -1.0),            # product 2 -> clipped at 1
+          ([np.log(0.1), 0.0], 0.5)]             # A > 0, tiny ratio: still 1
+  logr = np.array([r for r, _ in rows], np.float32)
+  adv = np.array([a for _, a in rows], np.float32)
+  logq = np.full(logr.shape, np.log(0.1), np.float32)
+  logp = logq + logr
+  [(loss, m, w)] = _rules([LossConfig(method="topr")], logp, logq, adv)
+  want = np.array([1.0, 0.5, 1.0, 1.0])[:, None].repeat(2, 1)
+  np.testing.assert_allclose(w, want, rtol=1e-5)
+  np.testing.assert_allclose(loss, -np.sum(want * adv[:, None] * logp) / 8, rtol=1e-5)
+  np.testing.assert_allclose(m["frac_clipped"], 2 / 8)
+
+
+def test_dppo_total_variation_band():
+  p = np.array([0.5, 0.1, 0.3, 0.9, 0.05], np.float32)
+  q = np.array([0.2, 0.4, 0.2, 0.05, 0.9], np.float32)
+  logp, logq = np.log(p)[None].repeat(2, 0), np.log(q)[None].repeat(2, 0)
+  [(loss, m, w)] = _rules([LossConfig(method="dppo")], logp, logq, np.array([1.0, -1.0], np.float32))
+  r = p / q
+  keep_pos = ~(p - q > 0.2)           # tokens 0 and 3 pushed up too far
+  keep_neg = ~(q - p > 0.2)           # tokens 1 and 4 pushed down too far
+  np.testing.assert_array_equal(keep_pos, [0, 1, 1, 0, 1])
+  np.testing.assert_array_equal(keep_neg, [1, 0, 1, 1, 0])
+  want = np.stack([np.where(keep_pos, r, 0), np.where(keep_neg, r, 0)])
+  np.testing.assert_allclose(w, want, rtol=1e-5)  # r = 18 kept: no ratio clipping at all
+  np.testing.assert_allclose(loss, -(want * np.array([[1.0], [-1.0]])).sum() / 10, rtol=1e-5)
+  np.testing.assert_allclose(m["frac_dropped"], 4 / 10)
+
+
+# --- MiniRL (000, Eq. 7) ---------------------------------------------------------------------
+
+def test_minirl_mask_weight_and_ablations():
+  s_stale = np.array([1.3, 1.25, 0.75, 0.85, 0.5, 1.5], np.float32)  # p / p_old
+  r_is = np.array([1.0, 7.0, 2.0, 0.5, 5.5, 1.0], np.float32)        # p / q
+  logp = np.full((2, 6), np.log(0.1), np.float32)
+  logq, logp_old = logp - np.log(r_is), logp - np.log(s_stale)
+  adv = np.array([1.0, -2.0], np.float32)
+  flags = [(True, True), (False, True), (True, False), (False, False)]
+  cfgs = [LossConfig(method="minirl", minirl_train_infer_is=a, minirl_clip=b) for a, b in flags]
+  outs = _rules(cfgs, logp, logq, adv, logp_old_BT=logp_old)
+  for (train_infer_is, clip), (loss, m, w) in zip(flags, outs):
+    ratio = r_is if train_infer_is else s_stale
+    keep = np.ones((2, 6), bool)
+    if clip:  # eps_high = 0.27 for A > 0, eps_low = 0.2 for A < 0
+      keep[0] = ~(s_stale > 1.27)
+      keep[1] = ~(s_stale < 0.8)
+      np.testing.assert_array_equal(keep, [[0, 1, 1, 1, 1, 0], [1, 1, 0, 1, 0, 1]])
+    want = np.where(keep, np.minimum(ratio, 5.0)[None], 0.0)
+    # Stop-gradient on the weight: the gradient is exactly w A, even where min(r, C) binds.
+    np.testing.assert_allclose(w, want, rtol=1e-5)
+    np.testing.assert_allclose(loss, -np.sum(want * adv[:, None] * np.log(0.1)) / 12, rtol=1e-5)
+    np.testing.assert_allclose(m["frac_masked"], (~keep).mean())
+    np.testing.assert_allclose(m["frac_clipped"], (ratio > 5.0).mean())
+
+
+def test_minirl_on_policy_reduces_to_tis_on_pold_over_q():
+  """theta == theta_old: loss = -(1/(B L_max)) sum sg(min(p_old/q, 5)) A log p (constant agg)."""
+  r = _rollout(seed=5, noise=1.5)
+  logp_old = _trainer_logp(r["logits"], r["targets"])
+  r["logq"][0, 1] = logp_old[0, 1] - np.log(7.0)  # a token the sampler under-weighted 7x
+  cfg = LossConfig(method="minirl", aggregation="constant")
+  args = (r["targets"], r["mask"], r["adv"], r["logq"], cfg)
+
+  def want_fn(x):
+    logp = jnp.take_along_axis(jax.nn.log_softmax(x), r["targets"][..., None], -1)[..., 0]
+    w = jnp.minimum(jnp.exp(logp_old - r["logq"]), 5.0)  # a constant: p_old, q are data
+    return -jnp.sum(r["mask"] * w * r["adv"][:, None] * logp) / r["mask"].size
+
+  @jax.jit
+  def run(x):
+    return (jax.value_and_grad(lambda y: rl_loss(y, *args, logp_old_BT=logp_old)[0])(x),
+            jax.value_and_grad(want_fn)(x))
+
+  assert np.max(np.exp(logp_old - r["logq"]) * r["mask"]) > 5.0  # the cap binds somewhere
+  (loss, g), (want, g_want) = run(r["logits"])
+  np.testing.assert_allclose(loss, want, rtol=1e-5)
+  np.testing.assert_allclose(g, g_want, rtol=1e-5, atol=1e-7)
+
+
+# --- Aggregation -----------------------------------------------------------------------------
+
+def test_aggregation_closed_forms():
+  r = _rollout(seed=7, b=4, t=5)
+  lp = _trainer_logp(r["logits"], r["targets"])
+  mask, adv = r["mask"], r["adv"]
+  b, t = mask.shape
+  n = float(mask.sum())
+  len_B = mask.sum(1)
+  aggs = ("batch_tokens", "constant", "seq_mean")
+  outs = _rules([LossConfig(method="tis", aggregation=a) for a in aggs], lp, r["logq"], adv,
+                mask=mask)
+  (l_bt, _, w_bt), (l_c, _, w_c), (l_s, _, w_s) = outs  # w_* = -grad * N / A
+  # batch_tokens closed form: d loss / d log p_it = -min(r, 2) A_i m_it / N.
+  np.testing.assert_allclose(w_bt, np.minimum(np.exp(lp - r["logq"]), 2.0) * mask, rtol=1e-5)
+  # constant vs batch_tokens: one scalar, N / (B * L_max), for loss and gradient alike.
+  np.testing.assert_allclose(l_c, l_bt * n / (b * t), rtol=1e-6)
+  np.testing.assert_allclose(w_c, w_bt * n / (b * t), rtol=1e-6)
+  # Length normalization: response i's tokens scaled by N / (B L_i), not by one scalar.
+  np.testing.assert_allclose(w_s, w_bt * n / (b * len_B[:, None]), rtol=1e-6, atol=1e-9)
+  assert len(set(np.round(n / (b * len_B), 6))) > 1
+
+
+# --- Diagnostics -----------------------------------------------------------------------------
+
+def test_diagnostics_closed_forms():
+  logp = np.log(np.array([[0.5, 0.2, 0.3], [0.4, 0.9, 0.1]], np.float32))
+  logq = np.log(np.array([[0.4, 0.25, 0.3], [0.5, 0.8, 0.7]], np.float32))
+  logp_old = np.log(np.array([[0.45, 0.2, 0.3], [0.4, 0.85, 0.1]], np.float32))
+  mask = np.array([[1, 1, 1], [1, 1, 0]], np.float32)
+  topk_logq = np.log(np.array([[[0.4, 0.3]] * 3, [[0.5, 0.2]] * 3], np.float32))
+  _, m = rl_loss_from_logprobs(logp, mask, np.array([1.0, -1.0], np.float32), logq,
+                               LossConfig(method="tis"), logp_old_BT=logp_old,
+                               topk_logq_BTK=topk_logq)
+  on = mask > 0
+  x = np.exp(logp_old - logq)[on]
+  r = np.exp(logp - logq)[on]
+  want = {
+      "num_tokens": 5.0, "response_len_mean": 2.5,
+      "kl_k1": np.mean((logq - logp_old)[on]),
+      "kl_k3": np.mean(x - 1 - np.log(x)),
+      "is_ratio_mean": r.mean(), "is_ratio_max": r.max(), "is_ratio_min": r.min(),
+      "is_ess": r.sum() ** 2 / (r.size * np.sum(r ** 2)),
+      "staleness_ratio_max": np.exp(logp - logp_old)[on].max(),
+      "head_mass_mean": 0.7, "head_mass_min": 0.7,
+      "prob_diff_mean": np.abs(np.exp(logp_old) - np.exp(logq))[on].mean(),
+      "prob_diff_max": np.abs(np.exp(logp_old) - np.exp(logq))[on].max(),
+      "log_ppl_diff": np.mean([np.mean((logp_old - logq)[0]), np.mean((logp_old - logq)[1, :2])]),
+      "weight_mean": np.minimum(r, 2.0).mean(),
+  }
+  for k, v in want.items():
+    np.testing.assert_allclose(m[k], v, rtol=1e-5, atol=1e-7, err_msg=k)
+  assert "entropy" not in m  # no vocabulary axis seen
+
+
+def test_entropy_and_temperature_semantics():
+  """Sampler logq at temperature tau, trainer with cfg.temperature = tau: exactly on-policy."""
+  tau = 0.6
+  r = _rollout(seed=2, noise=0.0, temperature=tau)
+  args = (r["logits"], r["targets"], r["mask"], r["adv"], r["logq"])
+  run = jax.jit(lambda *a: (rl_loss(*a, LossConfig(temperature=tau))[1],
+                            rl_loss(*a, LossConfig(temperature=1.0))[1]))
+  m, m1 = run(*args)
+  np.testing.assert_allclose(m["is_ratio_mean"], 1.0, rtol=1e-5)
+  np.testing.assert_allclose(m["kl_k1"], 0.0, atol=1e-6)
+  lp = _log_softmax(r["logits"] / tau)
+  ent = -np.sum(np.exp(lp) * lp, -1)
+  np.testing.assert_allclose(m["entropy"], np.sum(ent * r["mask"]) / r["mask"].sum(), rtol=1e-5)
+  assert abs(float(m1["kl_k1"])) > 1e-2  # forgetting the temperature: a bookkeeping mismatch
+
+
+def test_padding_garbage_is_harmless():
+  r = _rollout(seed=4, k=3)
+  pad = r["mask"] == 0
+  assert pad.any()
+  clean = dict(logq=r["logq"], topk_logq=r["topk_logq"], logp_old=r["logq"])
+  dirty = dict(logq=np.where(pad, np.nan, r["logq"]),
+               topk_logq=np.where(pad[..., None], -np.inf, r["topk_logq"]),
+               logp_old=np.where(pad, np.inf, r["logq"]))
+  cfgs = [LossConfig(method=m, score_centering=sc, topk=3)
+          for m, sc in (("tis", "topk"), ("gspo", "none"), ("minirl", "none"), ("dppo", "none"))]
+
+  @jax.jit
+  def run(x, d):
+    fn = lambda y, c: rl_loss(y, r["targets"], r["mask"], r["adv"], d["logq"], c,
+                              logp_old_BT=d["logp_old"], topk_ids_BTK=r["topk_ids"],
+                              topk_logq_BTK=d["topk_logq"])
+    return [jax.value_and_grad(fn, has_aux=True)(x, c) for c in cfgs]
+
+  for cfg, a, b in zip(cfgs, run(r["logits"], clean), run(r["logits"], dirty)):
+    (l1, m1), g1 = b
+    assert np.isfinite(l1) and np.isfinite(g1).all(), cfg.method
+    assert all(np.isfinite(v) for v in m1.values()), cfg.method
+    np.testing.assert_array_equal(a[0][0], l1)
+    np.testing.assert_array_equal(a[1], g1)
+
+
+# --- Jit once, chunked == unchunked, memory -------------------------------------------------
+
+def test_jits_once_per_shape(monkeypatch):
+  traces = []
+  real = losses._loss_core
+  monkeypatch.setattr(losses, "_loss_core", lambda *a: (traces.append(1), real(*a))[1])
+  cfg = LossConfig(method="tis", score_centering="topk", topk=2)
+  before = rl_loss._cache_size()
+  for seed in range(3):  # new values, same shapes (a shape no other test uses)
+    r = _rollout(seed=seed, b=3, t=11, v=13, k=2)
+    rl_loss(r["logits"], r["targets"], r["mask"], r["adv"], r["logq"],
+            dataclasses.replace(cfg), topk_ids_BTK=r["topk_ids"], topk_logq_BTK=r["topk_logq"])
+  assert len(traces) == 1 and rl_loss._cache_size() == before + 1
+  r = _rollout(seed=0, b=3, t=12, v=13, k=2)
+  rl_loss(r["logits"], r["targets"], r["mask"], r["adv"], r["logq"], cfg,
+          topk_ids_BTK=r["topk_ids"], topk_logq_BTK=r["topk_logq"])
+  assert len(traces) == 2 and rl_loss._cache_size() == before + 2
+
+
+def test_chunked_equals_unchunked():
+  b, t, d, v = 2, 7, 5, 11
+  rng = np.random.default_rng(9)
+  hidden = rng.normal(size=(b, t, d)).astype(np.float32)
+  w = rng.normal(size=(d, v)).astype(np.float32)
+  r = _rollout(seed=9, b=b, t=t, v=v, k=3)
+  kw = dict(topk_ids_BTK=r["topk_ids"], topk_logq_BTK=r["topk_logq"])
+  rest = (r["targets"], r["mask"], r["adv"], r["logq"])
+  # T = 7 in chunks of 3 exercises the padded last chunk; GSPO needs whole-response means.
+  # chunk_size=None reads cfg.chunk_size.
+  cases = [(LossConfig(method="tis", score_centering="topk", topk=3), (3,)),
+           (LossConfig(method="gspo", chunk_size=3), (None,))]
+
+  @jax.jit
+  def run(h, w_):
+    out = []
+    for cfg, chunks in cases:
+      via_logits = lambda h, w_: rl_loss(jnp.einsum("btd,dv->btv", h, w_), *rest, cfg, **kw)
+      fns = [via_logits] + [
+          lambda h, w_, c=c: rl_loss_from_hidden(h, w_, *rest, cfg, chunk_size=c, **kw)
+          for c in chunks]
+      out.append([jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(h, w_) for f in fns])
+    return out
+
+  for (cfg, _), results in zip(cases, run(hidden, w)):
+    (l0, m0), g0 = results[0]
+    for (l, m), g in results[1:]:
+      np.testing.assert_allclose(l, l0, rtol=1e-6, err_msg=cfg.method)
+      for k in m0:
+        np.testing.assert_allclose(m[k], m0[k], rtol=1e-5, atol=1e-7, err_msg=k)
+      for a, bb in zip(g, g0):
+        np.testing.assert_allclose(a, bb, rtol=1e-5, atol=1e-6, err_msg=cfg.method)
+
+
+def test_memory_one_btv_tensor_and_chunking_bounds_it():
+  b, t, d, v, chunk = 2, 32, 8, 1024, 4
+  btv_bytes = b * t * v * 4
+  rng = np.random.default_rng(0)
+  hidden = rng.normal(size=(b, t, d)).astype(np.float32)
+  w = rng.normal(size=(d, v)).astype(np.float32)
+  logits = np.einsum("btd,dv->btv", hidden, w)
+  tg = rng.integers(0, v, (b, t))
+  ids = np.argsort(-logits, -1)[..., :4]
+  rest = (tg, np.ones((b, t), np.float32), np.ones((b,), np.float32),
+          np.full((b, t), -1.0, np.float32))
+  cfg = LossConfig(method="tis", score_centering="topk", topk=4)
+  kw = dict(topk_ids_BTK=ids, topk_logq_BTK=np.full(ids.shape, -3.0, np.float32))
+  temp = lambda fn, *a: jax.jit(fn).lower(*a).compile().memory_analysis().temp_size_in_bytes
+  g_hidden = lambda c: jax.grad(
+      lambda h, w_: rl_loss_from_hidden(h, w_, *rest, cfg, chunk_size=c, **kw)[0], (0, 1))
+  jax.config.update("jax_disable_most_optimizations", False)  # measure what training runs
+  try:
+    # float32 logits: the gradient output is the one [B, T, V] float32 tensor; temporaries
+    # stay below one more. bf16 logits: the float32 gradient before its cast is the one.
+    g_logits = jax.value_and_grad(lambda x: rl_loss(x, *rest, cfg, **kw), has_aux=True)
+    assert temp(g_logits, logits) < btv_bytes
+    assert temp(g_logits, logits.astype(jnp.bfloat16)) < 1.25 * btv_bytes
+    full = temp(g_hidden(0), hidden, w)
+    chunked = temp(g_hidden(chunk), hidden, w)
+  finally:
+    jax.config.update("jax_disable_most_optimizations", True)
+  assert full >= btv_bytes  # the unchunked path holds whole logits
+  assert chunked < btv_bytes / 2, (chunked, btv_bytes)

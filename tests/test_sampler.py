@@ -1,0 +1,265 @@
+"""Sampler: zero-mismatch logq / top-k / experts, KV cache == recompute, batching, no recompiles."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rl_jax.config_utils import ConfigError, from_dict
+from rl_jax.models.config import ModelConfig
+from rl_jax.models.decode import greedy_reference
+from rl_jax.models.transformer import Transformer
+from rl_jax.quant.config import QuantConfig
+from rl_jax.sampler import generate as gen
+from rl_jax.sampler.config import SamplerConfig, sampler_config
+
+V = 64
+P = 8  # max_prompt_len
+T = 10  # max_new_tokens
+# Float tolerance of the zero-mismatch check: the sampler's T=1 cached decode and the
+# trainer's full teacher-forced forward sum the same terms in a different order
+# (observed max |diff| ~ 3e-6 on log-probs of magnitude ~1-5 in float32).
+LOGQ_ATOL = 2e-5
+
+
+def _model(moe: bool) -> Transformer:
+  # init_std 0.2 and untied embeddings give peaked, non-repetitive next-token
+  # distributions, so greedy argmaxes are far from ties.
+  cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+                    n_experts=4 if moe else 0, n_experts_per_tok=2, moe_d_ff=32, init_std=0.2,
+                    tie_embeddings=False)
+  return Transformer(cfg, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def model(request):
+  return _model(request.param == "moe")
+
+
+def _prompts(lengths, width=P, seed=0, right=True):
+  """Right- (or left-) padded prompts of the given lengths, ids in [2, V)."""
+  rng = np.random.default_rng(seed)
+  toks = np.zeros((len(lengths), width), np.int32)
+  valid = np.zeros((len(lengths), width), bool)
+  for i, n in enumerate(lengths):
+    sl = slice(0, n) if right else slice(width - n, width)
+    toks[i, sl] = rng.integers(2, V, n)
+    valid[i, sl] = True
+  return toks, valid
+
+
+# ------------------------------------------------------------------------------ config
+
+
+def test_config_from_dict_and_errors():
+  cfg = sampler_config(dict(max_prompt_len=16, max_new_tokens=8, temperature=0.7, quant="int8_wa_int8_kv"))
+  assert cfg.quant == QuantConfig.preset("int8_wa_int8_kv") and cfg.max_len == 24
+  assert SamplerConfig().quant == QuantConfig.preset("none")
+  nested = from_dict(SamplerConfig, dict(quant=dict(weights=dict(format="int4"))), prefix="sampler")
+  assert nested.quant.weights.format == "int4"
+  hash(nested)  # static argument of the jitted program
+  with pytest.raises(ConfigError, match="sampler.noise"):
+    sampler_config(dict(noise="gaussian"))
+  with pytest.raises(ConfigError, match="sampler.dtype"):
+    sampler_config(dict(dtype="float16"))
+  with pytest.raises(ConfigError, match="sampler.top_p"):
+    sampler_config(dict(top_p=0.0))
+  with pytest.raises(ConfigError, match="sampler.noise_sigma"):
+    sampler_config(dict(noise="relative"))
+  with pytest.raises(ConfigError, match="sampler.bogus"):
+    sampler_config(dict(bogus=1))
+  with pytest.raises(ConfigError, match="sampler.quant"):
+    sampler_config(dict(quant="int3"))
+  with pytest.raises(ConfigError, match="sampler.record_topk"):
+    SamplerConfig(record_topk=V + 1).check_vocab(V)
+  SamplerConfig(record_topk=V).check_vocab(V)  # k = V: the full distribution
+
+
+def test_prompt_longer_than_limit_is_an_error():
+  cfg = SamplerConfig(max_prompt_len=4, max_new_tokens=2)
+  toks, valid = _prompts([3, 5], width=6)
+  with pytest.raises(ValueError, match=r"prompt row 1 has 5 tokens > sampler.max_prompt_len=4"):
+    gen.check_prompts(toks, valid, cfg)
+  with pytest.raises(ValueError, match="row 0 is empty"):
+    gen.check_prompts(toks, np.zeros_like(valid), cfg)
+  # A wide buffer is fine as long as every row fits: padding is not truncation.
+  gen.check_prompts(*_prompts([3, 4], width=6), cfg)
+
+
+# ------------------------------------------------------------------- zero mismatch
+
+
+def test_zero_mismatch_logq_topk_experts(model):
+  """fp32, no quantization, no noise: logq == trainer log p, top-k == lax.top_k, experts equal."""
+  is_moe = model.cfg.is_moe
+  k = V if is_moe else 16  # k = V (full distribution) on one model, a strict head on the other
+  cfg = SamplerConfig(max_prompt_len=P, max_new_tokens=T, temperature=0.7, top_p=0.9,
+                      top_k=0 if is_moe else 40, record_topk=k, eos_id=1)
+  graphdef, state = nnx.split(model)
+  toks, valid = _prompts([3, 8, 5, 1], seed=1)  # right-padded, variable length
+  before = gen.TRACE_COUNT["generate"]
+  cache_before = gen._generate._cache_size()  # pylint: disable=protected-access
+  r = gen.generate(graphdef, state, toks, valid, jax.random.key(0), cfg)
+  assert gen.TRACE_COUNT["generate"] == before + 1
+
+  out = model(r.tokens_BS, r.positions_BS, r.valid_BS)  # the trainer's teacher forcing
+  mask = np.asarray(r.response_mask_BT)
+  assert mask[:, 0].all()
+  logp_BT, logp_topk_BTK = gen.trainer_logprobs(out.logits_BTV, r, cfg.temperature)
+  err = np.abs(np.where(mask, np.asarray(logp_BT) - np.asarray(r.logq_BT), 0.0))
+  assert err.max() < LOGQ_ATOL, err.max()
+  # The same numbers through the lower-level helpers: targets at logits slot s = token s+1.
+  targets_BS, tmask_BS = gen.trainer_targets(r)
+  np.testing.assert_array_equal(gen.response_slice(tmask_BS, r), mask)
+  logp_BSV = gen.next_token_logq(out.logits_BTV, cfg.temperature)
+  logp_BS = jnp.take_along_axis(logp_BSV, targets_BS[..., None], -1)[..., 0]
+  np.testing.assert_allclose(np.where(mask, gen.response_slice(logp_BS, r), 0), logp_BT, atol=1e-6)
+  logp_BTV = gen.response_slice(logp_BSV, r)
+  if cfg.top_k:  # sampled tokens lie in the top-k of q (= p here)
+    kth = np.asarray(jax.lax.top_k(logp_BTV, cfg.top_k)[0][..., -1])
+    assert np.all((np.asarray(r.logq_BT) >= kth - LOGQ_ATOL)[mask])
+  top_logp, top_ids = jax.lax.top_k(logp_BTV, k)
+  m3 = mask[..., None]
+  np.testing.assert_array_equal(np.where(m3, top_ids, 0), r.topk_ids_BTK)
+  assert np.abs(np.where(m3, top_logp - r.topk_logq_BTK, 0)).max() < LOGQ_ATOL
+  assert np.abs(np.where(m3, logp_topk_BTK - r.topk_logq_BTK, 0)).max() < LOGQ_ATOL
+  head = np.where(mask, np.exp(np.asarray(top_logp)).sum(-1), 0)
+  np.testing.assert_allclose(r.head_mass_BT, head, atol=1e-5)
+  if k == V:
+    np.testing.assert_allclose(np.asarray(r.head_mass_BT)[mask], 1.0, atol=1e-5)
+    # Every sampled token lies in the top-p nucleus: the mass strictly above it is < top_p.
+    q = np.exp(np.asarray(r.topk_logq_BTK))
+    above = np.where(q > np.exp(np.asarray(r.logq_BT))[..., None], q, 0).sum(-1)
+    assert np.all(above[mask] < cfg.top_p)
+  else:
+    assert np.all(np.asarray(r.head_mass_BT)[mask] < 1.0)
+
+  if is_moe:
+    ev = np.asarray(r.expert_valid_BS)
+    assert r.expert_ids_BSLK.shape == (4, P + T, model.cfg.n_moe_layers, 2)
+    np.testing.assert_array_equal(np.where(ev[..., None, None], out.expert_ids_BTLK, 0), r.expert_ids_BSLK)
+    # Routes exist for real prompt tokens and every response token but the last one.
+    np.testing.assert_array_equal(ev.sum(1), np.asarray(r.prompt_lengths_B) + np.asarray(r.lengths_B) - 1)
+  else:
+    assert r.expert_ids_BSLK is None
+
+  # Same shapes and config, new prompts and key: no retrace (hence no recompilation).
+  toks2, valid2 = _prompts([8, 2, 2, 6], seed=2, right=False)
+  gen.generate(graphdef, state, toks2, valid2, jax.random.key(1), cfg)
+  r3 = gen.generate(graphdef, state, toks, valid, jax.random.key(0), cfg)
+  r4 = gen.generate(graphdef, state, toks, valid, jax.random.key(1), cfg)
+  assert gen.TRACE_COUNT["generate"] == before + 1
+  assert gen._generate._cache_size() == cache_before + 1  # pylint: disable=protected-access
+  # Deterministic given the key; different for another key.
+  np.testing.assert_array_equal(r3.tokens_BS, r.tokens_BS)
+  assert not np.array_equal(r4.tokens_BS, r.tokens_BS)
+
+  # Group sampling: 2 prompts x G=2 (same shape, so still no retrace), sampled rows of
+  # a group differ, and the rollout is reproducible from the key.
+  gp = gen.repeat_prompts((toks[:2], valid[:2]), 2)
+  np.testing.assert_array_equal(gen.group_index(2, 2), [0, 0, 1, 1])
+  rg = gen.generate(graphdef, state, *gp, jax.random.key(5), cfg)
+  rg2 = gen.generate(graphdef, state, *gp, jax.random.key(5), cfg)
+  assert gen.TRACE_COUNT["generate"] == before + 1
+  np.testing.assert_array_equal(rg.tokens_BS, rg2.tokens_BS)
+  np.testing.assert_array_equal(rg.tokens_BS[0, :P], rg.tokens_BS[1, :P])
+  assert not np.array_equal(rg.response_BT[0], rg.response_BT[1])
+
+
+# ---------------------------------------------------------- KV cache == recompute
+
+
+def test_greedy_kv_cache_equals_full_recompute(model):
+  """Greedy: cached decode == `greedy_reference` token for token; batch == each prompt alone."""
+  graphdef, state = nnx.split(model)
+  toks, valid = _prompts([3, 8, 5, 1, 6, 2], seed=3)
+  left, lvalid = _prompts([3, 8, 5, 1, 6, 2], seed=3, right=False)  # the same prompts, left-padded
+  # An EOS that some rows emit mid-way: picked from the reference's own continuations.
+  free = greedy_reference(model, left, lvalid, T, eos_id=-1)
+  counts = np.bincount(free[:, 2:].ravel(), minlength=V)
+  counts[np.unique(free[:, :2])] = 0  # not in the first two steps of any row
+  eos = int(np.argmax(counts))
+  assert counts[eos] > 0
+  cfg = SamplerConfig(max_prompt_len=P, max_new_tokens=T, greedy=True, record_topk=4, eos_id=eos, pad_id=0)
+  r = gen.generate(graphdef, state, toks, valid, jax.random.key(0), cfg)
+  ref = greedy_reference(model, left, lvalid, T, eos_id=eos, pad_id=0)
+  np.testing.assert_array_equal(r.response_BT, ref)
+  np.testing.assert_array_equal(r.tokens_BS[:, :P], left)
+  lengths = np.asarray(r.lengths_B)
+  assert lengths.min() < T, "no row stopped at EOS; pick another eos"
+  resp = np.asarray(r.response_BT)
+  for i, n in enumerate(lengths):
+    assert np.asarray(r.response_mask_BT)[i].sum() == n and np.asarray(r.response_mask_BT)[i, :n].all()
+    assert n == T or resp[i, n - 1] == eos
+    assert (resp[i, n:] == 0).all()
+  # Each prompt alone (a batch of copies: same shape, no recompilation).
+  for i in range(toks.shape[0]):
+    alone = gen.generate(graphdef, state, np.repeat(toks[i:i + 1], 6, 0), np.repeat(valid[i:i + 1], 6, 0),
+                         jax.random.key(0), cfg)
+    np.testing.assert_array_equal(alone.response_BT[0], resp[i])
+    np.testing.assert_allclose(alone.logq_BT[0], r.logq_BT[i], atol=LOGQ_ATOL)
+
+
+@pytest.mark.parametrize("b,v,k", [(4, 1000, 7), (2, 4096, 128)])
+def test_exact_top_k_equals_lax_top_k(b, v, k):
+  """The two-stage top-k (forced here with min_ratio=0) is lax.top_k bit for bit, ties included."""
+  x = jax.random.normal(jax.random.key(v), (b, v))
+  fn = jax.jit(lambda x: (gen.exact_top_k(x, k, min_ratio=0), gen.exact_top_k(x, k)))
+  for arr in (x, jnp.round(2 * x), jnp.where(x > 0, -jnp.inf, x)):  # plain, many ties, -inf ties
+    want = jax.lax.top_k(arr, k)
+    for got in fn(arr):
+      np.testing.assert_array_equal(got[0], want[0])
+      np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_alignment_helpers_round_trip():
+  b, t = 2, 3
+  r = gen.Rollout(
+      tokens_BS=jnp.arange(2 * 7).reshape(2, 7), positions_BS=None, prompt_mask_BS=None,
+      response_mask_BS=jnp.array([[0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1]], bool),
+      logq_BT=jnp.zeros((b, t)), topk_ids_BTK=None, topk_logq_BTK=None, head_mass_BT=None,
+      expert_ids_BSLK=None, expert_valid_BS=None, lengths_B=None, prompt_lengths_B=None, prompt_len=4)
+  targets, mask = gen.trainer_targets(r)
+  np.testing.assert_array_equal(targets[0], [1, 2, 3, 4, 5, 6, 0])
+  np.testing.assert_array_equal(mask[1], [0, 0, 0, 1, 1, 1, 0])
+  # Logits slot 3 (the last prompt token) predicts response token 0 (slot 4).
+  np.testing.assert_array_equal(gen.response_slice(targets, r), r.tokens_BS[:, 4:])
+  x_BT = jnp.arange(1, 7, dtype=jnp.float32).reshape(2, 3)
+  back = gen.response_to_logit_slots(x_BT, r)
+  assert back.shape == (2, 7)
+  np.testing.assert_array_equal(gen.response_slice(back, r), x_BT)
+
+
+# ---------------------------------------------------------------------- sharding
+
+
+def test_sharded_equals_unsharded():
+  """Batch split over the mesh's batch axes (8 host devices, 4-way batch, 2-way tensor): same rollout."""
+  from rl_jax.sharding import MeshConfig, batch_sharding, make_mesh, shard_state  # pylint: disable=g-import-not-at-top
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 (simulated) devices")
+  model = _model(moe=True)
+  graphdef, state = nnx.split(model)
+  # The zero-mismatch test's MoE config and batch shape: the unsharded program is reused.
+  cfg = SamplerConfig(max_prompt_len=P, max_new_tokens=T, temperature=0.7, top_p=0.9, record_topk=V, eos_id=1)
+  toks, valid = _prompts([3, 8, 5, 1], seed=4)
+  mesh = make_mesh(MeshConfig(data=2, fsdp=1, expert=2, tensor=2))
+  r = gen.generate(graphdef, state, toks, valid, jax.random.key(3), cfg)
+  rs = gen.generate(graphdef, shard_state(state, mesh), toks, valid, jax.random.key(3), cfg, mesh=mesh)
+  assert rs.tokens_BS.sharding.is_equivalent_to(batch_sharding(mesh, 2), 2)
+  assert rs.expert_ids_BSLK.sharding.is_equivalent_to(batch_sharding(mesh, 4), 4)
+  np.testing.assert_array_equal(rs.tokens_BS, r.tokens_BS)
+  np.testing.assert_allclose(rs.logq_BT, r.logq_BT, atol=LOGQ_ATOL)
+  np.testing.assert_array_equal(rs.expert_ids_BSLK, r.expert_ids_BSLK)
+  with pytest.raises(ValueError, match="multiple of the mesh"):
+    gen.generate(graphdef, state, toks[:2], valid[:2], jax.random.key(3), cfg, mesh=mesh)
+
+
+def test_rollout_is_a_pytree():
+  r = gen.Rollout(*([jnp.zeros((1, 2))] * 12), prompt_len=1)
+  leaves, treedef = jax.tree.flatten(r)
+  assert len(leaves) == 12
+  assert jax.tree.unflatten(treedef, leaves).prompt_len == 1
+  assert dataclasses.is_dataclass(r)
