@@ -18,8 +18,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cfg.model = common.tiny_moe_model()
   cfg.mesh = common.mesh()
   cfg.optim = ml_collections.ConfigDict(dict(name="adamw", lr=3e-3, schedule="cosine", warmup_steps=50,
-                                             total_steps=1500, weight_decay=0.0, grad_clip=1.0))
-  cfg.sft = ml_collections.ConfigDict(dict(steps=1500, batch_size=64, max_len=40, eval_every=500,
+                                             total_steps=300, weight_decay=0.0, grad_clip=1.0))
+  cfg.sft = ml_collections.ConfigDict(dict(steps=300, batch_size=64, max_len=40, eval_every=300,
                                            eval_size=256, eval_max_new_tokens=12, checkpoint_every=250,
                                            max_to_keep=2))
   cfg.logging = common.logging()

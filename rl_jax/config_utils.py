@@ -99,9 +99,17 @@ def from_dict(cls: type, section: Any, prefix: str = "") -> Any:
   try:
     return cls(**kwargs)
   except ConfigError as e:
-    if prefix and not str(e).startswith("config key"):
-      raise ConfigError(f"[{prefix}] {e}") from None
-    raise
+    msg = str(e)
+    if not prefix:
+      raise
+    # Checks inside a dataclass may name a key relative to their section: make it absolute.
+    head = "config key '"
+    if msg.startswith(head):
+      key = msg[len(head):].split("'", 1)[0]
+      if not key.startswith(prefix + ".") and "." not in key.split("[")[0]:
+        raise ConfigError(f"{head}{prefix}.{msg[len(head):]}") from None
+      raise
+    raise ConfigError(f"[{prefix}] {msg}") from None
 
 
 def require(cond: bool, key: str, msg: str) -> None:

@@ -88,7 +88,9 @@ def state_shardings(state: Any, mesh: Mesh) -> Any:
     if _is_var(v):
       axes = v.get_metadata().get("axes")
       value = v.get_value() if hasattr(v, "get_value") else v.value
-      return NamedSharding(mesh, logical_to_spec(axes, getattr(value, "shape", ()), mesh))
+      sharding = NamedSharding(mesh, logical_to_spec(axes, getattr(value, "shape", ()), mesh))
+      # A quantized tensor lays out packed values and scales itself (see quant.QTensor).
+      return value.shardings(sharding) if hasattr(value, "shardings") else sharding
     return NamedSharding(mesh, P())
   return jax.tree.map(one, state, is_leaf=_is_var)
 

@@ -367,7 +367,8 @@ def test_dppo_total_variation_band():
   p = np.array([0.5, 0.1, 0.3, 0.9, 0.05], np.float32)
   q = np.array([0.2, 0.4, 0.2, 0.05, 0.9], np.float32)
   logp, logq = np.log(p)[None].repeat(2, 0), np.log(q)[None].repeat(2, 0)
-  [(loss, m, w)] = _rules([LossConfig(method="dppo")], logp, logq, np.array([1.0, -1.0], np.float32))
+  adv = np.array([1.0, -1.0], np.float32)
+  [(loss, m, w)] = _rules([LossConfig(method="dppo")], logp, logq, adv)
   r = p / q
   keep_pos = ~(p - q > 0.2)           # tokens 0 and 3 pushed up too far
   keep_neg = ~(q - p > 0.2)           # tokens 1 and 4 pushed down too far

@@ -1,0 +1,12 @@
+"""RL: advantages, the jitted loss of every correction method with score centering, trainer."""
+from rl_jax.rl.advantages import apply_reward_mode, compute_advantages
+from rl_jax.rl.loss_config import METHODS, AdvantageConfig, LossConfig
+from rl_jax.rl.losses import (aggregate, gather_logprobs, rl_loss, rl_loss_from_hidden,
+                              rl_loss_from_logprobs, score_centering_coeffs)
+from rl_jax.rl.methods import METHOD_REGISTRY
+
+__all__ = [
+    "AdvantageConfig", "LossConfig", "METHODS", "METHOD_REGISTRY", "aggregate",
+    "apply_reward_mode", "compute_advantages", "gather_logprobs", "rl_loss",
+    "rl_loss_from_hidden", "rl_loss_from_logprobs", "score_centering_coeffs",
+]

@@ -119,7 +119,8 @@ class LossConfig:
               f"the MiniRL ablation only applies to method='minirl', got {self.method!r}")
     require(0.0 < self.sc_eps < 1.0, "sc_eps", f"must be in (0, 1), got {self.sc_eps}")
     require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
-    require(self.chunk_size >= 0, "chunk_size", f"must be >= 0 (0 = unchunked), got {self.chunk_size}")
+    require(self.chunk_size >= 0, "chunk_size",
+            f"must be >= 0 (0 = unchunked), got {self.chunk_size}")
 
   @property
   def needs_logp_old(self) -> bool:

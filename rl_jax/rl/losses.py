@@ -131,7 +131,8 @@ def score_centering_coeffs(head_logp_BTK: jax.Array, topk_logq_BTK: jax.Array,
   score is -rho sum_H p_v s_v: the correction needs only the k head ids (Eq. 8).
 
   Returns:
-    c_BTK (stop-gradient) and, for 'topk', per-token diagnostics {sc_rho, sc_trainer_head_mass}.
+    c_BTK (stop-gradient) and, for 'topk', per-token diagnostics (rho and sum_H p_v) keyed by
+    their metric names sc_rho_mean, sc_trainer_head_mass_mean.
   """
   f = methods.weight_fn_for(cfg)
   head_logp_BTK = sg(head_logp_BTK)

@@ -1,1 +1,1 @@
-"""The sampler `q`: jitted KV-cache generation recording logq, top-k and experts (generate.py); weight sync (weights.py)."""
+"""The sampler `q`: KV-cache generation recording logq / top-k / experts (generate.py), weight sync (weights.py)."""

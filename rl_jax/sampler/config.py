@@ -5,7 +5,6 @@ import dataclasses
 from typing import Any, Literal
 
 from rl_jax.config_utils import ConfigError, from_dict, require
-
 from rl_jax.quant.config import QuantConfig
 
 NoiseMode = Literal["none", "relative", "absolute"]

@@ -46,8 +46,13 @@ class Rollout:
       response alike: the trainer's `replay_ids_BTLK` for a forward over `tokens_BS`.
       `expert_valid_BS` marks the slots that carry a route: real prompt tokens and every
       response token except each row's last one, which the sampler never fed back.
+    - Top-k fields are None when `record_topk = 0`; `expert_ids_BSLK` is None for a
+      dense model or `record_experts = False`.
   In the trainer's teacher-forced forward over `tokens_BS`, the logits at slot s predict
-  token s+1; `trainer_targets` and `response_slice` do that shift (see below).
+  token s+1; `trainer_targets` and `response_slice` do that shift, `trainer_logprobs`
+  returns `log p` at the response tokens and at the top-k ids, aligned with `logq_BT`
+  and `topk_ids_BTK`. Replay for R3: `replay_ids_BTLK=expert_ids_BSLK,
+  replay_mask_BT=expert_valid_BS` in that same forward.
   """
   tokens_BS: jax.Array
   positions_BS: jax.Array
@@ -410,6 +415,8 @@ def check_prompts(prompts_BP, prompt_valid_BP, cfg: SamplerConfig) -> None:
   """
   if isinstance(prompt_valid_BP, jax.core.Tracer):
     return
+  if isinstance(prompt_valid_BP, jax.Array) and not prompt_valid_BP.is_fully_addressable:
+    return  # a multi-host batch cannot be read here: check each process's prompts before assembling it
   if np.ndim(prompts_BP) != 2 or np.shape(prompts_BP) != np.shape(prompt_valid_BP):
     raise ValueError(f"prompts {np.shape(prompts_BP)} and prompt_valid {np.shape(prompt_valid_BP)} must be "
                      "the same [B, P] shape")
@@ -425,16 +432,20 @@ def check_prompts(prompts_BP, prompt_valid_BP, cfg: SamplerConfig) -> None:
     raise ValueError(f"prompt row {int(empty[0])} is empty: every prompt needs at least one token")
 
 
-def _kv_spec_from(cfg: SamplerConfig):
-  """The KV-cache format of `cfg.quant`; fp32 means "the sampler's own dtype" (None)."""
-  kv = getattr(cfg.quant, "kv", None)
+def _resolve_kv_spec(kv_spec, cfg: SamplerConfig):
+  """The KV-cache format: `kv_spec` if given, else `cfg.quant.kv`; fp32 -> None.
+
+  None makes `init_cache` store K/V in the sampler's compute dtype (what an fp32 or a
+  bf16 engine does without KV quantization); 'bf16' forces a bf16 cache.
+  """
+  kv = getattr(cfg.quant, "kv", None) if kv_spec is None else kv_spec
   if kv is None or getattr(kv, "format", None) in (None, "fp32"):
     return None
   return kv
 
 
 def generate(graphdef: nnx.GraphDef, sampler_state: Any, prompts_BP, prompt_valid_BP, key: jax.Array,
-             cfg: SamplerConfig, kv_spec: Any = "config", mesh: Mesh | None = None) -> Rollout:
+             cfg: SamplerConfig, kv_spec: Any = None, mesh: Mesh | None = None) -> Rollout:
   """Samples `max_new_tokens` continuations of a batch of prompts in one jitted program.
 
   Args:
@@ -445,15 +456,23 @@ def generate(graphdef: nnx.GraphDef, sampler_state: Any, prompts_BP, prompt_vali
     key: PRNG key; the rollout is a deterministic function of it (row b samples step j
       with `fold_in(split(key, B)[b], j)`).
     cfg: sampling and recording settings (static: one compilation per cfg and shape).
-    kv_spec: KV-cache format; by default `cfg.quant.kv` (None = the sampler's dtype).
+    kv_spec: KV-cache format (a `quant.config.KVSpec`) overriding `cfg.quant.kv`; None
+      (default) takes `cfg.quant.kv`, where fp32 means the sampler's compute dtype.
     mesh: if given, the batch is split over `rl_jax.sharding.BATCH_AXES`; B must be a
       multiple of `batch_divisor(mesh)`. The state keeps whatever sharding it has.
 
   Returns a `Rollout` (see its docstring for the slot alignment).
+
+  The program: re-layout, one batched prefill of slots [0, P-1) into a static KV cache
+  of S = P + T slots (no logits), then a `lax.while_loop` whose step j feeds slot
+  P-1+j (the last prompt token at j = 0) and samples token j into slot P+j; it stops
+  at T steps or when every row has emitted EOS. Feeding the last prompt token through
+  the decode step means every logged distribution comes from one T=1 code path, and
+  the prefill never materializes `[B, P, V]` logits. Call it from Python (it checks the
+  prompts on the host); `_generate` is the jitted program for use inside other jits.
   """
   check_prompts(prompts_BP, prompt_valid_BP, cfg)
-  if isinstance(kv_spec, str) and kv_spec == "config":
-    kv_spec = _kv_spec_from(cfg)
+  kv_spec = _resolve_kv_spec(kv_spec, cfg)
   prompts_BP = jnp.asarray(prompts_BP, jnp.int32)
   prompt_valid_BP = jnp.asarray(prompt_valid_BP, bool)
   if mesh is not None:

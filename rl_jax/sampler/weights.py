@@ -12,6 +12,7 @@ from flax import nnx
 from rl_jax.config_utils import ConfigError
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.layers import dtype_of
+from rl_jax.models.transformer import Transformer
 
 # Python-side trace counter of `sync_weights`: a test reads it to prove "no recompilation".
 TRACE_COUNT = {"sync_weights": 0}
@@ -104,7 +105,6 @@ def sampler_graphdef(model_cfg: ModelConfig, dtype: str) -> nnx.GraphDef:
   Built abstractly (no parameters are materialized); merge it with `sync_weights`' output.
   """
   cfg = dataclasses.replace(model_cfg, dtype=dtype, param_dtype=dtype, remat=False)
-  from rl_jax.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, _ = nnx.split(abstract)
   return graphdef

@@ -1,0 +1,93 @@
+"""MiniRL (000) on Qwen3-30B-A3B: FP8 sampler, bf16 trainer, N mini-batches per global batch, 4 hosts x 8 GPUs.
+
+Command (arg `nN`, N in {1, 2, 4, 8}, default n1; the checkpoint is a local Hugging Face
+directory of a cold-started Qwen3-30B-A3B, read on every host):
+  sbatch --nodes=4 launch/slurm_gpu.sbatch --config=configs/qwen3_30b_a3b_minirl.py:n4 \
+    --workdir=/shared/runs/minirl_n4 --config.warm_start.path=/shared/ckpt/Qwen3-30B-A3B
+Hardware: 4 hosts x 8 x H100/H200 80GB+ (32 devices; mesh data=1, fsdp=4, expert=8,
+tensor=1). On one 8-GPU host: --config.mesh.fsdp=1 (expert=8).
+Runtime: not measured with this code. A scale estimate from 001 (Table 2: ~0.1
+H100-hour per step of 128 x 1024-token responses on this model) is ~1 H100-hour per
+1024-response gradient step, i.e. ~2-3 minutes per mini-batch update on 32 GPUs and
+about 1-2 days for the 1000 global steps at N=1 (N times that at N > 1). 000's own
+5-6 GPU-hours per step are for 32K-token math responses.
+
+Setting (000, Sec. 4.2): each mini-batch is 64 prompts x 16 responses = 1024
+responses; a global step samples N mini-batches (64*N prompts) from the sampler at
+theta_old and takes N gradient steps. Loss: MiniRL (000, Eq. 7) = REINFORCE with
+group-centered rewards (no std), token-level IS weight min(p/q, 5) against the
+sampler's logprobs, the staleness mask M_t with eps_low 0.2 / eps_high 0.27, and no
+length normalization (aggregation 'constant'). Routing replay as 000 recommends:
+none at N=1, R2 at N=2, R3 at N>=4. FP8 (e4m3) sampler weights/activations/KV cache
+in bf16; bf16 trainer compute on fp32 master weights, per-layer remat.
+Task: Countdown (the paper preset) stands in for 000's math data (AIME-style problems
+with a verifier), which this repository does not ship; any verifiable task with a
+{0,1} reward plugs into the same `task` section.
+Optimizer: 000 does not state it; AdamW 1e-6 constant is the usual setting for RL of
+Qwen3 models. 001's choice is `--config.optim.name=sgd --config.optim.lr=1e-2`.
+
+Expected (000, Figs. 1-4, qualitative on this stand-in task): at N=1 MiniRL trains
+stably (no entropy crash, train/inference KL flat around 1e-3) and its accuracy rises
+then plateaus; `--config.loss.minirl_train_infer_is=False` collapses within ~200-400
+steps; `--config.loss.aggregation=seq_mean` (length normalization) is stable but ends
+lower. Off-policy (N=2, 4, 8) converges faster per step when clipping and replay are
+on: R2 is the better replay at N=2, R3 at N>=4 (at N=8 only R3 + clipping stays stable
+in 000); `--config.rl.routing_replay=none` or `--config.loss.minirl_clip=False` at
+N>=4 collapses.
+"""
+import ml_collections
+
+from configs import common
+from configs import qwen3_0p6b_countdown as small
+
+N_CHOICES = (1, 2, 4, 8)
+# 000's recommendation: on-policy needs no replay; R2 replays the trainer's own theta_old
+# routes (unbiased on the first mini-batch), R3 the sampler's (less mismatch when stale).
+REPLAY_FOR_N = {1: "none", 2: "R2", 4: "R3", 8: "R3"}
+PROMPTS_PER_MINIBATCH = 64
+RESPONSES_PER_PROMPT = 16
+
+
+def parse_arg(arg: str | None) -> int:
+  if not arg:
+    return 1
+  if arg.startswith("n") and arg[1:].isdigit() and int(arg[1:]) in N_CHOICES:
+    return int(arg[1:])
+  raise ValueError(f"unknown config arg {arg!r} (valid: {', '.join(f'n{n}' for n in N_CHOICES)})")
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  n = parse_arg(arg)
+  cfg = ml_collections.ConfigDict()
+  cfg.job = "rl"
+  cfg.seed = 0
+  cfg.task = ml_collections.ConfigDict(dict(name="countdown", overrides={}))
+  cfg.model = small.model_section("qwen3-30b-a3b", dtype="bfloat16", param_dtype="float32", remat=True)
+  # 32 devices. Expert weights [128, 2048, 768] split 8-way over experts (16 per shard)
+  # and 4-way over d_model (fsdp): 32-way in all. Attention, embeddings and norms
+  # (~1.5B params) are split 4-way by fsdp and replicated over the expert axis. The
+  # batch is split over all 32 (data x fsdp x expert): 1024 / N responses per update
+  # divide by 32 for every N. No tensor parallelism: 4 KV heads would cap it at 4, and
+  # 2048-wide matmuls are too small to amortize its all-reduces.
+  cfg.mesh = common.mesh(data=1, fsdp=4, expert=8, tensor=1)
+  cfg.warm_start = ml_collections.ConfigDict(dict(source="hf", path=""))
+  cfg.optim = ml_collections.ConfigDict(dict(name="adamw", lr=1e-6, schedule="constant", warmup_steps=0,
+                                             total_steps=0, weight_decay=0.0, grad_clip=1.0))
+  # MiniRL reads no top-k distribution (no score centering): record_topk=0 saves the
+  # [B, T, k] buffers. Expert ids are recorded for R3 and the routing-agreement metric.
+  cfg.sampler = ml_collections.ConfigDict(dict(
+      max_prompt_len=256, max_new_tokens=1024, temperature=1.0, top_p=1.0, top_k=0, greedy=False,
+      record_topk=0, record_experts=True, dtype="bfloat16", noise="none", noise_sigma=0.0,
+      quant="fp8_wa_fp8_kv", eos_id=small.QWEN3_EOS_ID, pad_id=small.QWEN3_PAD_ID))
+  cfg.loss = ml_collections.ConfigDict(dict(
+      method="minirl", score_centering="none", aggregation="constant", temperature=1.0,
+      minirl_eps_low=0.2, minirl_eps_high=0.27, minirl_tis_c=5.0, minirl_train_infer_is=True,
+      minirl_clip=True, chunk_size=128))
+  cfg.advantage = ml_collections.ConfigDict(dict(mode="group_centered", reward_mode="01"))
+  cfg.rl = ml_collections.ConfigDict(dict(
+      steps=1000, prompts_per_step=PROMPTS_PER_MINIBATCH * n, group_size=RESPONSES_PER_PROMPT,
+      n_minibatches=n, staleness=1, routing_replay=REPLAY_FOR_N[n], eval_every=50, eval_size=256,
+      eval_temperature=1.0, checkpoint_every=25, max_to_keep=2, plot=True))
+  cfg.logging = common.logging()
+  cfg.logging.run_name = f"qwen3_30b_a3b_minirl_n{n}"
+  return cfg
