@@ -109,7 +109,8 @@ def main():
           f"(MoE {m.n_moe_layers}, E={m.n_experts}, K={m.n_experts_per_tok}); random init; "
           f"{jax.devices()[0].platform} x{jax.device_count()}")
     print(f"sc: loss.score_centering='topk' k={args.k} (sampler.record_topk="
-          f"{job.sampler.record_topk}); pg: 'none' (plain PG, same sampler)")
+          f"{job.sampler.record_topk}); pg: 'none'; otherwise the config's loss (method="
+          f"{job.loss.method!r}) and sampler for both; optim={job.optim.name}")
 
     for name in names:  # warm-up step 0: compiles generate / p_old forward / update
       c0, s0 = meter.snapshot()

@@ -1,4 +1,4 @@
-"""MiniRL (000) on Qwen3-30B-A3B: FP8 sampler, bf16 trainer, N mini-batches per global batch, 4 hosts x 8 GPUs.
+"""MiniRL (000) on Qwen3-30B-A3B: FP8 sampler, bf16 trainer, N mini-batches per global step, 4 x 8 GPUs.
 
 Command (arg `nN`, N in {1, 2, 4, 8}, default n1; the checkpoint is a local Hugging Face
 directory of a cold-started Qwen3-30B-A3B, read on every host):

@@ -1,4 +1,4 @@
-"""Sweeps as code: (name, overrides) grids over configs/countdown_tiny.py, and a CLI printing one command per run.
+"""Sweeps as code: (name, overrides) grids over configs/countdown_tiny.py; the CLI prints one command per run.
 
 Usage:
   python -m configs.sweeps                   # lists the sweeps
@@ -62,7 +62,7 @@ STALENESS = 64
 
 
 def methods() -> Sweep:
-  """Every correction method of SPEC's table, without score centering, under the base INT8 W/A + INT4 KV sampler."""
+  """Every correction method of SPEC's table, without score centering, under the base INT8/INT4 sampler."""
   out = []
   for m in METHODS:
     o = {"loss.method": m, "loss.score_centering": "none"}
@@ -118,8 +118,8 @@ def mismatch() -> Sweep:
 
 def off_policy() -> Sweep:
   """MiniRL at N in {1, 2, 4, 8} mini-batches per global batch, each with 000's replay mode."""
-  return [(f"n{n}_{REPLAY_FOR_N[n]}", dict(MINIRL, **{"rl.n_minibatches": n, "rl.routing_replay": REPLAY_FOR_N[n]}))
-          for n in (1, 2, 4, 8)]
+  return [(f"n{n}_{r}", dict(MINIRL, **{"rl.n_minibatches": n, "rl.routing_replay": r}))
+          for n, r in REPLAY_FOR_N.items()]
 
 
 def replay(n: int = 4) -> Sweep:

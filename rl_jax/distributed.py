@@ -1,4 +1,4 @@
-"""Multi-process start-up: `jax.distributed.initialize` from RL_JAX_* variables, or SLURM / TPU auto-detection."""
+"""Multi-process start-up: jax.distributed.initialize from RL_JAX_* variables, or SLURM / TPU detection."""
 from __future__ import annotations
 
 import os

@@ -2,6 +2,8 @@
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from rl_jax import distributed
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.")
 flags.mark_flags_as_required(["config", "workdir"])
@@ -11,6 +13,7 @@ JOBS = ("sft", "rl")
 
 def main(argv):
   del argv
+  distributed.maybe_initialize()  # multi-process runs (launch/): must precede any JAX computation
   logging.set_verbosity(logging.WARNING)  # orbax logs every file operation at INFO
   config = _CONFIG.value
   job = config.get("job")

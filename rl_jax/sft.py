@@ -148,7 +148,7 @@ def run(config: Any, workdir: str) -> dict:
                   disable=jax.process_index() != 0, mininterval=2.0)
   for step in bar:
     problems = task.make_problems(job.seed, "train", step * s.batch_size, s.batch_size)
-    batch = data_lib.sft_batch(task, tok, problems, s.max_len)
+    batch = sh.host_to_global(data_lib.sft_batch(task, tok, problems, s.max_len), mesh)
     params, opt_state, m = train_step(params, opt_state, batch)
     m = jax.device_get(m)
     if not bool(m["finite"]):

@@ -32,17 +32,22 @@ LOGICAL_RULES: dict[str | None, str | None] = {
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Mesh axis sizes; one axis may be -1 to take all remaining devices."""
+  """Mesh axis sizes; one axis may be -1 to take all remaining devices.
+
+  `num_devices` > 0 builds the mesh over only the first that many devices (0 = all).
+  """
   data: int = 1
   fsdp: int = -1
   expert: int = 1
   tensor: int = 1
+  num_devices: int = 0
 
   def __post_init__(self):
     sizes = [self.data, self.fsdp, self.expert, self.tensor]
     require(sum(s == -1 for s in sizes) <= 1, "mesh", "at most one axis may be -1")
     for name, s in zip(MESH_AXES, sizes):
       require(s == -1 or s >= 1, f"mesh.{name}", f"must be >= 1 or -1, got {s}")
+    require(self.num_devices >= 0, "mesh.num_devices", f"must be >= 0, got {self.num_devices}")
 
   def resolve(self, n_devices: int) -> tuple[int, ...]:
     sizes = [self.data, self.fsdp, self.expert, self.tensor]
@@ -61,6 +66,10 @@ def make_mesh(cfg: MeshConfig | None = None, devices=None) -> Mesh:
   """A 4-axis mesh over `devices` (default: all devices of all processes)."""
   cfg = cfg or MeshConfig()
   devices = list(jax.devices() if devices is None else devices)
+  if cfg.num_devices:
+    if cfg.num_devices > len(devices):
+      raise ConfigError(f"config key 'mesh.num_devices': {cfg.num_devices} > {len(devices)} available devices")
+    devices = devices[:cfg.num_devices]
   shape = cfg.resolve(len(devices))
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
 
@@ -122,3 +131,24 @@ def batch_divisor(mesh: Mesh) -> int:
 def param_shardings(state: Any, mesh: Mesh) -> dict:
   """`state_shardings` as a pure nested dict, matching `nnx.to_pure_dict(state)`."""
   return nnx.to_pure_dict(state_shardings(state, mesh))
+
+
+def host_to_global(batch: Any, mesh: Mesh) -> Any:
+  """Global arrays split over the batch axes from the full host batch every process holds.
+
+  Each process builds the same (deterministic) full batch; every device then takes its
+  own rows. This works unchanged on one process and on many (multi-host).
+  """
+  def one(x):
+    x = np.asarray(x)
+    sharding = batch_sharding(mesh, x.ndim) if x.ndim else replicated(mesh)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+  return jax.tree.map(one, batch)
+
+
+def to_host(x: Any) -> Any:
+  """The full value of a (possibly multi-host sharded) array as numpy, on every process."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(x, tiled=True))
+  return jax.tree.map(np.asarray, jax.device_get(x))

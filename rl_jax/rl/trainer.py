@@ -27,7 +27,7 @@ from rl_jax.optim import OptimConfig, make_optimizer
 from rl_jax.rl import plots
 from rl_jax.rl.advantages import compute_advantages
 from rl_jax.rl.loss_config import AdvantageConfig, LossConfig
-from rl_jax.rl.losses import rl_loss, rl_loss_from_hidden
+from rl_jax.rl.losses import chunked_logprobs, rl_loss, rl_loss_from_hidden
 from rl_jax.sampler import generate as gen
 from rl_jax.sampler import weights as sampler_weights
 from rl_jax.sampler.config import SamplerConfig, sampler_config
@@ -138,10 +138,25 @@ class RLJob:
               f"full score centering needs the sampler's full distribution: set it to "
               f"model.vocab_size={self.model.vocab_size}")
     s.check_vocab(self.model.vocab_size)
+    check_sampler_fits(self.model, s)
     require(self.rl.routing_replay == "none" or self.model.is_moe, "rl.routing_replay",
             f"{self.rl.routing_replay!r} needs an MoE model (model.n_experts > 0)")
     require(self.rl.routing_replay != "R3" or s.record_experts, "sampler.record_experts",
             "R3 replays the sampler's experts: record_experts must be True")
+
+
+def check_sampler_fits(model_cfg: ModelConfig, s: SamplerConfig) -> None:
+  """Quantization block sizes must divide the model's shapes: checked abstractly (no memory)."""
+  from rl_jax.quant import kv as qkv  # pylint: disable=g-import-not-at-top
+  from rl_jax.quant.params import quantize_params  # pylint: disable=g-import-not-at-top
+  _, state = ex.abstract_state(model_cfg)
+  jax.eval_shape(lambda p: quantize_params(p, s.quant), nnx.to_pure_dict(state))
+  if s.quant.kv.format not in ("fp32", "bf16"):
+    block = s.quant.kv.block_size if s.quant.kv.granularity == "block" else None
+    require(block is None or model_cfg.head_dim % block == 0, "sampler.quant.kv.block_size",
+            f"{block} does not divide model.head_dim={model_cfg.head_dim}")
+    slab = jax.ShapeDtypeStruct((1, 1, model_cfg.n_kv_heads, model_cfg.head_dim), jnp.float32)
+    jax.eval_shape(lambda x: qkv.kv_quantize(x, s.quant.kv), slab)
 
 
 def _masked_mean(x, mask):
@@ -171,7 +186,11 @@ class RLTrainer:
                         f"responses do not split over the mesh's batch axes ({div})")
     ex.check_batch(job.rl.eval_size, "rl.eval_size", self.mesh)
     self.task = ex.make_task(job.task)
-    self.tok = ex.make_tokenizer(self.task, job.model)
+    if job.warm_start.source == "hf":
+      from rl_jax.tasks.hf_tokenizer import HFTokenizer  # pylint: disable=g-import-not-at-top
+      self.tok = HFTokenizer.from_dir(job.warm_start.path)
+    else:
+      self.tok = ex.make_tokenizer(self.task, job.model)
     self._check_tokens()
     os.makedirs(workdir, exist_ok=True)
 
@@ -192,6 +211,8 @@ class RLTrainer:
       self.state, meta, self.start_step = self.ckpt.restore(self.state)
       print(f"[rl] resumed from step {self.start_step} in {self.ckpt.directory}")
     self.sampler_graphdef = sampler_weights.sampler_graphdef(job.model, job.sampler.dtype)
+    # Evaluation uses the clean float32 weights whatever the sampler's dtype.
+    self.eval_graphdef = sampler_weights.sampler_graphdef(job.model, "float32")
     self.eval_cfg = dataclasses.replace(job.sampler, greedy=True, noise="none", noise_sigma=0.0,
                                         quant="none", dtype="float32", record_topk=0,
                                         record_experts=False)
@@ -214,7 +235,9 @@ class RLTrainer:
       return ex.init_params(job.model, job.seed, self.mesh)
     if ws.source == "hf":
       from rl_jax.models import hf  # pylint: disable=g-import-not-at-top
-      model = hf.load_hf_model(ws.path, mesh=self.mesh)
+      m = job.model
+      model = hf.load_hf_model(ws.path, mesh=self.mesh, dtype=m.dtype, param_dtype=m.param_dtype,
+                               remat=m.remat, router_aux_loss_coef=m.router_aux_loss_coef)
       if model.cfg != job.model:
         raise ConfigError(f"config key 'model': differs from the HF checkpoint {ws.path}/config.json; "
                           f"set model to {model.cfg}")
@@ -256,9 +279,18 @@ class RLTrainer:
 
     def old_forward(params, ro: dict, prompt_len: int):
       """p_old of the sampled tokens and the trainer's own theta_old routing (one forward)."""
-      out = nnx.merge(graphdef, params)(ro["tokens_BS"], ro["positions_BS"], ro["valid_BS"])
-      logits_BTV = _response_slice(out.logits_BTV, prompt_len, ro["logq_BT"].shape[1])
-      logp_old_BT = ex.token_logprobs(logits_BTV, ro["response_BT"], temp)
+      model = nnx.merge(graphdef, params)
+      chunked = loss_cfg.chunk_size > 0
+      out = model(ro["tokens_BS"], ro["positions_BS"], ro["valid_BS"], return_hidden=chunked,
+                  compute_logits=not chunked)
+      t = ro["logq_BT"].shape[1]
+      if chunked:  # never materialize [B, S, V] logits for long responses
+        hidden = _response_slice(out.hidden_BTD, prompt_len, t)
+        logp_old_BT = chunked_logprobs(hidden, model.unembed_weight(), ro["response_BT"][..., None],
+                                       temp, loss_cfg.chunk_size)[0][..., 0]
+      else:
+        logits_BTV = _response_slice(out.logits_BTV, prompt_len, t)
+        logp_old_BT = ex.token_logprobs(logits_BTV, ro["response_BT"], temp)
       mask = ro["response_mask_BT"]
       log_x = logp_old_BT - ro["logq_BT"]
       x = jnp.exp(log_x)
@@ -338,7 +370,7 @@ class RLTrainer:
 
   def score(self, problems, ro) -> np.ndarray:
     """Task rewards on the host: the only place tokens leave the device."""
-    texts = data_lib.decode_completions(self.tok, jax.device_get(ro.response_BT))
+    texts = data_lib.decode_completions(self.tok, sh.to_host(ro.response_BT))
     return np.asarray([self.task.reward(p, t) for p, t in zip(problems, texts)], np.float32)
 
   def batch_arrays(self, ro) -> dict:
@@ -432,7 +464,7 @@ class RLTrainer:
     key = jax.random.fold_in(jax.random.key(self.job.seed), 0xE7A1)
     out = {}
     for name, cfg in (("greedy", self.eval_cfg), ("sampled", self.eval_sampled_cfg)):
-      ro = gen.generate(self.sampler_graphdef, clean, ids, valid, key, cfg, mesh=self.mesh)
+      ro = gen.generate(self.eval_graphdef, clean, ids, valid, key, cfg, mesh=self.mesh)
       out[f"eval_{name}_accuracy"] = float(self.score(problems, ro).mean())
     return out
 
