@@ -62,7 +62,9 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, kv
   from rl_jax.quant import kv as qkv  # pylint: disable=g-import-not-at-top
   # Quantizing a zero slab gives the stored layout (packing, dtypes, scale shape).
   vals, scales = jax.eval_shape(lambda x: qkv.kv_quantize(x, kv_spec), jax.ShapeDtypeStruct(shape, dtype))
-  def zeros(s):
-    return jnp.zeros(s.shape, s.dtype)
-  return [LayerKV(zeros(vals), zeros(vals), zeros(scales), zeros(scales), spec=kv_spec)
+  zeros = lambda s: jnp.zeros(s.shape, s.dtype)
+  # Unit scales in unwritten slots: an e8m0 scale has no zero (0 casts to NaN), and masked
+  # attention still computes 0 * value there, so a NaN would poison every row.
+  ones = lambda s: jnp.ones(s.shape, s.dtype)
+  return [LayerKV(zeros(vals), zeros(vals), ones(scales), ones(scales), spec=kv_spec)
           for _ in range(cfg.n_layers)]

@@ -62,8 +62,10 @@ def kv_cache_zeros(shape_BSHD: tuple[int, ...], spec, dtype=jnp.float32
   """An empty cache `(values, scales)` laid out as `kv_quantize` writes it."""
   vals, scales = jax.eval_shape(lambda x: kv_quantize(x, spec, "xla"),
                                 jax.ShapeDtypeStruct(shape_BSHD, dtype))
+  # Unit scales: e8m0 has no zero, and unwritten slots must read back as exact zeros.
   zeros = lambda s: None if s is None else jnp.zeros(s.shape, s.dtype)
-  return zeros(vals), zeros(scales)
+  ones = lambda s: None if s is None else jnp.ones(s.shape, s.dtype)
+  return zeros(vals), ones(scales)
 
 
 def kv_write(cache: tuple[jax.Array, jax.Array | None], x_new_BTHD: jax.Array, index, spec,

@@ -284,21 +284,6 @@ def _constrainer(mesh: Mesh | None, n_kv_heads: int):
   return constrain
 
 
-def _finite_scales(cache: list) -> list:
-  """Unit scales in not-yet-written slots of a quantized cache.
-
-  `init_cache` fills scales with zeros, but e8m0 (fp4 block scales) has no zero: a zero
-  cast to it is NaN. Masked attention gives such slots probability 0, yet 0 * NaN in
-  `probs @ v` is NaN, so one unwritten slot would poison every row. Scale 1 with zero
-  codes reads back as exact zeros in every format.
-  """
-  def fix(layer):
-    if layer.k_scale is None:
-      return layer
-    return dataclasses.replace(layer, k_scale=jnp.ones_like(layer.k_scale), v_scale=jnp.ones_like(layer.v_scale))
-  return [fix(layer) for layer in cache]
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "kv_spec", "mesh"))
 def _generate(graphdef, state, prompts_BP, valid_BP, key, *, cfg: SamplerConfig, kv_spec, mesh):
   TRACE_COUNT["generate"] += 1
@@ -324,7 +309,7 @@ def _generate(graphdef, state, prompts_BP, valid_BP, key, *, cfg: SamplerConfig,
   # Keys of response slots are valid; the causal `slot <= query slot` rule hides the
   # future ones. Rows that finished keep decoding garbage that nobody reads.
   kv_valid_BS = jnp.concatenate([pvalid_BP, jnp.ones((b, t), bool)], axis=1)
-  cache = constrain(_finite_scales(init_cache(mcfg, b, s, dtype_of(mcfg.dtype), kv_spec)))
+  cache = constrain(init_cache(mcfg, b, s, dtype_of(mcfg.dtype), kv_spec))
   experts_BSLK = jnp.zeros((b, s, n_moe, k_exp), jnp.int32) if record_experts else None
 
   # Prefill: every prompt token but the last in one forward pass, no logits. The last
