@@ -146,32 +146,34 @@ def run(config: Any, workdir: str) -> dict:
   t0 = time.time()
   bar = tqdm.tqdm(range(start, s.steps), initial=start, total=s.steps, desc="sft",
                   disable=jax.process_index() != 0, mininterval=2.0)
-  for step in bar:
-    problems = task.make_problems(job.seed, "train", step * s.batch_size, s.batch_size)
-    batch = sh.host_to_global(data_lib.sft_batch(task, tok, problems, s.max_len), mesh)
-    params, opt_state, m = train_step(params, opt_state, batch)
-    m = jax.device_get(m)
-    if not bool(m["finite"]):
-      raise FloatingPointError(
-          f"non-finite loss/gradient at SFT step {step + 1} (loss={m['loss']}, grad_norm="
-          f"{m['grad_norm']}); the update was not applied and nothing was saved. Last good "
-          f"checkpoint: step {ckpt.latest_step()} in {ckpt.directory}")
-    done = step + 1
-    row = {"loss": m["loss"], "nll": m["nll"], "grad_norm": m["grad_norm"], "aux_loss": m["aux_loss"],
-           "time_s": time.time() - t0}
-    if done % s.eval_every == 0 or done == s.steps:
-      row["eval_accuracy"] = evaluate(task, tok, graphdef, params, job.seed, s.eval_size,
-                                      s.eval_max_new_tokens)
-      bar.set_postfix(loss=f"{float(m['loss']):.3f}", acc=f"{row['eval_accuracy']:.3f}")
-    writer.write(done, row)
-    final = row
-    if done % s.checkpoint_every == 0 or done == s.steps:
-      ckpt.save(done, {"params": params, "opt_state": opt_state}, {"step": done, "job": "sft"})
-    if _CRASH_AFTER_STEP is not None and done == _CRASH_AFTER_STEP:
-      raise InjectedCrash(f"injected crash after step {done}")
-  bar.close()
-  writer.close()
-  ckpt.close()
+  try:
+    for step in bar:
+      problems = task.make_problems(job.seed, "train", step * s.batch_size, s.batch_size)
+      batch = sh.host_to_global(data_lib.sft_batch(task, tok, problems, s.max_len), mesh)
+      params, opt_state, m = train_step(params, opt_state, batch)
+      m = jax.device_get(m)
+      if not bool(m["finite"]):
+        raise FloatingPointError(
+            f"non-finite loss/gradient at SFT step {step + 1} (loss={m['loss']}, grad_norm="
+            f"{m['grad_norm']}); the update was not applied and nothing was saved. Last good "
+            f"checkpoint: step {ckpt.latest_step()} in {ckpt.directory}")
+      done = step + 1
+      row = {"loss": m["loss"], "nll": m["nll"], "grad_norm": m["grad_norm"], "aux_loss": m["aux_loss"],
+             "time_s": time.time() - t0}
+      if done % s.eval_every == 0 or done == s.steps:
+        row["eval_accuracy"] = evaluate(task, tok, graphdef, params, job.seed, s.eval_size,
+                                        s.eval_max_new_tokens)
+        bar.set_postfix(loss=f"{float(m['loss']):.3f}", acc=f"{row['eval_accuracy']:.3f}")
+      writer.write(done, row)
+      final = row
+      if done % s.checkpoint_every == 0 or done == s.steps:
+        ckpt.save(done, {"params": params, "opt_state": opt_state}, {"step": done, "job": "sft"})
+      if _CRASH_AFTER_STEP is not None and done == _CRASH_AFTER_STEP:
+        raise InjectedCrash(f"injected crash after step {done}")
+  finally:
+    bar.close()
+    writer.close()
+    ckpt.close()
   if jax.process_index() == 0 and final:
     summary = {k: float(v) for k, v in final.items()}
     with open(os.path.join(workdir, "summary.json"), "w") as f:

@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import tokenizers
 
-from rl_jax.tasks.tokenizer import PadSide, encode_batch
+from rl_jax.tasks.tokenizer import BatchCodec
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -36,7 +36,7 @@ def _ids(value: Any) -> list[int]:
   return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-class HFTokenizer:
+class HFTokenizer(BatchCodec):
   """A Hugging Face fast tokenizer with the same small interface as CharTokenizer.
 
   `encode` adds no special tokens (bos / eos are added by `encode_batch` flags),
@@ -179,13 +179,6 @@ class HFTokenizer:
     if run:
       out.append(self._tok.decode(run, skip_special_tokens=False))
     return "".join(out)
-
-  def encode_batch(self, texts: Sequence[str], max_len: int, pad_side: PadSide = "left",
-                   add_bos: bool = False, add_eos: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    return encode_batch(self, texts, max_len, pad_side=pad_side, add_bos=add_bos, add_eos=add_eos)
-
-  def decode_batch(self, ids: np.ndarray) -> list[str]:
-    return [self.decode(row) for row in np.asarray(ids)]
 
   def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                           add_generation_prompt: bool = False, **kwargs) -> str:

@@ -44,7 +44,19 @@ COUNTDOWN_CHARS = (" " + string.digits + "+-*/()" + string.ascii_lowercase
 REPLACEMENT_CHAR = "\ufffd"
 
 
-class CharTokenizer:
+class BatchCodec:
+  """Batch encode / decode for any tokenizer with `encode` / `decode` and the special ids."""
+
+  def encode_batch(self, texts: Sequence[str], max_len: int, pad_side: PadSide = "left",
+                   add_bos: bool = False, add_eos: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """See the module-level encode_batch."""
+    return encode_batch(self, texts, max_len, pad_side=pad_side, add_bos=add_bos, add_eos=add_eos)
+
+  def decode_batch(self, ids: np.ndarray) -> list[str]:
+    return [self.decode(row) for row in np.asarray(ids)]
+
+
+class CharTokenizer(BatchCodec):
   """One id per character of `chars`, after the special tokens (pad=0, bos=1, eos=2).
 
   `<answer>` and `</answer>` are encoded as single tokens (ids 3, 4) wherever
@@ -131,13 +143,6 @@ class CharTokenizer:
       out.append(self._id_to_text[t] if 0 <= t < len(self._id_to_text) else REPLACEMENT_CHAR)
     return "".join(out)
 
-  def encode_batch(self, texts: Sequence[str], max_len: int, pad_side: PadSide = "left",
-                   add_bos: bool = False, add_eos: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """See encode_batch below."""
-    return encode_batch(self, texts, max_len, pad_side=pad_side, add_bos=add_bos, add_eos=add_eos)
-
-  def decode_batch(self, ids: np.ndarray) -> list[str]:
-    return [self.decode(row) for row in np.asarray(ids)]
 
 
 def encode_batch(tokenizer: Tokenizer, texts: Sequence[str], max_len: int,
