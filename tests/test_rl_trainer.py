@@ -171,3 +171,13 @@ def test_kill9_resume_matches_uninterrupted(tmp_path):
   a = trainer_lib.RLTrainer(cfg, str(clean)).state
   b = trainer_lib.RLTrainer(cfg, str(killed)).state
   assert _grads_equal(a, b)
+
+
+def test_staleness_refreshes_sampler_only_every_k_steps(tmp_path):
+  tr = trainer_lib.RLTrainer(_config(**{"rl.staleness": 2, "rl.steps": 2}), str(tmp_path))
+  initial = jax.tree.map(np.asarray, tr.state["params"])
+  tr.train_step(0)
+  assert _grads_equal(tr.state["sampler_src"], initial), "refreshed before K steps"
+  assert not _grads_equal(tr.state["params"], initial)
+  tr.train_step(1)
+  assert _grads_equal(tr.state["sampler_src"], tr.state["params"])

@@ -204,7 +204,8 @@ class RLTrainer:
     if delta is not None:
       self.state["noise"] = delta
     if job.rl.staleness > 1:
-      self.state["sampler_src"] = params
+      # A copy: the trainer's params are donated to every update.
+      self.state["sampler_src"] = jax.tree.map(jnp.copy, params)
     self.start_step = 0
     self.ckpt = Checkpointer(workdir, max_to_keep=job.rl.max_to_keep)
     if self.ckpt.latest_step() is not None:
@@ -438,7 +439,7 @@ class RLTrainer:
     done = step + 1
     if done % self.job.rl.staleness == 0:
       if "sampler_src" in self.state:
-        self.state["sampler_src"] = self.state["params"]
+        self.state["sampler_src"] = jax.tree.map(jnp.copy, self.state["params"])
       self.sync_sampler()
       jax.block_until_ready(self.sampler_state)
     t4 = time.perf_counter()
