@@ -47,13 +47,18 @@ def make_tokenizer(task: Task, model_cfg: ModelConfig) -> CharTokenizer:
 
 
 def init_params(model_cfg: ModelConfig, seed: int, mesh=None) -> tuple[Any, dict]:
-  """(graphdef, params as a pure dict), params placed with their shardings when a mesh is given."""
-  model = Transformer(model_cfg, rngs=nnx.Rngs(seed))
-  graphdef, state = nnx.split(model)
-  params = nnx.to_pure_dict(state)
-  if mesh is not None:
-    params = jax.device_put(params, sh.param_shardings(state, mesh))
-  return graphdef, params
+  """(graphdef, params as a pure dict), params placed with their shardings when a mesh is given.
+
+  Initialization runs as one jitted program that writes every parameter straight into
+  its sharding: no host copy of the full model, and one compilation instead of one per
+  parameter shape (eager init compiles a random-normal kernel per distinct shape).
+  """
+  graphdef, abstract = abstract_state(model_cfg)
+  shardings = sh.param_shardings(abstract, mesh) if mesh is not None else None
+
+  def init():
+    return nnx.to_pure_dict(nnx.split(Transformer(model_cfg, rngs=nnx.Rngs(seed)))[1])
+  return graphdef, jax.jit(init, out_shardings=shardings)()
 
 
 def abstract_state(model_cfg: ModelConfig):
