@@ -238,8 +238,7 @@ def test_alignment_helpers_round_trip():
 def test_sharded_equals_unsharded():
   """Batch split over the mesh's batch axes (8 host devices, 4-way batch, 2-way tensor): same rollout."""
   from rl_jax.sharding import MeshConfig, batch_sharding, make_mesh, shard_state  # pylint: disable=g-import-not-at-top
-  if jax.device_count() < 8:
-    pytest.skip("needs 8 (simulated) devices")
+  assert jax.device_count() == 8, "tests/conftest.py forces 8 host devices"
   model = _model(moe=True)
   graphdef, state = nnx.split(model)
   # The zero-mismatch test's MoE config and batch shape: the unsharded program is reused.
