@@ -194,7 +194,12 @@ class RLTrainer:
     self._check_tokens()
     os.makedirs(workdir, exist_ok=True)
 
-    self.graphdef, params = self._warm_start()
+    self.ckpt = Checkpointer(workdir, max_to_keep=job.rl.max_to_keep)
+    resuming = self.ckpt.latest_step() is not None
+    # On resume the checkpoint overwrites everything: skip the (possibly costly) warm start
+    # and only build the structure and shardings to restore into.
+    self.graphdef, params = (ex.init_params(job.model, job.seed, self.mesh) if resuming
+                             else self._warm_start())
     self.optimizer = make_optimizer(job.optim)
     opt_state = ex.init_opt_state(self.optimizer, params, self.mesh)
     noise_key = jax.random.fold_in(jax.random.key(job.seed), 0x5E5)
@@ -207,8 +212,7 @@ class RLTrainer:
       # A copy: the trainer's params are donated to every update.
       self.state["sampler_src"] = jax.tree.map(jnp.copy, params)
     self.start_step = 0
-    self.ckpt = Checkpointer(workdir, max_to_keep=job.rl.max_to_keep)
-    if self.ckpt.latest_step() is not None:
+    if resuming:
       self.state, meta, self.start_step = self.ckpt.restore(self.state)
       print(f"[rl] resumed from step {self.start_step} in {self.ckpt.directory}")
     self.sampler_graphdef = sampler_weights.sampler_graphdef(job.model, job.sampler.dtype)
@@ -246,13 +250,15 @@ class RLTrainer:
       return graphdef, nnx.to_pure_dict(state)
     from rl_jax import sft  # pylint: disable=g-import-not-at-top
     path = ws.path or os.path.join(self.workdir, "warm_start")
+    warm = Checkpointer(path)
+    done = warm.latest_step()
+    warm.close()
     if ws.source == "auto":
       sft_config = self._sft_config()
-      done = Checkpointer(path).latest_step()
       if done is None or done < sft_config.sft.steps:
         print(f"[rl] no warm start in {path}: running SFT first (cached for later runs)")
         sft.run(sft_config, path)
-    elif Checkpointer(path).latest_step() is None:
+    elif done is None:
       raise FileNotFoundError(f"config key 'warm_start.path': no SFT checkpoint in {path}")
     graphdef, params, step = sft.load_params(path, job.model, job.seed, self.mesh)
     print(f"[rl] warm start: SFT step {step} from {path}")
