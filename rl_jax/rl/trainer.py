@@ -20,8 +20,8 @@ from rl_jax import data as data_lib
 from rl_jax import experiment as ex
 from rl_jax import sharding as sh
 from rl_jax.checkpoint import Checkpointer
-from rl_jax.config_utils import ConfigError, from_dict, require
-from rl_jax.metrics import LoggingConfig, MetricsWriter
+from rl_jax.config_utils import ConfigError, require
+from rl_jax.metrics import LoggingConfig, MetricsWriter, read_metrics
 from rl_jax.models import ModelConfig
 from rl_jax.optim import OptimConfig, make_optimizer
 from rl_jax.rl import plots
@@ -213,7 +213,7 @@ class RLTrainer:
       self.state["sampler_src"] = jax.tree.map(jnp.copy, params)
     self.start_step = 0
     if resuming:
-      self.state, meta, self.start_step = self.ckpt.restore(self.state)
+      self.state, _, self.start_step = self.ckpt.restore(self.state)
       print(f"[rl] resumed from step {self.start_step} in {self.ckpt.directory}")
     self.sampler_graphdef = sampler_weights.sampler_graphdef(job.model, job.sampler.dtype)
     # Evaluation uses the clean float32 weights whatever the sampler's dtype.
@@ -513,7 +513,6 @@ class RLTrainer:
     return summary
 
   def summarize(self) -> dict:
-    from rl_jax.metrics import read_metrics  # pylint: disable=g-import-not-at-top
     rows = read_metrics(self.workdir)
     evals = [r for r in rows if "eval_greedy_accuracy" in r]
     summary = {}
