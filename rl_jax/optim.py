@@ -15,7 +15,7 @@ class OptimConfig:
   lr: float = 1e-2
   schedule: Literal["constant", "cosine"] = "constant"
   warmup_steps: int = 0
-  total_steps: int = 0          # needed by 'cosine'
+  total_steps: int = 0          # needed by 'cosine' (counts optimizer updates; RL: 0 = the whole run)
   weight_decay: float = 0.0
   b1: float = 0.9
   b2: float = 0.999

@@ -10,10 +10,20 @@ import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-imp
 
 PANELS = (
     ("Reward (train)", ("reward",)),
-    ("Held-out accuracy", ("eval_greedy_accuracy", "eval_sampled_accuracy")),
+    ("Held-out accuracy", ("eval_greedy_accuracy", "eval_sampled_accuracy", "eval_pass_at_k")),
     ("Token entropy of p", ("loss/entropy",)),
     ("Train/inference KL(q || p_old)", ("kl_k1", "kl_k3")),
 )
+
+
+SMOOTH = 9
+
+
+def moving_average(ys, window: int) -> list[float]:
+  """Centered moving average; the window shrinks at the ends instead of padding."""
+  half = window // 2
+  return [sum(ys[max(0, i - half):i + half + 1]) / len(ys[max(0, i - half):i + half + 1])
+          for i in range(len(ys))]
 
 
 def plot_run(rows: list[dict], path: str) -> str:
@@ -25,7 +35,11 @@ def plot_run(rows: list[dict], path: str) -> str:
              if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
       if pts:
         xs, ys = zip(*pts)
-        ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, ms=3, label=key)
+        dense = len(pts) >= 30
+        ax.plot(xs, ys, marker=None if dense else "o", ms=3, label=key, alpha=0.4 if dense else 1.0)
+        if dense:  # per-step figures are noisy: overlay a centered moving average (as 001 plots)
+          ax.plot(xs, moving_average(ys, SMOOTH), color=ax.lines[-1].get_color(),
+                  label=f"{key} (avg {SMOOTH})")
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)

@@ -1,6 +1,7 @@
 """RL job: synchronous single-controller loop of sampling, scoring, p_old forward, N updates and sync."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -20,7 +21,7 @@ from rl_jax import data as data_lib
 from rl_jax import experiment as ex
 from rl_jax import sharding as sh
 from rl_jax.checkpoint import Checkpointer
-from rl_jax.config_utils import ConfigError, require
+from rl_jax.config_utils import ConfigError, from_dict, require
 from rl_jax.metrics import LoggingConfig, MetricsWriter, read_metrics
 from rl_jax.models import ModelConfig
 from rl_jax.optim import OptimConfig, make_optimizer
@@ -51,6 +52,9 @@ class RLConfig:
   `staleness` is K of 001: the sampler's weights are refreshed only every K steps.
   `routing_replay`: 'none', 'R2' (replay the trainer's own theta_old experts) or 'R3'
   (replay the sampler's experts), applied to every update of the global step (000).
+  Held-out eval every `eval_every` steps on `eval_size` fixed prompts: greedy accuracy, and
+  `eval_samples` completions per prompt at `eval_temperature` for the sampled accuracy
+  (mean@k: the policy's expected held-out reward) and pass@k.
   """
   steps: int = 100
   prompts_per_step: int = 16
@@ -61,13 +65,14 @@ class RLConfig:
   eval_every: int = 25
   eval_size: int = 128
   eval_temperature: float = 1.0
+  eval_samples: int = 4
   checkpoint_every: int = 25
   max_to_keep: int = 2
   plot: bool = True
 
   def __post_init__(self):
     for k in ("steps", "prompts_per_step", "group_size", "n_minibatches", "staleness",
-              "eval_every", "eval_size", "checkpoint_every", "max_to_keep"):
+              "eval_every", "eval_size", "eval_samples", "checkpoint_every", "max_to_keep"):
       require(getattr(self, k) >= 1, f"rl.{k}", f"must be >= 1, got {getattr(self, k)}")
     require(self.prompts_per_step % self.n_minibatches == 0, "rl.n_minibatches",
             f"prompts_per_step={self.prompts_per_step} must split into {self.n_minibatches} "
@@ -109,15 +114,21 @@ class RLJob:
   @classmethod
   def from_config(cls, config: Any) -> "RLJob":
     ex.check_top_level(config, TOP_LEVEL)
+    rl = ex.section(config, "rl", RLConfig)
+    optim = config.get("optim", {})
+    optim = dict(optim.to_dict() if hasattr(optim, "to_dict") else optim)
+    if optim.get("schedule") == "cosine" and not optim.get("total_steps"):
+      # 0 = the whole run, so overriding rl.steps stretches the schedule with it.
+      optim["total_steps"] = rl.steps * rl.n_minibatches
     job = cls(seed=int(config.get("seed", 0)),
               task=ex.section(config, "task", ex.TaskConfig),
               model=ex.section(config, "model", ModelConfig),
               mesh=ex.section(config, "mesh", sh.MeshConfig),
-              optim=ex.section(config, "optim", OptimConfig),
+              optim=from_dict(OptimConfig, optim, prefix="optim"),
               sampler=sampler_config(config.get("sampler", {})),
               loss=ex.section(config, "loss", LossConfig),
               advantage=ex.section(config, "advantage", AdvantageConfig),
-              rl=ex.section(config, "rl", RLConfig),
+              rl=rl,
               warm_start=ex.section(config, "warm_start", WarmStartConfig),
               logging=ex.section(config, "logging", LoggingConfig))
     job.check()
@@ -375,10 +386,14 @@ class RLTrainer:
                       mesh=self.mesh)
     return [p for p in problems for _ in range(g)], ro
 
+  def completions(self, ro) -> list[str]:
+    """Response texts on the host: the only place tokens leave the device."""
+    return data_lib.decode_completions(self.tok, sh.to_host(ro.response_BT))
+
   def score(self, problems, ro) -> np.ndarray:
-    """Task rewards on the host: the only place tokens leave the device."""
-    texts = data_lib.decode_completions(self.tok, sh.to_host(ro.response_BT))
-    return np.asarray([self.task.reward(p, t) for p, t in zip(problems, texts)], np.float32)
+    """Task rewards, computed on the host."""
+    return np.asarray([self.task.reward(p, t) for p, t in zip(problems, self.completions(ro))],
+                      np.float32)
 
   def batch_arrays(self, ro) -> dict:
     d = dict(tokens_BS=ro.tokens_BS, positions_BS=ro.positions_BS, valid_BS=ro.valid_BS,
@@ -464,15 +479,25 @@ class RLTrainer:
     return row
 
   def evaluate(self) -> dict:
-    """Held-out greedy and sampled accuracy with the clean (unquantized, noise-free) weights."""
-    n = self.job.rl.eval_size
+    """Held-out greedy accuracy, sampled mean@k and pass@k; clean fp32 weights (no quant, noise)."""
+    n, k = self.job.rl.eval_size, self.job.rl.eval_samples
     problems, ids, valid = self.prompts(0, split="eval", count=n, start=0)
     clean = sampler_weights.sync_weights(self.state["params"], None, None, "float32")
     key = jax.random.fold_in(jax.random.key(self.job.seed), 0xE7A1)
-    out = {}
-    for name, cfg in (("greedy", self.eval_cfg), ("sampled", self.eval_sampled_cfg)):
-      ro = gen.generate(self.eval_graphdef, clean, ids, valid, key, cfg, mesh=self.mesh)
-      out[f"eval_{name}_accuracy"] = float(self.score(problems, ro).mean())
+    ro = gen.generate(self.eval_graphdef, clean, ids, valid, key, self.eval_cfg, mesh=self.mesh)
+    texts = self.completions(ro)
+    greedy = [self.task.reward(p, t) for p, t in zip(problems, texts)]
+    out = {"eval_greedy_accuracy": float(np.mean(greedy))}
+    if hasattr(self.task, "reward_details"):
+      # Why greedy answers fail (malformed, wrong numbers, wrong value): what RL is fixing.
+      outcomes = collections.Counter(self.task.reward_details(p, t).error or "correct"
+                                     for p, t in zip(problems, texts))
+      out.update({f"eval_greedy_outcome/{name}": c / n for name, c in sorted(outcomes.items())})
+    ids, valid = gen.repeat_prompts((ids, valid), k)
+    ro = gen.generate(self.eval_graphdef, clean, ids, valid, key, self.eval_sampled_cfg, mesh=self.mesh)
+    r_nk = self.score([p for p in problems for _ in range(k)], ro).reshape(n, k)
+    out["eval_sampled_accuracy"] = float(r_nk.mean())
+    out["eval_pass_at_k"] = float((r_nk >= 1.0).any(axis=1).mean())
     return out
 
   def save(self, step: int) -> None:
@@ -516,10 +541,11 @@ class RLTrainer:
     rows = read_metrics(self.workdir)
     evals = [r for r in rows if "eval_greedy_accuracy" in r]
     summary = {}
-    if evals:
-      summary = {"start_eval_greedy_accuracy": evals[0]["eval_greedy_accuracy"],
-                 "final_eval_greedy_accuracy": evals[-1]["eval_greedy_accuracy"],
-                 "final_eval_sampled_accuracy": evals[-1]["eval_sampled_accuracy"]}
+    for name in ("greedy_accuracy", "sampled_accuracy", "pass_at_k"):
+      have = [r[f"eval_{name}"] for r in evals if f"eval_{name}" in r]
+      if have:  # the first eval is the warm start's (step 0)
+        summary.update({f"start_eval_{name}": have[0], f"final_eval_{name}": have[-1],
+                        f"gain_eval_{name}": have[-1] - have[0]})
     train = [r for r in rows if "reward" in r]
     if train:
       summary.update(final_reward=train[-1]["reward"], mean_kl_k1=float(np.mean([r["kl_k1"] for r in train])),
