@@ -19,6 +19,8 @@ class LayerKV:
   k_scale: jax.Array | None = None
   v_scale: jax.Array | None = None
   spec: Any = dataclasses.field(default=None, metadata=dict(static=True))
+  # Quant kernels for the write/read path: 'auto' | 'pallas' | 'xla' (QuantConfig.backend).
+  backend: str = dataclasses.field(default="auto", metadata=dict(static=True))
 
   @property
   def quantized(self) -> bool:
@@ -38,22 +40,23 @@ class LayerKV:
       new = dataclasses.replace(self, k=k, v=v)
       return new, k.astype(dtype), v.astype(dtype)
     from rl_jax.quant import kv as qkv  # pylint: disable=g-import-not-at-top
-    kq, ks = qkv.kv_quantize(k_new_BTHD, self.spec)
-    vq, vs = qkv.kv_quantize(v_new_BTHD, self.spec)
+    kq, ks = qkv.kv_quantize(k_new_BTHD, self.spec, self.backend)
+    vq, vs = qkv.kv_quantize(v_new_BTHD, self.spec, self.backend)
     new = dataclasses.replace(
         self,
         k=jax.lax.dynamic_update_slice(self.k, kq, start),
         v=jax.lax.dynamic_update_slice(self.v, vq, start),
         k_scale=jax.lax.dynamic_update_slice(self.k_scale, ks.astype(self.k_scale.dtype), start),
         v_scale=jax.lax.dynamic_update_slice(self.v_scale, vs.astype(self.v_scale.dtype), start))
-    k_all = qkv.kv_dequantize(new.k, new.k_scale, self.spec, dtype)
-    v_all = qkv.kv_dequantize(new.v, new.v_scale, self.spec, dtype)
+    k_all = qkv.kv_dequantize(new.k, new.k_scale, self.spec, dtype, self.backend)
+    v_all = qkv.kv_dequantize(new.v, new.v_scale, self.spec, dtype, self.backend)
     return new, k_all, v_all
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, kv_spec=None
-               ) -> list[LayerKV]:
-  """Zero cache for every layer; `kv_spec` (a quant FormatSpec) selects low-bit storage."""
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, kv_spec=None,
+               backend: str = "auto") -> list[LayerKV]:
+  """Zero cache for every layer; `kv_spec` (a quant FormatSpec) selects low-bit storage and
+  `backend` the kernels that write and read it."""
   shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
   fmt = getattr(kv_spec, "format", None)
   if kv_spec is None or fmt in ("fp32", "bf16"):
@@ -61,10 +64,11 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, kv
     return [LayerKV(jnp.zeros(shape, cdt), jnp.zeros(shape, cdt)) for _ in range(cfg.n_layers)]
   from rl_jax.quant import kv as qkv  # pylint: disable=g-import-not-at-top
   # Quantizing a zero slab gives the stored layout (packing, dtypes, scale shape).
-  vals, scales = jax.eval_shape(lambda x: qkv.kv_quantize(x, kv_spec), jax.ShapeDtypeStruct(shape, dtype))
+  vals, scales = jax.eval_shape(lambda x: qkv.kv_quantize(x, kv_spec, "xla"),
+                                jax.ShapeDtypeStruct(shape, dtype))
   zeros = lambda s: jnp.zeros(s.shape, s.dtype)
   # Unit scales in unwritten slots: an e8m0 scale has no zero (0 casts to NaN), and masked
   # attention still computes 0 * value there, so a NaN would poison every row.
   ones = lambda s: jnp.ones(s.shape, s.dtype)
-  return [LayerKV(zeros(vals), zeros(vals), ones(scales), ones(scales), spec=kv_spec)
+  return [LayerKV(zeros(vals), zeros(vals), ones(scales), ones(scales), spec=kv_spec, backend=backend)
           for _ in range(cfg.n_layers)]

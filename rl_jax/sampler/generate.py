@@ -309,7 +309,8 @@ def _generate(graphdef, state, prompts_BP, valid_BP, key, *, cfg: SamplerConfig,
   # Keys of response slots are valid; the causal `slot <= query slot` rule hides the
   # future ones. Rows that finished keep decoding garbage that nobody reads.
   kv_valid_BS = jnp.concatenate([pvalid_BP, jnp.ones((b, t), bool)], axis=1)
-  cache = constrain(init_cache(mcfg, b, s, dtype_of(mcfg.dtype), kv_spec))
+  cache = constrain(init_cache(mcfg, b, s, dtype_of(mcfg.dtype), kv_spec,
+                               backend=getattr(cfg.quant, "backend", "auto")))
   experts_BSLK = jnp.zeros((b, s, n_moe, k_exp), jnp.int32) if record_experts else None
 
   # Prefill: every prompt token but the last in one forward pass, no logits. The last
