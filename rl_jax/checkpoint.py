@@ -5,8 +5,11 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from rl_jax import sharding as sh
 
 
 class Checkpointer:
@@ -29,9 +32,7 @@ class Checkpointer:
 
   def save(self, step: int, items: dict[str, Any], meta: dict) -> None:
     """Saves named pytrees (e.g. params, opt_state) at `step`; refuses non-finite values."""
-    bad = [f"{name}{jax.tree_util.keystr(p)}" for name, tree in items.items()
-           for p, x in jax.tree_util.tree_leaves_with_path(tree)
-           if np.issubdtype(np.asarray(x).dtype, np.floating) and not np.all(np.isfinite(np.asarray(x)))]
+    bad = nonfinite_leaves(items)
     if bad:
       raise FloatingPointError(f"refusing to checkpoint step {step}: non-finite values in {bad[:5]}")
     args = {name: ocp.args.StandardSave(tree) for name, tree in items.items()}
@@ -52,6 +53,30 @@ class Checkpointer:
 
   def close(self) -> None:
     self.manager.close()
+
+
+@jax.jit
+def _all_finite(leaves: list) -> jax.Array:
+  return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
+
+
+def nonfinite_leaves(items: dict[str, Any]) -> list[str]:
+  """Paths of the floating leaves holding a NaN or inf.
+
+  Reduced on device, one bool per leaf comes back: nothing is copied to the host, and it
+  works for arrays sharded over processes (which no single process can read whole).
+  """
+  paths, leaves = [], []
+  for name, tree in items.items():
+    for p, x in jax.tree_util.tree_leaves_with_path(tree):
+      dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+      if jnp.issubdtype(dtype, jnp.floating):
+        paths.append(f"{name}{jax.tree_util.keystr(p)}")
+        leaves.append(x)
+  if not leaves:
+    return []
+  ok = sh.to_host(_all_finite(leaves))
+  return [path for path, good in zip(paths, ok) if not good]
 
 
 def _abstract(x):

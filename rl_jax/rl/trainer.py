@@ -436,7 +436,7 @@ class RLTrainer:
                                           prompt_len)
       # Params were donated: keep the returned ones (unchanged when the step was not finite).
       self.state["params"], self.state["opt_state"] = params, opt_state
-      m = jax.device_get(m)
+      m = sh.to_host(m)
       if not bool(m["finite"]):
         raise FloatingPointError(
             f"non-finite loss or gradient at RL step {step + 1}, mini-batch {i} (loss={m['loss']}, "
@@ -453,7 +453,7 @@ class RLTrainer:
     rewards = self.score(problems, ro)
     t1 = time.perf_counter()
     batch, prompt_len, m_old = self.prepare(ro, rewards)
-    m_old = jax.device_get(m_old)
+    m_old = sh.to_host(m_old)
     t2 = time.perf_counter()
     m_upd = self.update(batch, prompt_len, step)
     t3 = time.perf_counter()
@@ -464,9 +464,10 @@ class RLTrainer:
       self.sync_sampler()
       jax.block_until_ready(self.sampler_state)
     t4 = time.perf_counter()
-    lengths = np.asarray(jax.device_get(ro.lengths_B))
-    head = jax.device_get(ro.head_mass_BT) if ro.head_mass_BT is not None else None
-    mask = np.asarray(jax.device_get(ro.response_mask_BT))
+    # Batch-sharded arrays: on a multi-host mesh each process holds only its rows.
+    lengths = sh.to_host(ro.lengths_B)
+    head = sh.to_host(ro.head_mass_BT) if ro.head_mass_BT is not None else None
+    mask = sh.to_host(ro.response_mask_BT)
     row = {"reward": float(rewards.mean()), "accuracy": float((rewards >= 1.0).mean()),
            "response_length": float(lengths.mean()),
            **{k: float(v) for k, v in m_old.items()},
