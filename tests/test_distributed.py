@@ -38,17 +38,18 @@ def _child_env(**extra) -> dict:
   return env
 
 
-def test_two_processes_global_sum():
+def _two_processes(args: list[str], timeout: int = TIMEOUT_S) -> list[str]:
+  """Runs `python ARGS` as processes 0 and 1 of one job; returns their outputs (rc 0 asserted)."""
   port = _free_port()
-  procs = [subprocess.Popen([sys.executable, "-c", WORKER], cwd=REPO, stdout=subprocess.PIPE,
+  procs = [subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
-                            env=_child_env(RL_JAX_COORDINATOR=f"127.0.0.1:{port}",
+                            env=_child_env(RL_JAX_COORDINATOR=f"127.0.0.1:{port}", WANDB_MODE="disabled",
                                            RL_JAX_NUM_PROCESSES="2", RL_JAX_PROCESS_ID=str(i)))
            for i in range(2)]
   outs = []
   try:
     for p in procs:
-      outs.append(p.communicate(timeout=TIMEOUT_S)[0])
+      outs.append(p.communicate(timeout=timeout)[0])
   finally:
     # A peer left waiting in a collective would never exit by itself.
     for p in procs:
@@ -56,7 +57,14 @@ def test_two_processes_global_sum():
         p.kill()
         p.communicate()
   for i, (p, out) in enumerate(zip(procs, outs)):
-    assert p.returncode == 0 and f"WORKER_OK {i}" in out, f"process {i} (rc {p.returncode}):\n{out}"
+    assert p.returncode == 0, f"process {i} (rc {p.returncode}):\n{out[-5000:]}"
+  return outs
+
+
+def test_two_processes_global_sum():
+  outs = _two_processes(["-c", WORKER])
+  for i, out in enumerate(outs):
+    assert f"WORKER_OK {i}" in out, f"process {i}:\n{out}"
 
 
 def test_launcher_script_runs_selftest(tmp_path):
@@ -92,26 +100,6 @@ def test_launch_scripts_parse():
     assert r.returncode == 0, (name, r.stderr)
 
 
-def _two_processes(args: list[str], timeout: int = 600) -> None:
-  port = _free_port()
-  procs = [subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env=_child_env(RL_JAX_COORDINATOR=f"127.0.0.1:{port}", WANDB_MODE="disabled",
-                                           RL_JAX_NUM_PROCESSES="2", RL_JAX_PROCESS_ID=str(i)))
-           for i in range(2)]
-  outs = []
-  try:
-    for p in procs:
-      outs.append(p.communicate(timeout=timeout)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.communicate()
-  for i, (p, out) in enumerate(zip(procs, outs)):
-    assert p.returncode == 0, f"process {i} (rc {p.returncode}):\n{out[-5000:]}"
-
-
 COMPARE = textwrap.dedent("""
     import sys
     import jax, numpy as np
@@ -138,8 +126,8 @@ def test_two_process_rl_run_matches_one_process_and_resumes(tmp_path):
   base = ["-m", "rl_jax.main", "--config=configs/countdown_tiny.py:test", "--config.warm_start.source=none",
           "--config.advantage.mode=raw", "--config.advantage.reward_mode=pm1"]
   multi, single = tmp_path / "multi", tmp_path / "single"
-  _two_processes(base + [f"--workdir={multi}", "--config.rl.steps=2"])
-  _two_processes(base + [f"--workdir={multi}", "--config.rl.steps=4"])  # resumes from step 2
+  _two_processes(base + [f"--workdir={multi}", "--config.rl.steps=2"], timeout=600)
+  _two_processes(base + [f"--workdir={multi}", "--config.rl.steps=4"], timeout=600)  # resumes from step 2
   env = _child_env(XLA_FLAGS="--xla_force_host_platform_device_count=4", WANDB_MODE="disabled")
   subprocess.run([sys.executable, *base, f"--workdir={single}", "--config.rl.steps=4"], cwd=REPO,
                  env=env, check=True, capture_output=True, timeout=600)
