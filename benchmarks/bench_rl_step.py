@@ -1,6 +1,6 @@
 """Time split of one RL step of configs/countdown_tiny.py and the overhead of top-k score centering."""
 # Usage:
-#   python benchmarks/bench_rl_step.py                 # the README config (16 x 8, INT8/INT4 sampler)
+#   python benchmarks/bench_rl_step.py                 # the README config (32 x 8, INT8/INT4 sampler)
 #   python benchmarks/bench_rl_step.py --small         # its `:test` variant (4 x 2, 2-layer model)
 #   python benchmarks/bench_rl_step.py --vocab-heavy   # the same with an 8192-token vocabulary
 #
@@ -8,8 +8,8 @@
 # timing only), wandb disabled, in a temporary workdir: "sc" with
 # loss.score_centering='topk' (k=16) and "pg" with 'none' (plain policy gradient). The
 # loss config is baked into each trainer's jitted update, hence two trainers; both keep
-# the same sampler (same rollouts per step, top-k still recorded), so the difference is
-# the loss. Step 0 of each is the warm-up (compilation, measured from jax.monitoring's
+# the same sampler settings, prompts and keys (top-k still recorded), so the difference is
+# the loss (the rollouts themselves diverge after step 1, as the two policies do). Step 0 of each is the warm-up (compilation, measured from jax.monitoring's
 # compile events and reported separately); then both run steps 1..n interleaved
 # (sc, pg, then pg, sc, ...), and the split from `train_step` (sample incl. reward /
 # p_old forward incl. advantages / updates / sampler sync) plus the wall time of the
@@ -155,8 +155,8 @@ def main():
   print(f"\nfull-step ratio SC/PG: {full:.3f} (target <= {TARGET}: "
         f"{'met' if full <= TARGET else 'MISSED'}); update-only ratio SC/PG: {upd:.3f}")
   aa = med["sc"]["sample"] / med["pg"]["sample"]
-  print(f"noise control: 'sample' does (nearly) the same work in both trainers (same sampler, "
-        f"prompts and keys), so its SC/PG {aa:.3f} shows this machine's noise floor")
+  print(f"noise control: 'sample' does nearly the same work in both trainers (same sampler "
+        f"settings, prompts and keys; the policies differ), so its SC/PG {aa:.3f} shows this machine's noise floor")
   print("('step' = wall time of train_step; the four phases are its own timers, the rest is "
         "host-side metric gathering. 'paired' = median of the per-round ratios.)")
 

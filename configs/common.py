@@ -26,5 +26,4 @@ def mesh(**axes) -> ml_collections.ConfigDict:
 
 
 def logging(wandb_mode: str = "offline") -> ml_collections.ConfigDict:
-  return ml_collections.ConfigDict(dict(wandb_mode=wandb_mode, wandb_project="rl_jax", run_name="",
-                                        log_every=1))
+  return ml_collections.ConfigDict(dict(wandb_mode=wandb_mode, wandb_project="rl_jax", run_name=""))

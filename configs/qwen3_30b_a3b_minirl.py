@@ -66,7 +66,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # 32 devices. Expert weights [128, 2048, 768] split 8-way over experts (16 per shard)
   # and 4-way over d_model (fsdp): 32-way in all. Attention, embeddings and norms
   # (~1.5B params) are split 4-way by fsdp and replicated over the expert axis. The
-  # batch is split over all 32 (data x fsdp x expert): 1024 / N responses per update
+  # batch is split over all 32 (data x fsdp x expert): the 1024 responses of every update
   # divide by 32 for every N. No tensor parallelism: 4 KV heads would cap it at 4, and
   # 2048-wide matmuls are too small to amortize its all-reduces.
   cfg.mesh = common.mesh(data=1, fsdp=4, expert=8, tensor=1)

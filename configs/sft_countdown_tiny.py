@@ -2,8 +2,8 @@
 
 Command:
   python -m rl_jax.main --config=configs/sft_countdown_tiny.py --workdir=/tmp/sft_tiny
-Hardware: 2 CPU cores. Runtime: a few minutes. Expected: held-out greedy accuracy >= 0.2
-(measured figures in the README). `:test` gives a seconds-long variant for tests.
+Hardware: 2 CPU cores. Runtime: about a minute. Expected: held-out greedy accuracy >= 0.2
+(0.328 measured; `tests/test_sft.py::test_readme_sft_config_reaches_accuracy`, slow). `:test` gives a seconds-long variant for tests.
 """
 import ml_collections
 

@@ -10,8 +10,7 @@ of their type, so two kinds of run use this file as the config instead,
 `--config=configs/sweeps.py:SWEEP/NAME` (`get_config` builds the same countdown_tiny config
 with the same overrides): the two quantization regimes whose presets' block sizes do not
 fit the tiny model (head_dim 16, d_model 64), which need a whole `sampler.quant` section
-in place of the preset name, and MiniRL ablations of loss keys countdown_tiny leaves at
-their defaults (`loss.minirl_clip`, `loss.minirl_train_infer_is`).
+in place of the preset name.
 
 `--warm_start=DIR` makes every run reuse one SFT warm start in DIR (produced by the
 first run that finds none: run that one alone, or first run
@@ -29,6 +28,7 @@ from typing import Any, Callable
 import ml_collections
 
 from configs import countdown_tiny
+from configs import qwen3_30b_a3b_minirl
 
 BASE = "configs/countdown_tiny.py"
 THIS = "configs/sweeps.py"
@@ -42,7 +42,7 @@ TINY_VOCAB = 80
 # MiniRL as 000 defines it (Eq. 7): no score centering, no length normalization.
 MINIRL: Overrides = {"loss.method": "minirl", "loss.score_centering": "none",
                      "loss.aggregation": "constant"}
-REPLAY_FOR_N = {1: "none", 2: "R2", 4: "R3", 8: "R3"}   # 000's recommendation
+REPLAY_FOR_N = qwen3_30b_a3b_minirl.REPLAY_FOR_N   # 000's recommendation
 
 # 001's four sampler regimes plus weight-only ones, as sections that fit the tiny model.
 # FP4 KV: the MXFP4 preset's 32-element blocks do not divide head_dim 16; 16-element
@@ -104,8 +104,8 @@ def mismatch() -> Sweep:
   """Every mismatch source of SPEC with the base loss (PG + top-k SC): quantization, noise, staleness.
 
   Noise and staleness runs use an fp32 sampler so that only that source is present.
-  With K=64 the base 60 steps would never refresh the sampler: those runs take 192
-  steps (three sampler periods, ~3x the base runtime).
+  With K=64 the base 160 steps would refresh the sampler only twice: those runs take 192
+  steps (three whole sampler periods, ~1.2x the base runtime).
   """
   out: Sweep = [("fp32", {"sampler.quant": "none"})]
   out += [(name, {"sampler.quant": q}) for name, q in QUANT_REGIMES.items()]
@@ -154,9 +154,8 @@ SWEEPS: dict[str, Callable[[], Sweep]] = {
 def apply_overrides(config: ml_collections.ConfigDict, overrides: Overrides) -> ml_collections.ConfigDict:
   """A copy of `config` with `overrides` set.
 
-  A key the section does not list yet is added (e.g. `loss.minirl_clip`, which
-  countdown_tiny leaves at its default); a misspelt one is then rejected by the job's
-  validator (`RLJob.from_config` names unknown keys), never silently ignored.
+  A key the section does not list yet is added; a misspelt one is then rejected by the
+  job's validator (`RLJob.from_config` names unknown keys), never silently ignored.
   """
   config = copy.deepcopy(config)
   for key, value in overrides.items():

@@ -17,7 +17,6 @@ class LoggingConfig:
   wandb_mode: Literal["offline", "online", "disabled"] = "offline"
   wandb_project: str = "rl_jax"
   run_name: str = ""
-  log_every: int = 1
 
 
 def _scalar(v: Any) -> Any:

@@ -1,9 +1,22 @@
 """Test setup: CPU JAX with 8 simulated devices, so sharded == unsharded tests run anywhere."""
 import os
 
+import pytest
+
 # Must be set before jax is imported anywhere in the test session.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
+
+
+@pytest.fixture(scope="module")
+def fast_compile():
+  """Skips XLA's backend optimizations for a module of tiny programs, where compiling costs
+  more than running (numerics are IEEE either way)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  old = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", old)

@@ -21,7 +21,7 @@ from configs import sweeps
 from rl_jax import sharding as sh
 from rl_jax.config_utils import ConfigError
 from rl_jax.models import hf
-from rl_jax.models.presets import PRESETS, abstract_state, count_params
+from rl_jax.models.presets import PRESETS, abstract_state
 from rl_jax.quant import kv as qkv
 from rl_jax.quant import params as quant_params
 from rl_jax.rl.loss_config import METHODS
@@ -223,7 +223,6 @@ def test_gpu_config_model_is_the_preset(fname):
   assert job.model.dtype == "bfloat16" and job.sampler.quant.weights.format == "fp8"
   state = _abstract(job.model)  # nnx.eval_shape: nothing allocated
   total = sum(math.prod(x.shape) for x in jax.tree.leaves(state))
-  assert total == count_params(ref).total
   assert abs(total - approx) / approx < 0.01, total
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from configs import countdown_tiny
+from configs import sweeps
 from rl_jax.checkpoint import Checkpointer
 from rl_jax.config_utils import ConfigError
 from rl_jax.metrics import read_metrics
@@ -25,13 +26,7 @@ def _config(**overrides):
   cfg = countdown_tiny.get_config("test")
   cfg.warm_start.source = "none"
   cfg.mesh.tensor = 2  # 8 test devices: fsdp 4 x tensor 2, mini-batches of 4 rows split evenly
-  for key, value in overrides.items():
-    node = cfg
-    *path, leaf = key.split(".")
-    for p in path:
-      node = node[p]
-    node[leaf] = value
-  return cfg
+  return sweeps.apply_overrides(cfg, overrides)
 
 
 def _grads_equal(a, b):

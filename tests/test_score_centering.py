@@ -13,13 +13,7 @@ V, T, K = 4, 3, 2            # vocabulary, response length, top-k head size
 SC_METHODS = ("pg", "naive_is", "tis", "cispo", "mis", "ppo", "dapo")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compile():
-  """These programs are tiny: skip XLA's backend optimizations (numerics are IEEE either way)."""
-  old = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", old)
+pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 def _softmax(x):

@@ -28,7 +28,7 @@ from rl_jax.optim import OptimConfig, make_optimizer
 from rl_jax.rl import plots
 from rl_jax.rl.advantages import compute_advantages
 from rl_jax.rl.loss_config import AdvantageConfig, LossConfig
-from rl_jax.rl.losses import chunked_logprobs, rl_loss, rl_loss_from_hidden
+from rl_jax.rl.losses import chunked_logprobs, gather_logprobs, rl_loss, rl_loss_from_hidden
 from rl_jax.sampler import generate as gen
 from rl_jax.sampler import weights as sampler_weights
 from rl_jax.sampler.config import SamplerConfig, sampler_config
@@ -303,12 +303,13 @@ class RLTrainer:
                   compute_logits=not chunked)
       t = ro["logq_BT"].shape[1]
       if chunked:  # never materialize [B, S, V] logits for long responses
-        hidden = _response_slice(out.hidden_BTD, prompt_len, t)
+        hidden = gen.response_slots(out.hidden_BTD, prompt_len, t)
         logp_old_BT = chunked_logprobs(hidden, model.unembed_weight(), ro["response_BT"][..., None],
                                        temp, loss_cfg.chunk_size)[0][..., 0]
       else:
-        logits_BTV = _response_slice(out.logits_BTV, prompt_len, t)
-        logp_old_BT = ex.token_logprobs(logits_BTV, ro["response_BT"], temp)
+        # The function the loss computes log p with (chunked or not): p_old and p agree in form.
+        logits_BTV = gen.response_slots(out.logits_BTV, prompt_len, t)
+        logp_old_BT = gather_logprobs(logits_BTV, ro["response_BT"][..., None], temp)[0][..., 0]
       mask = ro["response_mask_BT"]
       log_x = logp_old_BT - ro["logq_BT"]
       x = jnp.exp(log_x)
@@ -335,10 +336,10 @@ class RLTrainer:
       opt = dict(logp_old_BT=mb["logp_old_BT"], topk_ids_BTK=mb.get("topk_ids_BTK"),
                  topk_logq_BTK=mb.get("topk_logq_BTK"))
       if chunked:
-        hidden = _response_slice(out.hidden_BTD, prompt_len, t)
+        hidden = gen.response_slots(out.hidden_BTD, prompt_len, t)
         loss, metrics = rl_loss_from_hidden(hidden, model.unembed_weight(), *args, **opt)
       else:
-        loss, metrics = rl_loss(_response_slice(out.logits_BTV, prompt_len, t), *args, **opt)
+        loss, metrics = rl_loss(gen.response_slots(out.logits_BTV, prompt_len, t), *args, **opt)
       # The load-balancing loss uses the trainer's own routing, also under replay (models/moe.py).
       return loss + aux_coef * out.aux_loss, dict(metrics, aux_loss=out.aux_loss)
 
@@ -559,11 +560,6 @@ class RLTrainer:
       print("[rl] " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                 for k, v in summary.items()))
     return summary
-
-
-def _response_slice(x_BS, prompt_len: int, t: int):
-  """Logit slots [P-1, P-1+T): entry t predicts response token t (see sampler.generate)."""
-  return jax.lax.slice_in_dim(x_BS, prompt_len - 1, prompt_len - 1 + t, axis=1)
 
 
 def run(config: Any, workdir: str) -> dict:

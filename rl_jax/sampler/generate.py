@@ -108,8 +108,12 @@ def response_slice(x_BS: jax.Array, rollout: Rollout) -> jax.Array:
   Apply it to anything computed from the trainer's logits over `tokens_BS` (logits,
   log-probs at `trainer_targets`, top-k) to compare with `logq_BT` / `topk_*_BTK`.
   """
-  t = rollout.logq_BT.shape[1]
-  return jax.lax.slice_in_dim(x_BS, rollout.prompt_len - 1, rollout.prompt_len - 1 + t, axis=1)
+  return response_slots(x_BS, rollout.prompt_len, rollout.logq_BT.shape[1])
+
+
+def response_slots(x_BS: jax.Array, prompt_len: int, t: int) -> jax.Array:
+  """`response_slice` from the layout's two numbers (P, T), for code that holds no Rollout."""
+  return jax.lax.slice_in_dim(x_BS, prompt_len - 1, prompt_len - 1 + t, axis=1)
 
 
 def trainer_logprobs(logits_BSV: jax.Array, rollout: Rollout, temperature: float
@@ -155,11 +159,6 @@ def repeat_prompts(prompts: Any, group_size: int) -> Any:
 def group_index(num_prompts: int, group_size: int) -> jax.Array:
   """Prompt index of every row of a `repeat_prompts` batch, `[num_prompts * group_size]`."""
   return jnp.repeat(jnp.arange(num_prompts, dtype=jnp.int32), group_size)
-
-
-def split_keys(key: jax.Array, n: int) -> jax.Array:
-  """`n` independent keys, a deterministic function of `key` (one per row, step, ...)."""
-  return jax.random.split(key, n)
 
 
 # ----------------------------------------------------------------------------------------

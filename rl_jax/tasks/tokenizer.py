@@ -144,7 +144,6 @@ class CharTokenizer(BatchCodec):
     return "".join(out)
 
 
-
 def encode_batch(tokenizer: Tokenizer, texts: Sequence[str], max_len: int,
                  pad_side: PadSide = "left", add_bos: bool = False,
                  add_eos: bool = False) -> tuple[np.ndarray, np.ndarray]:
