@@ -87,8 +87,11 @@ def test_r3_p_old_replays_the_sampler_so_first_minibatch_ratios_are_one(tmp_path
   assert mb.replay_ids_BSLK is not None and mb.rows == batch.rows
   (_, m), _ = tr.loss_and_grad(tr.state["params"], mb)  # the update's loss at theta = theta_old
   assert float(m["num_tokens"]) > 0
-  assert float(m["staleness_ratio_max"]) == 1.0, m["staleness_ratio_max"]
-  assert float(m["staleness_ratio_mean"]) == 1.0, m["staleness_ratio_mean"]
+  # 1 up to float32 rounding: p_old and p come from two differently compiled XLA programs (a
+  # forward, a value_and_grad), which may sum in another order (a few ulps, ~5e-7 observed).
+  # Computing p_old on the trainer's own routing instead gives ratios far from 1 here.
+  np.testing.assert_allclose(float(m["staleness_ratio_max"]), 1.0, rtol=0, atol=2e-6)
+  np.testing.assert_allclose(float(m["staleness_ratio_mean"]), 1.0, rtol=0, atol=2e-6)
   assert float(m["frac_masked"]) == 0.0, m["frac_masked"]
 
 
