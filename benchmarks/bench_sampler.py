@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rl_jax.logprobs import next_token_logq
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.transformer import Transformer
 from rl_jax.sampler import generate as gen
@@ -60,7 +61,7 @@ def naive_generate(graphdef, state, prompts_BP, key, *, cfg: SamplerConfig, step
     buf, valid, logq_BT = c
     logits = model(buf, valid_BT=valid).logits_BTV
     logits_BV = jax.lax.dynamic_index_in_dim(logits, p - 1 + j, axis=1, keepdims=False)
-    logq_BV = gen.next_token_logq(logits_BV, cfg.temperature)
+    logq_BV = next_token_logq(logits_BV, cfg.temperature)
     step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys_B, j)
     y = jax.vmap(jax.random.categorical)(step_keys, logq_BV).astype(jnp.int32)
     buf = jax.lax.dynamic_update_slice(buf, y[:, None], (0, p + j))

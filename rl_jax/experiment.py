@@ -5,13 +5,11 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from rl_jax import sharding as sh
 from rl_jax.config_utils import ConfigError, from_dict
 from rl_jax.models import ModelConfig, Transformer
-from rl_jax.sampler.generate import next_token_logq
 from rl_jax.tasks import Task, get_task
 from rl_jax.tasks.tokenizer import CharTokenizer
 
@@ -73,12 +71,6 @@ def check_batch(value: int, key: str, mesh) -> None:
   if value % d:
     raise ConfigError(f"config key '{key}': {value} is not a multiple of the mesh's batch "
                       f"split {d} (data*fsdp*expert)")
-
-
-def token_logprobs(logits_BTV: jax.Array, targets_BT: jax.Array, temperature: float = 1.0) -> jax.Array:
-  """log softmax(logits / T)[target], in float32."""
-  logp = next_token_logq(logits_BTV, temperature)  # the sampler's log q (SPEC "Log-prob semantics")
-  return jnp.take_along_axis(logp, targets_BT[..., None], axis=-1)[..., 0]
 
 
 def init_opt_state(optimizer, params, mesh):

@@ -20,6 +20,7 @@ from rl_jax import experiment as ex
 from rl_jax import sharding as sh
 from rl_jax.checkpoint import Checkpointer
 from rl_jax.config_utils import require
+from rl_jax.logprobs import token_logprobs
 from rl_jax.metrics import LoggingConfig, MetricsWriter
 from rl_jax.models import ModelConfig
 from rl_jax.models.decode import greedy_reference
@@ -40,14 +41,6 @@ class SFTConfig:
   def __post_init__(self):
     for k in ("steps", "batch_size", "max_len", "eval_every", "eval_size", "checkpoint_every"):
       require(getattr(self, k) > 0, f"sft.{k}", f"must be > 0, got {getattr(self, k)}")
-
-
-# Test hook: raise InjectedCrash after this step (simulates a job killed mid-run).
-_CRASH_AFTER_STEP: int | None = None
-
-
-class InjectedCrash(RuntimeError):
-  pass
 
 
 TOP_LEVEL = {"job", "seed", "task", "model", "mesh", "optim", "sft", "logging"}
@@ -78,7 +71,7 @@ class SFTJob:
 def nll_loss(graphdef, params, batch, aux_coef: float):
   """Mean next-token NLL over loss-masked targets (+ the MoE load-balancing loss)."""
   out = nnx.merge(graphdef, params)(batch["inputs_BT"], valid_BT=batch["valid_BT"])
-  logp_BT = ex.token_logprobs(out.logits_BTV, batch["targets_BT"])
+  logp_BT = token_logprobs(out.logits_BTV, batch["targets_BT"])
   mask = batch["loss_mask_BT"].astype(jnp.float32)
   nll = -jnp.sum(logp_BT * mask) / jnp.maximum(jnp.sum(mask), 1.0)
   return nll + aux_coef * out.aux_loss, {"nll": nll, "aux_loss": out.aux_loss}
@@ -168,8 +161,6 @@ def run(config: Any, workdir: str) -> dict:
       final = row
       if done % s.checkpoint_every == 0 or done == s.steps:
         ckpt.save(done, {"params": params, "opt_state": opt_state}, {"step": done, "job": "sft"})
-      if _CRASH_AFTER_STEP is not None and done == _CRASH_AFTER_STEP:
-        raise InjectedCrash(f"injected crash after step {done}")
   finally:
     bar.close()
     writer.close()

@@ -16,6 +16,7 @@ from configs import sweeps
 from rl_jax.checkpoint import Checkpointer
 from rl_jax.config_utils import ConfigError
 from rl_jax.metrics import read_metrics
+from rl_jax.rl import step as step_lib
 from rl_jax.rl import trainer as trainer_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,12 +37,14 @@ def _grads_equal(a, b):
 def test_zero_mismatch_end_to_end(tmp_path):
   """fp32 sampler, no noise, no staleness, N=1: k1 KL is 0 and routing agreement is 1."""
   summary = trainer_lib.run(_config(**{"rl.steps": 2, "rl.eval_every": 2}), str(tmp_path))
-  rows = [r for r in read_metrics(str(tmp_path)) if "kl_k1" in r]
+  rows = [r for r in read_metrics(str(tmp_path)) if "mismatch/kl_k1" in r]
   assert len(rows) == 2
   for r in rows:
-    assert abs(r["kl_k1"]) < 1e-6, r["kl_k1"]
-    assert abs(r["kl_k3"]) < 1e-6
-    assert r["routing_agreement"] == 1.0
+    assert abs(r["mismatch/kl_k1"]) < 1e-6, r["mismatch/kl_k1"]
+    assert abs(r["mismatch/kl_k3"]) < 1e-6
+    assert r["mismatch/routing_agreement"] == 1.0
+    # record_topk = 0 in this config: the sampler still records its top-1 mass.
+    assert 0.0 < r["mismatch/head_mass_min"] <= r["mismatch/head_mass_mean"] <= 1.0
     assert np.isfinite(r["loss/loss"]) and np.isfinite(r["loss/grad_norm"])
   assert "final_eval_greedy_accuracy" in summary
 
@@ -54,27 +57,56 @@ def test_r2_first_minibatch_equals_no_replay_and_r3_differs(tmp_path):
   # Synthetic rewards: a random-init policy scores 0 everywhere, and zero advantages
   # would make every gradient vanish whatever the routing.
   rewards = np.tile([1.0, 0.0], ro.tokens_BS.shape[0] // 2).astype(np.float32)
-  batch, prompt_len, m_old = tr.prepare(ro, rewards)
+  batch, m_old = tr.prepare(ro, rewards)
   mb = next(tr.minibatches(batch))
   params = tr.state["params"]
-  (_, _), g_r2 = tr.loss_and_grad(params, mb, prompt_len)
-  plain = {k: v for k, v in mb.items() if not k.startswith("replay_")}
-  (_, _), g_none = tr.loss_and_grad(params, plain, prompt_len)
+  (_, _), g_r2 = tr.loss_and_grad(params, mb)
+  plain = mb.replace(replay_ids_BSLK=None, replay_mask_BS=None)
+  (_, _), g_none = tr.loss_and_grad(params, plain)
   assert _grads_equal(g_r2, g_none), "R2 at theta_old must reproduce the natural routing exactly"
 
-  assert float(m_old["routing_agreement"]) < 1.0
-  full = tr.batch_arrays(ro)
-  r3 = dict(plain, replay_ids_BSLK=full["expert_ids_BSLK"][:mb["tokens_BS"].shape[0]],
-            replay_mask_BS=full["expert_valid_BS"][:mb["tokens_BS"].shape[0]])
-  (_, _), g_r3 = tr.loss_and_grad(params, r3, prompt_len)
+  assert float(m_old["mismatch/routing_agreement"]) < 1.0
+  rows = mb.rows
+  r3 = plain.replace(replay_ids_BSLK=ro.expert_ids_BSLK[:rows], replay_mask_BS=ro.expert_valid_BS[:rows])
+  (_, _), g_r3 = tr.loss_and_grad(params, r3)
   assert not _grads_equal(g_r3, g_none)
   assert max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(g_none)) > 0
 
 
+def test_r3_p_old_replays_the_sampler_so_first_minibatch_ratios_are_one(tmp_path):
+  """R3, N=1: p_old is computed on the sampler's experts like the update, so at theta = theta_old
+  every staleness ratio is exactly 1 and MiniRL masks nothing, although the routing disagrees."""
+  tr = trainer_lib.RLTrainer(_config(**{"rl.routing_replay": "R3", "sampler.quant": "fp4_w",
+                                        "loss.method": "minirl", "loss.score_centering": "none"}),
+                             str(tmp_path))
+  _, ro = tr.rollout(0)
+  rewards = np.tile([1.0, 0.0], ro.tokens_BS.shape[0] // 2).astype(np.float32)
+  batch, m_old = tr.prepare(ro, rewards)
+  assert float(m_old["mismatch/routing_agreement"]) < 1.0  # replay actually changes the routing
+  mb = next(tr.minibatches(batch))
+  assert mb.replay_ids_BSLK is not None and mb.rows == batch.rows
+  (_, m), _ = tr.loss_and_grad(tr.state["params"], mb)  # the update's loss at theta = theta_old
+  assert float(m["num_tokens"]) > 0
+  # 1 up to float32 rounding: p_old and p come from two differently compiled XLA programs (a
+  # forward, a value_and_grad), which may sum in another order (a few ulps, ~5e-7 observed).
+  # Computing p_old on the trainer's own routing instead gives ratios far from 1 here.
+  np.testing.assert_allclose(float(m["staleness_ratio_max"]), 1.0, rtol=0, atol=2e-6)
+  np.testing.assert_allclose(float(m["staleness_ratio_mean"]), 1.0, rtol=0, atol=2e-6)
+  assert float(m["frac_masked"]) == 0.0, m["frac_masked"]
+
+
 def test_injected_nan_stops_cleanly_and_keeps_last_checkpoint(tmp_path, monkeypatch):
   workdir = str(tmp_path)
-  monkeypatch.setattr(trainer_lib, "_INJECT_NAN_AT_STEP", 2)
   tr = trainer_lib.RLTrainer(_config(**{"rl.steps": 3}), workdir)
+  # Fault injection from outside the library: the 2nd update (step 2, N=1) gets NaN advantages.
+  real_update, calls = tr._update, []  # pylint: disable=protected-access
+
+  def poisoned(params, opt_state, mb):
+    calls.append(1)
+    if len(calls) == 2:
+      mb = mb.replace(adv_B=mb.adv_B * np.float32("nan"))
+    return real_update(params, opt_state, mb)
+  monkeypatch.setattr(tr, "_update", poisoned)
   with pytest.raises(FloatingPointError, match="non-finite.*step 2.*not applied"):
     tr.run()
   ck = Checkpointer(workdir)
@@ -86,14 +118,24 @@ def test_injected_nan_stops_cleanly_and_keeps_last_checkpoint(tmp_path, monkeypa
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(items["params"]))
 
 
+class InjectedCrash(RuntimeError):
+  pass
+
+
 def test_crash_resume_gives_identical_final_params(tmp_path, monkeypatch):
   clean, crashed = str(tmp_path / "clean"), str(tmp_path / "crashed")
   cfg = lambda: _config(**{"rl.steps": 3, "rl.checkpoint_every": 1})
   trainer_lib.run(cfg(), clean)
-  monkeypatch.setattr(trainer_lib, "_CRASH_AFTER_STEP", 2)
-  with pytest.raises(trainer_lib.InjectedCrash):
-    trainer_lib.run(cfg(), crashed)
-  monkeypatch.setattr(trainer_lib, "_CRASH_AFTER_STEP", None)
+  real_save = trainer_lib.RLTrainer.save
+
+  def save_then_die(self, step):  # the job dies right after checkpointing step 2
+    real_save(self, step)
+    if step == 2:
+      raise InjectedCrash(f"injected crash after step {step}")
+  with monkeypatch.context() as m:
+    m.setattr(trainer_lib.RLTrainer, "save", save_then_die)
+    with pytest.raises(InjectedCrash):
+      trainer_lib.run(cfg(), crashed)
   trainer_lib.run(cfg(), crashed)
   a = trainer_lib.RLTrainer(cfg(), clean).state
   b = trainer_lib.RLTrainer(cfg(), crashed).state
@@ -137,7 +179,7 @@ VARIANTS = [
 @pytest.mark.parametrize("overrides", VARIANTS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_every_variant_runs_with_finite_metrics(tmp_path, overrides):
   trainer_lib.run(_config(**{"rl.steps": 2, "rl.eval_every": 2, **overrides}), str(tmp_path))
-  rows = [r for r in read_metrics(str(tmp_path)) if "kl_k1" in r]
+  rows = [r for r in read_metrics(str(tmp_path)) if "mismatch/kl_k1" in r]
   assert len(rows) == 2
   for r in rows:
     for k, v in r.items():

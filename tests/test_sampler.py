@@ -1,13 +1,16 @@
 """Sampler: zero-mismatch logq / top-k / experts, KV cache == recompute, batching, no recompiles."""
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from rl_jax import rollout as rollout_lib
 from rl_jax.config_utils import ConfigError, from_dict
+from rl_jax.logprobs import next_token_logq
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.decode import greedy_reference
 from rl_jax.models.transformer import Transformer
@@ -91,7 +94,15 @@ def test_prompt_longer_than_limit_is_an_error():
 # ------------------------------------------------------------------- zero mismatch
 
 
-def test_zero_mismatch_logq_topk_experts(model):
+def _count_traces(monkeypatch):
+  """Makes the generation program raise if it is traced (hence compiled) more than once."""
+  chex.clear_trace_counter()
+  once = jax.jit(chex.assert_max_traces(gen.generate_program, n=1),
+                 static_argnames=gen._STATIC_ARGNAMES)  # pylint: disable=protected-access
+  monkeypatch.setattr(gen, "_generate", once)
+
+
+def test_zero_mismatch_logq_topk_experts(model, monkeypatch):
   """fp32, no quantization, no noise: logq == trainer log p, top-k == lax.top_k, experts equal."""
   is_moe = model.cfg.is_moe
   k = V if is_moe else 16  # k = V (full distribution) on one model, a strict head on the other
@@ -99,24 +110,22 @@ def test_zero_mismatch_logq_topk_experts(model):
                       top_k=0 if is_moe else 40, record_topk=k, eos_id=1)
   graphdef, state = nnx.split(model)
   toks, valid = _prompts([3, 8, 5, 1], seed=1)  # right-padded, variable length
-  before = gen.TRACE_COUNT["generate"]
-  cache_before = gen._generate._cache_size()  # pylint: disable=protected-access
+  _count_traces(monkeypatch)
   r = gen.generate(graphdef, state, toks, valid, jax.random.key(0), cfg)
-  assert gen.TRACE_COUNT["generate"] == before + 1
 
   out = model(r.tokens_BS, r.positions_BS, r.valid_BS)  # the trainer's teacher forcing
   mask = np.asarray(r.response_mask_BT)
   assert mask[:, 0].all()
-  logp_BT, logp_topk_BTK = gen.trainer_logprobs(out.logits_BTV, r, cfg.temperature)
+  logp_BT, logp_topk_BTK = rollout_lib.trainer_logprobs(out.logits_BTV, r, cfg.temperature)
   err = np.abs(np.where(mask, np.asarray(logp_BT) - np.asarray(r.logq_BT), 0.0))
   assert err.max() < LOGQ_ATOL, err.max()
   # The same numbers through the lower-level helpers: targets at logits slot s = token s+1.
-  targets_BS, tmask_BS = gen.trainer_targets(r)
-  np.testing.assert_array_equal(gen.response_slice(tmask_BS, r), mask)
-  logp_BSV = gen.next_token_logq(out.logits_BTV, cfg.temperature)
+  targets_BS, tmask_BS = rollout_lib.trainer_targets(r)
+  np.testing.assert_array_equal(rollout_lib.response_slice(tmask_BS, r), mask)
+  logp_BSV = next_token_logq(out.logits_BTV, cfg.temperature)
   logp_BS = jnp.take_along_axis(logp_BSV, targets_BS[..., None], -1)[..., 0]
-  np.testing.assert_allclose(np.where(mask, gen.response_slice(logp_BS, r), 0), logp_BT, atol=1e-6)
-  logp_BTV = gen.response_slice(logp_BSV, r)
+  np.testing.assert_allclose(np.where(mask, rollout_lib.response_slice(logp_BS, r), 0), logp_BT, atol=1e-6)
+  logp_BTV = rollout_lib.response_slice(logp_BSV, r)
   if cfg.top_k:  # sampled tokens lie in the top-k of q (= p here)
     kth = np.asarray(jax.lax.top_k(logp_BTV, cfg.top_k)[0][..., -1])
     assert np.all((np.asarray(r.logq_BT) >= kth - LOGQ_ATOL)[mask])
@@ -150,19 +159,18 @@ def test_zero_mismatch_logq_topk_experts(model):
   gen.generate(graphdef, state, toks2, valid2, jax.random.key(1), cfg)
   r3 = gen.generate(graphdef, state, toks, valid, jax.random.key(0), cfg)
   r4 = gen.generate(graphdef, state, toks, valid, jax.random.key(1), cfg)
-  assert gen.TRACE_COUNT["generate"] == before + 1
-  assert gen._generate._cache_size() == cache_before + 1  # pylint: disable=protected-access
+  assert gen._generate._cache_size() == 1  # pylint: disable=protected-access
   # Deterministic given the key; different for another key.
   np.testing.assert_array_equal(r3.tokens_BS, r.tokens_BS)
   assert not np.array_equal(r4.tokens_BS, r.tokens_BS)
 
   # Group sampling: 2 prompts x G=2 (same shape, so still no retrace), sampled rows of
   # a group differ, and the rollout is reproducible from the key.
-  gp = gen.repeat_prompts((toks[:2], valid[:2]), 2)
-  np.testing.assert_array_equal(gen.group_index(2, 2), [0, 0, 1, 1])
+  gp = rollout_lib.repeat_prompts((toks[:2], valid[:2]), 2)
+  np.testing.assert_array_equal(rollout_lib.group_index(2, 2), [0, 0, 1, 1])
   rg = gen.generate(graphdef, state, *gp, jax.random.key(5), cfg)
   rg2 = gen.generate(graphdef, state, *gp, jax.random.key(5), cfg)
-  assert gen.TRACE_COUNT["generate"] == before + 1
+  assert gen._generate._cache_size() == 1  # pylint: disable=protected-access
   np.testing.assert_array_equal(rg.tokens_BS, rg2.tokens_BS)
   np.testing.assert_array_equal(rg.tokens_BS[0, :P], rg.tokens_BS[1, :P])
   assert not np.array_equal(rg.response_BT[0], rg.response_BT[1])
@@ -214,22 +222,38 @@ def test_exact_top_k_equals_lax_top_k(b, v, k):
       np.testing.assert_array_equal(got[1], want[1])
 
 
+def test_head_mass_without_topk_is_the_top1_mass(model):
+  """record_topk = 0 records no top-k but still the top-1 mass max_v q_v (a head-mass floor)."""
+  cfg = SamplerConfig(max_prompt_len=P, max_new_tokens=T, temperature=0.7, record_topk=0, eos_id=1)
+  graphdef, state = nnx.split(model)
+  toks, valid = _prompts([3, 8, 5, 1], seed=1)
+  r = gen.generate(graphdef, state, toks, valid, jax.random.key(0), cfg)
+  assert r.topk_ids_BTK is None and r.topk_logq_BTK is None
+  out = model(r.tokens_BS, r.positions_BS, r.valid_BS)
+  logp_BTV = rollout_lib.response_slice(next_token_logq(out.logits_BTV, cfg.temperature), r)
+  mask = np.asarray(r.response_mask_BT)
+  chex.assert_shape(r.head_mass_BT, mask.shape)
+  want = np.where(mask, np.exp(np.max(np.asarray(logp_BTV), axis=-1)), 0.0)
+  np.testing.assert_allclose(r.head_mass_BT, want, atol=1e-5)
+  assert np.all(np.asarray(r.head_mass_BT)[mask] < 1.0)
+
+
 def test_alignment_helpers_round_trip():
   b, t = 2, 3
-  r = gen.Rollout(
+  r = rollout_lib.Rollout(
       tokens_BS=jnp.arange(2 * 7).reshape(2, 7), positions_BS=None, prompt_mask_BS=None,
       response_mask_BS=jnp.array([[0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1]], bool),
       logq_BT=jnp.zeros((b, t)), topk_ids_BTK=None, topk_logq_BTK=None, head_mass_BT=None,
       expert_ids_BSLK=None, expert_valid_BS=None, lengths_B=None, prompt_lengths_B=None, prompt_len=4)
-  targets, mask = gen.trainer_targets(r)
+  targets, mask = rollout_lib.trainer_targets(r)
   np.testing.assert_array_equal(targets[0], [1, 2, 3, 4, 5, 6, 0])
   np.testing.assert_array_equal(mask[1], [0, 0, 0, 1, 1, 1, 0])
   # Logits slot 3 (the last prompt token) predicts response token 0 (slot 4).
-  np.testing.assert_array_equal(gen.response_slice(targets, r), r.tokens_BS[:, 4:])
+  np.testing.assert_array_equal(rollout_lib.response_slice(targets, r), r.tokens_BS[:, 4:])
   x_BT = jnp.arange(1, 7, dtype=jnp.float32).reshape(2, 3)
-  back = gen.response_to_logit_slots(x_BT, r)
+  back = rollout_lib.response_to_logit_slots(x_BT, r)
   assert back.shape == (2, 7)
-  np.testing.assert_array_equal(gen.response_slice(back, r), x_BT)
+  np.testing.assert_array_equal(rollout_lib.response_slice(back, r), x_BT)
 
 
 # ---------------------------------------------------------------------- sharding
@@ -257,7 +281,7 @@ def test_sharded_equals_unsharded():
 
 
 def test_rollout_is_a_pytree():
-  r = gen.Rollout(*([jnp.zeros((1, 2))] * 12), prompt_len=1)
+  r = rollout_lib.Rollout(*([jnp.zeros((1, 2))] * 12), prompt_len=1)
   leaves, treedef = jax.tree.flatten(r)
   assert len(leaves) == 12
   assert jax.tree.unflatten(treedef, leaves).prompt_len == 1

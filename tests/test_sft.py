@@ -25,6 +25,10 @@ def _final_params(workdir):
   return params, step
 
 
+class InjectedCrash(RuntimeError):
+  pass
+
+
 def test_sft_crash_resume_matches_uninterrupted(tmp_path, monkeypatch):
   clean = str(tmp_path / "clean")
   sft.run(_config(), clean)
@@ -35,10 +39,19 @@ def test_sft_crash_resume_matches_uninterrupted(tmp_path, monkeypatch):
   assert "eval_accuracy" in rows[-1]
 
   crashed = str(tmp_path / "crashed")
-  monkeypatch.setattr(sft, "_CRASH_AFTER_STEP", 6)  # dies after step 6; last checkpoint is 4
-  with pytest.raises(sft.InjectedCrash):
-    sft.run(_config(), crashed)
-  monkeypatch.setattr(sft, "_CRASH_AFTER_STEP", None)
+  # Dies after step 6 (last checkpoint is 4): the data loader fails while making batch 7.
+  real_batch, calls = sft.data_lib.sft_batch, []
+
+  def batch_or_die(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 7:
+      raise InjectedCrash("injected crash after step 6")
+    return real_batch(*args, **kwargs)
+  with monkeypatch.context() as m:
+    m.setattr(sft.data_lib, "sft_batch", batch_or_die)
+    with pytest.raises(InjectedCrash):
+      sft.run(_config(), crashed)
+  assert [r["step"] for r in read_metrics(crashed)] == list(range(1, 7))
   sft.run(_config(), crashed)
   got, step = _final_params(crashed)
   assert step == 12

@@ -12,7 +12,7 @@ PANELS = (
     ("Reward (train)", ("reward",)),
     ("Held-out accuracy", ("eval_greedy_accuracy", "eval_sampled_accuracy", "eval_pass_at_k")),
     ("Token entropy of p", ("loss/entropy",)),
-    ("Train/inference KL(q || p_old)", ("kl_k1", "kl_k3")),
+    ("Train/inference KL(q || p_old)", ("mismatch/kl_k1", "mismatch/kl_k3")),
 )
 
 

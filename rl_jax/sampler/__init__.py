@@ -1,1 +1,1 @@
-"""The sampler `q`: KV-cache generation recording logq / top-k / experts (generate.py), weight sync (weights.py)."""
+"""The sampler `q`: KV-cache generation (generate.py), weight sync (weights.py), config and model-fit checks."""

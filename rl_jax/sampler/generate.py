@@ -1,7 +1,6 @@
 """Jitted prefill + KV-cache decode that records logq, top-k logprobs and routed experts on device."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -11,169 +10,18 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from rl_jax.logprobs import next_token_logq
 from rl_jax.models.kv_cache import LayerKV, init_cache
 from rl_jax.models.layers import dtype_of
 from rl_jax.models.transformer import default_positions
+# The contract (layout, alignment) lives in rl_jax.rollout; `response_slice` stays importable
+# from here for callers not yet moved.
+from rl_jax.rollout import Rollout, response_slice  # noqa: F401
 from rl_jax.sampler.config import SamplerConfig
 from rl_jax.sharding import BATCH_AXES, batch_divisor, shard_batch
 
-# Python-side trace counter of the generation program: tests read it to prove that calls
-# with the same shapes never retrace (a retrace is what triggers a recompilation).
-TRACE_COUNT = {"generate": 0}
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Rollout:
-  """What the sampler generated and recorded, all on device.
-
-  Layout (S = max_prompt_len + max_new_tokens, P = max_prompt_len, T = max_new_tokens):
-    - `tokens_BS`: one buffer; the prompt is re-laid out *left-padded* in slots [0, P)
-      (so every prompt ends at slot P-1) and response token t sits at slot P + t.
-      Padding (left of the prompt, after the end of the response) holds `pad_id`.
-    - `prompt_mask_BS` / `response_mask_BS`: real prompt / real response tokens. A
-      response ends with its EOS token (included, mask True) or at T tokens.
-    - `positions_BS`: RoPE positions, `default_positions(prompt_mask | response_mask)`,
-      exactly what the sampler used; the trainer can pass them or let the model
-      recompute them from `valid_BS`.
-    - `logq_BT`, `topk_ids_BTK`, `topk_logq_BTK`, `head_mass_BT`: for response token t
-      (slot P + t): `log q(y_t)` and the top-k of `log q(. | y_<t)`, where q is the
-      log-softmax of the temperature-scaled full-vocabulary logits (SPEC "Log-prob
-      semantics"; never renormalized over a top-p / top-k set). `head_mass = sum_H q_v`.
-      Zero where `response_mask` is False.
-    - `expert_ids_BSLK`: experts routed by the sampler in each MoE layer (L = MoE
-      layers in `ModelConfig.moe_layers` order) for the token *at slot s*, prompt and
-      response alike: the trainer's `replay_ids_BTLK` for a forward over `tokens_BS`.
-      `expert_valid_BS` marks the slots that carry a route: real prompt tokens and every
-      response token except each row's last one, which the sampler never fed back.
-    - Top-k fields are None when `record_topk = 0`; `expert_ids_BSLK` is None for a
-      dense model or `record_experts = False`.
-  In the trainer's teacher-forced forward over `tokens_BS`, the logits at slot s predict
-  token s+1; `trainer_targets` and `response_slice` do that shift, `trainer_logprobs`
-  returns `log p` at the response tokens and at the top-k ids, aligned with `logq_BT`
-  and `topk_ids_BTK`. Replay for R3: `replay_ids_BTLK=expert_ids_BSLK,
-  replay_mask_BT=expert_valid_BS` in that same forward.
-  """
-  tokens_BS: jax.Array
-  positions_BS: jax.Array
-  prompt_mask_BS: jax.Array
-  response_mask_BS: jax.Array
-  logq_BT: jax.Array
-  topk_ids_BTK: jax.Array | None
-  topk_logq_BTK: jax.Array | None
-  head_mass_BT: jax.Array | None
-  expert_ids_BSLK: jax.Array | None
-  expert_valid_BS: jax.Array
-  lengths_B: jax.Array
-  prompt_lengths_B: jax.Array
-  prompt_len: int = dataclasses.field(metadata=dict(static=True))
-
-  @property
-  def valid_BS(self) -> jax.Array:
-    """Real tokens (prompt or response): the trainer's `valid_BT`."""
-    return self.prompt_mask_BS | self.response_mask_BS
-
-  @property
-  def response_BT(self) -> jax.Array:
-    """Response tokens `[B, T]`, aligned with `logq_BT`."""
-    return self.tokens_BS[:, self.prompt_len:]
-
-  @property
-  def response_mask_BT(self) -> jax.Array:
-    return self.response_mask_BS[:, self.prompt_len:]
-
-
-# ----------------------------------------------------------------------------------------
-# Alignment helpers for the trainer.
-
-
-def trainer_targets(rollout: Rollout) -> tuple[jax.Array, jax.Array]:
-  """Targets and loss mask aligned with the logits of a forward over `rollout.tokens_BS`.
-
-  `logits_BSV[:, s]` predicts token s+1, so `targets_BS[:, s] = tokens_BS[:, s+1]` and
-  `mask_BS[:, s] = response_mask_BS[:, s+1]` (the last slot predicts nothing: pad,
-  False). `log p(y)` at response tokens is then
-  `take_along_axis(log_softmax(logits_BSV / T), targets_BS[..., None], -1)[..., 0]`
-  under `mask_BS`, and `response_slice(that, rollout)` lines it up with `logq_BT`.
-  """
-  pad = jnp.zeros_like(rollout.tokens_BS[:, :1])
-  targets_BS = jnp.concatenate([rollout.tokens_BS[:, 1:], pad], axis=1)
-  mask_BS = jnp.concatenate([rollout.response_mask_BS[:, 1:], jnp.zeros_like(pad, bool)], axis=1)
-  return targets_BS, mask_BS
-
-
-def response_slice(x_BS: jax.Array, rollout: Rollout) -> jax.Array:
-  """The logits-aligned slots [P-1, P-1+T) of `x_BS...`: entry t goes with response token t.
-
-  Apply it to anything computed from the trainer's logits over `tokens_BS` (logits,
-  log-probs at `trainer_targets`, top-k) to compare with `logq_BT` / `topk_*_BTK`.
-  """
-  return response_slots(x_BS, rollout.prompt_len, rollout.logq_BT.shape[1])
-
-
-def response_slots(x_BS: jax.Array, prompt_len: int, t: int) -> jax.Array:
-  """`response_slice` from the layout's two numbers (P, T), for code that holds no Rollout."""
-  return jax.lax.slice_in_dim(x_BS, prompt_len - 1, prompt_len - 1 + t, axis=1)
-
-
-def trainer_logprobs(logits_BSV: jax.Array, rollout: Rollout, temperature: float
-                     ) -> tuple[jax.Array, jax.Array | None]:
-  """The trainer's `log p` lined up with the rollout: `(logp_BT, logp_at_topk_BTK)`.
-
-  `logits_BSV` is the trainer's forward over `rollout.tokens_BS` (with
-  `rollout.positions_BS` / `rollout.valid_BS`). Same temperature and full-vocabulary
-  log-softmax as the sampler, so `logp_BT - logq_BT` is the log IS ratio, and
-  `logp_at_topk_BTK` is `log p` at the sampler's top-k ids (score centering's head).
-  """
-  logp_BTV = response_slice(next_token_logq(logits_BSV, temperature), rollout)
-  logp_BT = jnp.take_along_axis(logp_BTV, rollout.response_BT[..., None], axis=-1)[..., 0]
-  logp_BT = jnp.where(rollout.response_mask_BT, logp_BT, 0.0)
-  if rollout.topk_ids_BTK is None:
-    return logp_BT, None
-  return logp_BT, jnp.take_along_axis(logp_BTV, rollout.topk_ids_BTK, axis=-1)
-
-
-def response_to_logit_slots(x_BT: jax.Array, rollout: Rollout, fill=0) -> jax.Array:
-  """Inverse of `response_slice`: puts a response-aligned `x_BT...` at logits slots `[B, S...]`."""
-  b, t = x_BT.shape[:2]
-  s = rollout.tokens_BS.shape[1]
-  left = jnp.full((b, rollout.prompt_len - 1) + x_BT.shape[2:], fill, x_BT.dtype)
-  right = jnp.full((b, s - (rollout.prompt_len - 1) - t) + x_BT.shape[2:], fill, x_BT.dtype)
-  return jnp.concatenate([left, x_BT, right], axis=1)
-
-
-# ----------------------------------------------------------------------------------------
-# Group sampling helpers.
-
-
-def repeat_prompts(prompts: Any, group_size: int) -> Any:
-  """Each prompt `group_size` times in a row: rows [i*G, (i+1)*G) are prompt i's group.
-
-  `prompts` may be an array or any pytree of batch-leading arrays (e.g. `(ids, valid)`).
-  """
-  if group_size < 1:
-    raise ValueError(f"group size must be >= 1, got {group_size}")
-  return jax.tree.map(lambda x: jnp.repeat(jnp.asarray(x), group_size, axis=0), prompts)
-
-
-def group_index(num_prompts: int, group_size: int) -> jax.Array:
-  """Prompt index of every row of a `repeat_prompts` batch, `[num_prompts * group_size]`."""
-  return jnp.repeat(jnp.arange(num_prompts, dtype=jnp.int32), group_size)
-
-
 # ----------------------------------------------------------------------------------------
 # Sampling.
-
-
-def next_token_logq(logits_BV: jax.Array, temperature: float) -> jax.Array:
-  """`log q(. | prefix)`: log-softmax of the temperature-scaled full-vocabulary logits.
-
-  The trainer must compute `log p` with this same function (SPEC "Log-prob semantics").
-  """
-  logits_BV = logits_BV.astype(jnp.float32)
-  if temperature != 1.0:
-    logits_BV = logits_BV / temperature
-  return jax.nn.log_softmax(logits_BV, axis=-1)
 
 
 _TWO_STAGE_MIN_RATIO = 512
@@ -283,9 +131,11 @@ def _constrainer(mesh: Mesh | None, n_kv_heads: int):
   return constrain
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "kv_spec", "mesh"))
-def _generate(graphdef, state, prompts_BP, valid_BP, key, *, cfg: SamplerConfig, kv_spec, mesh):
-  TRACE_COUNT["generate"] += 1
+_STATIC_ARGNAMES = ("graphdef", "cfg", "kv_spec", "mesh")
+
+
+def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: SamplerConfig, kv_spec, mesh):
+  """The traceable generation program (`_generate` is its jit; tests wrap it to count traces)."""
   model = nnx.merge(graphdef, state)
   mcfg = model.cfg
   cfg.check_vocab(mcfg.vocab_size)
@@ -330,6 +180,7 @@ def _generate(graphdef, state, prompts_BP, valid_BP, key, *, cfg: SamplerConfig,
       logq_BT=jnp.zeros((b, t), jnp.float32),
       topk_ids_BTK=jnp.zeros((b, t, k_rec), jnp.int32) if k_rec else None,
       topk_logq_BTK=jnp.zeros((b, t, k_rec), jnp.float32) if k_rec else None,
+      head_mass_BT=jnp.zeros((b, t), jnp.float32),
       experts_BSLK=experts_BSLK)
   carry = constrain(carry)
 
@@ -360,6 +211,13 @@ def _generate(graphdef, state, prompts_BP, valid_BP, key, *, cfg: SamplerConfig,
       top_ids_BK = jnp.where(active_B[:, None], top_ids_BK, 0).astype(jnp.int32)
       new["topk_ids_BTK"] = jax.lax.dynamic_update_slice(c["topk_ids_BTK"], top_ids_BK[:, None], (0, j, 0))
       new["topk_logq_BTK"] = jax.lax.dynamic_update_slice(c["topk_logq_BTK"], top_logq_BK[:, None], (0, j, 0))
+      head_B = jnp.sum(jnp.exp(top_logq_BK), axis=-1)
+    else:
+      # record_topk = 0 still records the top-1 mass (one max over V, no sort): a floor on any
+      # head mass, so the head-mass diagnostic exists in every config (MiniRL's included).
+      head_B = jnp.exp(jnp.max(logq_BV, axis=-1))
+    head_B = jnp.where(active_B, head_B, 0.0)
+    new["head_mass_BT"] = jax.lax.dynamic_update_slice(c["head_mass_BT"], head_B[:, None], (0, j))
     if record_experts:
       new["experts_BSLK"] = jax.lax.dynamic_update_slice(c["experts_BSLK"], out.expert_ids_BTLK,
                                                          (0, slot, 0, 0))
@@ -378,9 +236,7 @@ def _generate(graphdef, state, prompts_BP, valid_BP, key, *, cfg: SamplerConfig,
   if experts is not None:
     experts = jnp.where(expert_valid_BS[:, :, None, None], experts, 0)
   topk_logq = c["topk_logq_BTK"]
-  head_mass_BT = None
-  if k_rec:
-    head_mass_BT = jnp.where(resp_BT, jnp.sum(jnp.exp(topk_logq), axis=-1), 0.0)
+  head_mass_BT = c["head_mass_BT"]
   rollout = Rollout(
       tokens_BS=c["tokens_BS"],
       positions_BS=default_positions(prompt_mask_BS | response_mask_BS),
@@ -390,6 +246,9 @@ def _generate(graphdef, state, prompts_BP, valid_BP, key, *, cfg: SamplerConfig,
       lengths_B=jnp.sum(resp_BT, axis=1, dtype=jnp.int32), prompt_lengths_B=prompt_len_B,
       prompt_len=p)
   return constrain(rollout)
+
+
+_generate = jax.jit(generate_program, static_argnames=_STATIC_ARGNAMES)
 
 
 def check_prompts(prompts_BP, prompt_valid_BP, cfg: SamplerConfig) -> None:
