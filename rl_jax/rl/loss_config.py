@@ -1,4 +1,4 @@
-"""Frozen, validated configs of the RL loss (SPEC "Correction methods") and the advantages."""
+"""Frozen, validated config of the RL loss (SPEC "Correction methods"); methods come from the registry."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +32,9 @@ class LossConfig:
   a static argument.
 
   Fields:
-    method: correction rule (SPEC table); `pg` is plain REINFORCE.
+    method: a registered correction rule (METHODS: SPEC's table, registered in
+      methods.py); `pg` is plain REINFORCE. Validated against the registry, so the error
+      lists the valid names.
     score_centering: 'none', 'full' (sampler's full distribution, logged with k = V) or
       'topk' (001, Eq. 7-12: head = sampler's recorded top-k, tail modelled by rho * p).
     topk: k of top-k score centering; the sampler's recorded top-k (sorted descending,
@@ -42,13 +44,15 @@ class LossConfig:
       normalization: mean over responses of the per-response token mean).
     dual_clip: verl's dual clip of the PPO family (ppo, dapo, gspo), shared by them.
     sc_eps: floor of the tail masses in rho (001, Eq. 12).
-    Method-owned fields (each method's thresholds, e.g. tis_high, ppo_low / ppo_high,
-      minirl_*) are declared where the method registers (methods.py, `params=`) and added
-      to this class by `add_registry_params`: same names, defaults and checks as SPEC's table.
     temperature: the trainer's logits are divided by it before log-softmax, as the
       sampler did (SPEC "Log-prob semantics").
     chunk_size: 0 = unchunked; else `rl_loss_from_hidden` computes logits over the
       sequence in chunks of this many positions.
+    Method-owned fields (each method's thresholds: tis_high, cispo_low / cispo_high,
+      mis_low / mis_high, ppo_*, dapo_*, gspo_*, topr_high, dppo_tv, minirl_eps_low /
+      minirl_eps_high / minirl_tis_c and MiniRL's ablation switches minirl_train_infer_is /
+      minirl_clip) are declared where the method registers (methods.py, `params=`) and
+      appended to this class by `add_registry_params`, with SPEC's defaults and checks.
   """
   method: str = "pg"
   score_centering: ScoreCentering = "none"
@@ -80,6 +84,7 @@ class LossConfig:
   def needs_logp_old(self) -> bool:
     """Whether the rule reads p_old (the method registered it: only MiniRL today)."""
     return bool(METHOD_REGISTRY[self.method].needs_logp_old(self))
+
   @property
   def needs_topk(self) -> bool:
     """Whether the rule reads the sampler's top-k ids and logprobs (score centering)."""
