@@ -78,7 +78,9 @@ def sc_share(total_sq_X: jax.Array, sc_sq_X: jax.Array, mask_X: jax.Array) -> ja
   G and G_sc stack the per-token logit-space gradients of all (masked-in) tokens, so this is
   sqrt(sum_t ||g_sc,t||^2 / sum_t ||g_t||^2): 0 without centering, about 1 when the centering
   term dominates (it can exceed 1 when it cancels part of the rule's gradient). No extra
-  backward pass: it is computed from the head quantities the loss already has.
+  backward pass: it is computed from the head quantities the loss already has. Tokens count
+  equally: that is the loss's own weighting under 'batch_tokens' and 'constant'
+  aggregation; under 'seq_mean' it is the share in the unweighted token sum.
   """
   m = mask_X.astype(jnp.float32)
   num = jnp.sum(m * sc_sq_X)
