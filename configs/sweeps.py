@@ -29,13 +29,13 @@ import ml_collections
 
 from configs import countdown_tiny
 from configs import qwen3_30b_a3b_minirl
+from rl_jax.rl.loss_config import METHODS  # every registered loss method, in registration order
 
 BASE = "configs/countdown_tiny.py"
 THIS = "configs/sweeps.py"
 Overrides = dict[str, Any]   # dotted config key -> value (a dict value replaces a whole section)
 Sweep = list[tuple[str, Overrides]]
 
-METHODS = ("pg", "naive_is", "tis", "cispo", "mis", "ppo", "dapo", "gspo", "topr", "dppo", "minirl")
 # The tiny model's vocabulary: full score centering records the sampler's whole distribution.
 TINY_VOCAB = 80
 

@@ -162,8 +162,11 @@ def test_formats():
 
 
 def test_registry():
-  assert tasks.list_tasks() == ["countdown", "countdown_easy"]
+  # The registry is open (a task module adds names); Countdown registers exactly these two.
+  assert tasks.list_tasks() == sorted(tasks.list_tasks())
+  assert [n for n in tasks.list_tasks() if n.startswith("countdown")] == ["countdown", "countdown_easy"]
   t = tasks.get_task("countdown")
+  assert isinstance(t, tasks.Task) and isinstance(t, tasks.CountdownTask)
   assert t.config == cd.PRESETS["paper"] and t.config.prompt_style == "paper"
   e = tasks.get_task("countdown_easy")
   assert e.config == cd.PRESETS["easy"]
@@ -174,6 +177,7 @@ def test_registry():
   assert e.reward(p, e.completion(p)) == 1.0
   assert e.reward(p, "8+4-8</answer>") == 0.0
   assert e.reward_details(p, "8+4-8</answer>").error == "wrong_value"
+  assert not e.reward_details(p, e.completion(p)).error   # '' when correct
   assert e.reward(p, None) == 0.0
   pp = t.make_problem(0, "train", 0)
   assert t.reward(pp, "I think " + t.completion(pp)) == 1.0
@@ -182,6 +186,22 @@ def test_registry():
     tasks.get_task("countdown_hard")
   with pytest.raises(ConfigError, match="bogus"):
     tasks.get_task("countdown", {"bogus": 1})
+
+
+def test_register_task_protocol_and_duplicates():
+  """A registered factory must return a Task; a name registers once."""
+  with pytest.raises(ValueError, match="already registered"):
+    tasks.register_task("countdown")(lambda overrides: None)
+
+  class NotATask:
+    name = "not_a_task"
+
+  tasks.register_task("_test_not_a_task")(lambda overrides: NotATask())
+  try:
+    with pytest.raises(TypeError, match="Task protocol"):
+      tasks.get_task("_test_not_a_task")
+  finally:
+    tasks.base._TASKS.pop("_test_not_a_task")  # pylint: disable=protected-access
 
 
 def test_char_tokenizer_covers_both_formats(generated):

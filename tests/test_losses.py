@@ -8,12 +8,16 @@ import pytest
 
 from rl_jax.config_utils import ConfigError, from_dict
 from rl_jax.rl import losses
-from rl_jax.rl.loss_config import METHODS, LossConfig
+from rl_jax.rl.loss_config import METHODS, LossConfig, sc_composable_methods
 from rl_jax.rl.losses import (gather_logprobs, rl_loss, rl_loss_from_hidden,
                               rl_loss_from_logprobs)
 from rl_jax.rl.methods import METHOD_REGISTRY
 
-SC_METHODS = ("pg", "naive_is", "tis", "cispo", "mis", "ppo", "dapo")
+# Every list is derived from the registry; SPEC's table pins the 11 methods it defines.
+SC_METHODS = tuple(sc_composable_methods())
+SPEC_METHODS = ("pg", "naive_is", "tis", "cispo", "mis", "ppo", "dapo", "gspo", "topr", "dppo",
+                "minirl")
+SPEC_SC_METHODS = ("pg", "naive_is", "tis", "cispo", "mis", "ppo", "dapo")
 
 
 # Tests batch many configs into one jit: the programs are tiny, compiling dominates.
@@ -59,7 +63,7 @@ def test_config_defaults_are_spec():
   assert (c.minirl_eps_low, c.minirl_eps_high, c.minirl_tis_c) == (0.2, 0.27, 5.0)
   assert c.minirl_train_infer_is and c.minirl_clip
   assert (c.topk, c.sc_eps, c.temperature, c.chunk_size) == (128, 1e-6, 1.0, 0)
-  assert set(METHOD_REGISTRY) == set(METHODS) and len(METHODS) == 11
+  assert tuple(METHOD_REGISTRY) == METHODS and METHODS[:11] == SPEC_METHODS
   assert hash(c) == hash(LossConfig())  # static jit argument: equal configs share a compile
 
 
@@ -89,6 +93,8 @@ def test_sc_composability_matches_registry():
   for m in METHODS:
     composable = METHOD_REGISTRY[m].weight_fn is not None
     assert composable == (m in SC_METHODS)
+    if m in SPEC_METHODS:
+      assert composable == (m in SPEC_SC_METHODS)
     if composable:
       LossConfig(method=m, score_centering="topk")
     else:

@@ -1,10 +1,77 @@
-"""Per-response advantages from grouped rewards: group-centered, GRPO z-score, raw (SPEC "Advantages")."""
+"""Per-response advantages from grouped rewards: registered estimators and reward modes, and their config."""
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
-from rl_jax.rl.loss_config import AdvantageConfig
+from rl_jax.rl.registry import (ADVANTAGE_REGISTRY, REWARD_MODE_REGISTRY, Param,
+                                add_registry_params, check_registry_params, register_advantage,
+                                register_reward_mode, require_registered)
+
+
+# --- Reward modes: task rewards in [0, 1] -> the rewards the estimator sees ------------------
+
+@register_reward_mode("01")
+def _rewards_01(rewards_B):
+  return rewards_B
+
+
+@register_reward_mode("pm1")
+def _rewards_pm1(rewards_B):
+  return 2.0 * rewards_B - 1.0
+
+
+# --- Estimators on [N groups, G responses] rewards ---------------------------------------------
+
+@register_advantage("group_centered")
+def _group_centered(r_NG, cfg):
+  """R_i - mean_{j in group} R_j   (000, MiniRL; 001, Eq. 13)."""
+  del cfg
+  return r_NG - r_NG.mean(axis=1, keepdims=True)
+
+
+@register_advantage("grpo", params={
+    "std_eps": Param(1e-6, lambda v: v >= 0, "must be >= 0"),
+    "std_ddof": Param(0, lambda v: v in (0, 1), "must be 0 or 1")})
+def _grpo(r_NG, cfg):
+  """(R_i - mean) / (std + std_eps): the z-score within the group, std with `cfg.std_ddof`."""
+  g = r_NG.shape[1]
+  if cfg.std_ddof >= g:
+    raise ValueError(f"grpo std with ddof={cfg.std_ddof} needs group_size > {cfg.std_ddof}")
+  std_N1 = jnp.std(r_NG, axis=1, keepdims=True, ddof=cfg.std_ddof)
+  return (r_NG - r_NG.mean(axis=1, keepdims=True)) / (std_N1 + cfg.std_eps)
+
+
+@register_advantage("raw")
+def _raw(r_NG, cfg):
+  """A = R (for 001's reward-mode study, Fig. 2)."""
+  del cfg
+  return r_NG
+
+
+@dataclasses.dataclass(frozen=True)
+@add_registry_params(ADVANTAGE_REGISTRY)
+class AdvantageConfig:
+  """How rewards become per-response advantages (SPEC "Advantages").
+
+  Fields:
+    mode: a registered estimator: 'group_centered' (R - group mean; default, MiniRL, 001),
+      'grpo' (z-score within the group) or 'raw' (A = R, for 001's reward-mode study, Fig. 2).
+    reward_mode: a registered reward mode: '01' keeps task rewards in [0, 1]; 'pm1' maps
+      them affinely to [-1, +1] (2R - 1), so a binary reward becomes {-1, +1}.
+    Estimator-owned fields are added from the registry (`params=`): grpo's std_eps (added
+      to the group std) and std_ddof (0 = population std of the group; 1 = sample std,
+      torch.std, as verl / TRL).
+  """
+  mode: str = "group_centered"
+  reward_mode: str = "01"
+
+  def __post_init__(self):
+    require_registered(self.mode, ADVANTAGE_REGISTRY, "mode")
+    require_registered(self.reward_mode, REWARD_MODE_REGISTRY, "reward_mode")
+    check_registry_params(self, ADVANTAGE_REGISTRY, self.mode, "mode")
 
 
 def apply_reward_mode(rewards_B: jax.Array, reward_mode: str) -> jax.Array:
@@ -13,12 +80,9 @@ def apply_reward_mode(rewards_B: jax.Array, reward_mode: str) -> jax.Array:
   A binary {0, 1} reward becomes {-1, +1} under 'pm1' (001, Sec. 3 / Fig. 2). The map is
   affine, so group-centered advantages only scale by 2; `raw` advantages change sign.
   """
-  rewards_B = jnp.asarray(rewards_B, jnp.float32)
-  if reward_mode == "01":
-    return rewards_B
-  if reward_mode == "pm1":
-    return 2.0 * rewards_B - 1.0
-  raise ValueError(f"reward_mode must be '01' or 'pm1', got {reward_mode!r}")
+  if reward_mode not in REWARD_MODE_REGISTRY:
+    raise ValueError(f"reward_mode must be one of {list(REWARD_MODE_REGISTRY)}, got {reward_mode!r}")
+  return REWARD_MODE_REGISTRY[reward_mode](jnp.asarray(rewards_B, jnp.float32))
 
 
 def compute_advantages(rewards_B: jax.Array, group_size: int, cfg: AdvantageConfig) -> jax.Array:
@@ -29,13 +93,10 @@ def compute_advantages(rewards_B: jax.Array, group_size: int, cfg: AdvantageConf
       [g * group_size, (g + 1) * group_size) answer prompt g; B = n_prompts * group_size.
       `cfg.reward_mode` is applied here, so pass the task's reward, not a mapped one.
     group_size: responses per prompt (static Python int).
-    cfg: mode, reward mode and std epsilon.
+    cfg: estimator (`mode`), reward mode and the estimator's parameters.
 
   Returns:
-    adv_B float32:
-      group_centered: R_i - mean_{j in group} R_j   (000, MiniRL; 001, Eq. 13)
-      grpo:           (R_i - mean) / (std + std_eps)  (z-score, std with `cfg.std_ddof`)
-      raw:            R_i
+    adv_B float32, the registered estimator `cfg.mode` applied group by group.
   """
   rewards_B = apply_reward_mode(rewards_B, cfg.reward_mode)
   if rewards_B.ndim != 1:
@@ -45,15 +106,7 @@ def compute_advantages(rewards_B: jax.Array, group_size: int, cfg: AdvantageConf
   (b,) = rewards_B.shape
   if b % group_size:
     raise ValueError(f"batch of {b} rewards is not a whole number of groups of {group_size}")
-  if cfg.mode == "raw":
-    return rewards_B
+  if cfg.mode not in ADVANTAGE_REGISTRY:
+    raise ValueError(f"advantage mode must be one of {list(ADVANTAGE_REGISTRY)}, got {cfg.mode!r}")
   r_NG = rewards_B.reshape(b // group_size, group_size)
-  centered_NG = r_NG - r_NG.mean(axis=1, keepdims=True)
-  if cfg.mode == "group_centered":
-    return centered_NG.reshape(b)
-  if cfg.mode == "grpo":
-    if cfg.std_ddof >= group_size:
-      raise ValueError(f"grpo std with ddof={cfg.std_ddof} needs group_size > {cfg.std_ddof}")
-    std_N1 = jnp.std(r_NG, axis=1, keepdims=True, ddof=cfg.std_ddof)
-    return (centered_NG / (std_N1 + cfg.std_eps)).reshape(b)
-  raise ValueError(f"advantage mode must be group_centered, grpo or raw, got {cfg.mode!r}")
+  return ADVANTAGE_REGISTRY[cfg.mode].fn(r_NG, cfg).reshape(b)

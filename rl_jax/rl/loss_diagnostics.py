@@ -6,6 +6,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from rl_jax.rl import meters
 from rl_jax.rl.methods import MAX_LOG_RATIO, RuleOutput
 
 sg = jax.lax.stop_gradient
@@ -15,7 +16,9 @@ def loss_diagnostics(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Opt
                      mask_BT: jax.Array, rule_out: RuleOutput,
                      entropy_BT: Optional[jax.Array] = None,
                      topk_logq_BTK: Optional[jax.Array] = None,
-                     sc_stats: Optional[dict] = None) -> dict[str, jax.Array]:
+                     sc_stats: Optional[dict] = None,
+                     drift_tv_BT: Optional[jax.Array] = None,
+                     sc_sq: Optional[tuple[jax.Array, jax.Array]] = None) -> dict[str, jax.Array]:
   """Scalar diagnostics over response tokens (padding excluded), all stop-gradient.
 
   Keys (fixed for a given set of inputs, so logs stack across steps):
@@ -36,6 +39,11 @@ def loss_diagnostics(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Opt
     prob_diff_mean, prob_diff_max: |p_old(y_t) - q(y_t)|.
     log_ppl_diff: mean over responses of log ppl_q - log ppl_p_old
       = mean_i (1/L_i) sum_t (log p_old - log q).
+    drift/tv_mean, drift/tv_max: per-token total variation between the sampler's q and the
+      current trainer's p (meters.topk_tv; exact when the head is the whole vocabulary,
+      else a lower bound), when the sampler's top-k was given.
+    drift/sc_share: ||G_sc|| / ||G|| of the logit-space gradients, score centering's share
+      of the update (meters.sc_share), when score centering is on.
   """
   logp_BT, logq_BT, mask_BT = sg(logp_BT), sg(logq_BT), sg(mask_BT)
   on = mask_BT > 0
@@ -72,6 +80,9 @@ def loss_diagnostics(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Opt
     means["head_mass_mean"] = mins["head_mass_min"] = head_BT
   for k, v in (sc_stats or {}).items():
     means[k] = sg(v)
+  if drift_tv_BT is not None:
+    means["drift/tv_mean"] = maxes["drift/tv_max"] = sg(drift_tv_BT)
+
   diff = jnp.abs(jnp.exp(logp_old_BT) - jnp.exp(logq_BT))
   means["prob_diff_mean"] = maxes["prob_diff_max"] = diff
 
@@ -89,6 +100,8 @@ def loss_diagnostics(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Opt
 
   # Normalized ESS of the ratios; scaled by the largest ratio first so sum r^2 cannot
   # overflow (ESS is scale-free).
+  if sc_sq is not None:
+    m["drift/sc_share"] = meters.sc_share(sg(sc_sq[0]), sg(sc_sq[1]), mask_BT)
   r_scaled = jnp.where(on, jnp.exp(log_r - m.pop("_log_r_max")), 0.0)
   m["is_ess"] = jnp.square(jnp.sum(r_scaled)) / jnp.maximum(
       n * jnp.sum(jnp.square(r_scaled)), 1e-30)

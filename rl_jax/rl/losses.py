@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from rl_jax.logprobs import chunked_logprobs, gather_logprobs  # re-exported: rl_jax.rl.losses.gather_logprobs
+from rl_jax.rl import meters
 from rl_jax.rl import methods
 from rl_jax.rl.loss_config import LossConfig
 from rl_jax.rl.loss_diagnostics import loss_diagnostics
@@ -119,8 +120,14 @@ def _check_common(mask_BT, adv_B, logq_BT, cfg, logp_old_BT, b, t):
 
 
 def _loss_core(logp_BT, head_logp_BTK, entropy_BT, mask_BT, adv_B, logq_BT, cfg,
-               logp_old_BT, topk_logq_BTK) -> tuple[jax.Array, Metrics]:
-  """Rule + score centering + aggregation + diagnostics on [B, T(, K)] arrays."""
+               logp_old_BT, topk_logq_BTK, y_in_head_BTK=None) -> tuple[jax.Array, Metrics]:
+  """Rule + score centering + aggregation + diagnostics on [B, T(, K)] arrays.
+
+  head_logp_BTK / topk_logq_BTK: the trainer's and the sampler's log-probs at the sampler's
+  whole recorded head (or None): the drift meter reads all of it, top-k score centering
+  its first `cfg.topk` entries. y_in_head_BTK: one-hot of the sampled token in the head,
+  for the `drift/sc_share` meter (without it y is taken to be outside the head).
+  """
   mask_BT = mask_BT.astype(jnp.float32)
   on = mask_BT > 0
   logp_BT = logp_BT.astype(jnp.float32)
@@ -134,20 +141,36 @@ def _loss_core(logp_BT, head_logp_BTK, entropy_BT, mask_BT, adv_B, logq_BT, cfg,
   x = methods.TokenInputs(logp_BT, logq_BT, logp_old_BT, adv_BT, mask_BT)
   out = methods.METHOD_REGISTRY[cfg.method].rule(x, cfg)
   objective_BT = out.objective_BT
-  sc_stats = None
-  if cfg.score_centering != "none":
+  sc_stats = drift_tv_BT = sc_sq = None
+  if head_logp_BTK is not None and topk_logq_BTK is not None:
     head_logp_BTK = head_logp_BTK.astype(jnp.float32)
+    # Padding slots get the trainer's own values (so no NaN and zero drift there).
     topk_logq_BTK = jnp.where(on[..., None], sg(topk_logq_BTK).astype(jnp.float32),
                               sg(head_logp_BTK))
+    drift_tv_BT = meters.topk_tv(sg(head_logp_BTK), topk_logq_BTK)
+  if cfg.score_centering == "topk":
+    # lax.top_k returns the head sorted by probability, so a prefix is the top-cfg.topk.
+    head_logp_BTK = head_logp_BTK[..., :cfg.topk]
+    topk_logq_BTK = topk_logq_BTK[..., :cfg.topk]
+    if y_in_head_BTK is not None:
+      y_in_head_BTK = y_in_head_BTK[..., :cfg.topk]
+  if cfg.score_centering != "none":
     c_BTK, sc_stats = score_centering_coeffs(head_logp_BTK, topk_logq_BTK, adv_BT, cfg)
     c_BTK = jnp.where(on[..., None], c_BTK, 0.0)
     # J_t = [rule term] - A sum_H sg(c_v) log p_v  (001, Eq. 12; loss = -J).
     objective_BT = objective_BT - adv_BT * jnp.sum(c_BTK * head_logp_BTK, axis=-1)
+    if y_in_head_BTK is None:
+      y_in_head_BTK = jnp.zeros(c_BTK.shape, jnp.float32)
+    sc_sq = meters.sc_logit_grad_sq_norms(
+        weight_X=sg(out.weight_BT), adv_X=adv_BT, c_XK=c_BTK,
+        head_p_XK=jnp.exp(sg(head_logp_BTK)), p_y_X=jnp.exp(sg(logp_BT)),
+        y_in_head_XK=y_in_head_BTK.astype(jnp.float32))
   ell_BT = jnp.where(on, -objective_BT, 0.0)
   loss = aggregate(ell_BT, mask_BT, cfg.aggregation)
   metrics = loss_diagnostics(
       logp_BT=logp_BT, logq_BT=logq_BT, logp_old_BT=logp_old_BT, mask_BT=mask_BT,
-      rule_out=out, entropy_BT=entropy_BT, topk_logq_BTK=topk_logq_BTK, sc_stats=sc_stats)
+      rule_out=out, entropy_BT=entropy_BT, topk_logq_BTK=topk_logq_BTK, sc_stats=sc_stats,
+      drift_tv_BT=drift_tv_BT, sc_sq=sc_sq)
   metrics["loss"] = sg(loss)
   return loss, metrics
 
@@ -158,33 +181,47 @@ def rl_loss_from_logprobs(logp_BT: jax.Array, mask_BT: jax.Array, adv_B: jax.Arr
                           logp_old_BT: Optional[jax.Array] = None,
                           head_logp_BTK: Optional[jax.Array] = None,
                           topk_logq_BTK: Optional[jax.Array] = None,
-                          entropy_BT: Optional[jax.Array] = None) -> tuple[jax.Array, Metrics]:
+                          entropy_BT: Optional[jax.Array] = None,
+                          y_in_head_BTK: Optional[jax.Array] = None) -> tuple[jax.Array, Metrics]:
   """The RL loss from the trainer's log-probs of the sampled tokens (no vocabulary axis).
 
   Same math as `rl_loss`. Score centering additionally needs `head_logp_BTK`, the trainer's
-  log-probs at the sampler's top-k ids (aligned with `topk_logq_BTK`, already cut to
-  `cfg.topk`; for 'full', all V ids). `entropy_BT` only feeds the `entropy` diagnostic.
+  log-probs at the sampler's top-k ids (aligned with `topk_logq_BTK`; top-k centering uses
+  their first `cfg.topk` entries; for 'full', all V ids). Given both (with or without
+  centering), they also feed the drift meter. `entropy_BT` only feeds the `entropy`
+  diagnostic; `y_in_head_BTK` (one-hot of y in the head) only `drift/sc_share`.
   """
   b, t = logp_BT.shape
   _check_common(mask_BT, adv_B, logq_BT, cfg, logp_old_BT, b, t)
   if cfg.needs_topk and (head_logp_BTK is None or topk_logq_BTK is None):
     raise ValueError(f"loss.score_centering={cfg.score_centering!r} needs head_logp_BTK and "
                      "topk_logq_BTK")
-  if cfg.needs_topk and head_logp_BTK.shape != topk_logq_BTK.shape:
-    raise ValueError(f"head_logp_BTK {head_logp_BTK.shape} != topk_logq_BTK "
-                     f"{topk_logq_BTK.shape}")
+  if head_logp_BTK is not None and topk_logq_BTK is not None:
+    if head_logp_BTK.shape != topk_logq_BTK.shape:
+      raise ValueError(f"head_logp_BTK {head_logp_BTK.shape} != topk_logq_BTK "
+                       f"{topk_logq_BTK.shape}")
+    if cfg.score_centering == "topk" and head_logp_BTK.shape[-1] < cfg.topk:
+      raise ValueError(f"loss.topk={cfg.topk} but head_logp_BTK has only K = "
+                       f"{head_logp_BTK.shape[-1]}")
+  else:
+    head_logp_BTK = None
   return _loss_core(logp_BT, head_logp_BTK, entropy_BT, mask_BT, adv_B, logq_BT, cfg,
-                    logp_old_BT, topk_logq_BTK)
+                    logp_old_BT, topk_logq_BTK, y_in_head_BTK)
 
 
 def _select_ids(targets_BT, topk_ids_BTK, topk_logq_BTK, cfg, v, b, t):
-  """Ids to gather (sampled token first, then the SC head) and the head's sampler logprobs."""
+  """Ids to gather (sampled token first, then the sampler's whole recorded head, when given).
+
+  Returns (ids_BTK1, the head's sampler logprobs, one-hot of y in the head or None). The
+  head is gathered whenever it is given, score centering or not: the drift meter reads it
+  (K more gathered ids next to the V-wide log-softmax); top-k centering cuts it to cfg.topk.
+  """
   _check_bt("targets_BT", targets_BT, b, t)
-  if not cfg.needs_topk:
-    return targets_BT[..., None], topk_logq_BTK
   if topk_ids_BTK is None or topk_logq_BTK is None:
-    raise ValueError(f"loss.score_centering={cfg.score_centering!r} needs the sampler's "
-                     "top-k ids and logprobs (topk_ids_BTK, topk_logq_BTK)")
+    if cfg.needs_topk:
+      raise ValueError(f"loss.score_centering={cfg.score_centering!r} needs the sampler's "
+                       "top-k ids and logprobs (topk_ids_BTK, topk_logq_BTK)")
+    return targets_BT[..., None], topk_logq_BTK, None
   if topk_ids_BTK.shape != topk_logq_BTK.shape or topk_ids_BTK.shape[:2] != (b, t):
     raise ValueError(f"topk_ids_BTK {topk_ids_BTK.shape} and topk_logq_BTK "
                      f"{topk_logq_BTK.shape} must both be (B, T, K) with (B, T) = {(b, t)}")
@@ -193,15 +230,14 @@ def _select_ids(targets_BT, topk_ids_BTK, topk_logq_BTK, cfg, v, b, t):
     if k_rec != v:
       raise ValueError(f"loss.score_centering='full' needs the sampler's full distribution "
                        f"(top-k logged with k = V = {v}); got K = {k_rec}. Use 'topk'.")
-  else:
+  elif cfg.score_centering == "topk":
     if cfg.topk > v:
       raise ValueError(f"loss.topk={cfg.topk} is larger than the vocabulary V = {v}")
     if k_rec < cfg.topk:
       raise ValueError(f"loss.topk={cfg.topk} but the sampler recorded only K = {k_rec}")
-    # lax.top_k returns the head sorted by probability, so a prefix is the top-cfg.topk.
-    topk_ids_BTK = topk_ids_BTK[..., :cfg.topk]
-    topk_logq_BTK = topk_logq_BTK[..., :cfg.topk]
-  return jnp.concatenate([targets_BT[..., None], topk_ids_BTK], axis=-1), topk_logq_BTK
+  y_in_head_BTK = (topk_ids_BTK == targets_BT[..., None]).astype(jnp.float32)
+  ids_BTK1 = jnp.concatenate([targets_BT[..., None], topk_ids_BTK], axis=-1)
+  return ids_BTK1, topk_logq_BTK, y_in_head_BTK
 
 
 @_jit_loss("cfg")
@@ -227,18 +263,21 @@ def rl_loss(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array, ad
     logp_old_BT: trainer log p_old(y_t) at theta_old; required by MiniRL's mask and its
       `- train_infer_is` ablation; else used only for the KL / prob-diff diagnostics.
     topk_ids_BTK, topk_logq_BTK: sampler top-k ids and logprobs (sorted descending);
-      required by score centering (K = V for 'full'); also give `head_mass_*`.
+      required by score centering (K = V for 'full'); also give `head_mass_*` and, with or
+      without centering, the drift meter `drift/tv_mean`, `drift/tv_max` (meters.topk_tv:
+      exact when K = V, else a lower bound).
 
   Returns:
     (loss scalar, metrics dict of stop-gradient float32 scalars, see loss_diagnostics).
   """
   b, t, v = logits_BTV.shape
   _check_common(mask_BT, adv_B, logq_BT, cfg, logp_old_BT, b, t)
-  ids_BTK1, topk_logq_BTK = _select_ids(targets_BT, topk_ids_BTK, topk_logq_BTK, cfg, v, b, t)
+  ids_BTK1, topk_logq_BTK, y_in_BTK = _select_ids(targets_BT, topk_ids_BTK, topk_logq_BTK, cfg,
+                                                 v, b, t)
   lp_BTK1, ent_BT = gather_logprobs(logits_BTV, ids_BTK1, cfg.temperature)
-  head = lp_BTK1[..., 1:] if cfg.needs_topk else None
+  head = lp_BTK1[..., 1:] if y_in_BTK is not None else None
   return _loss_core(lp_BTK1[..., 0], head, ent_BT, mask_BT, adv_B, logq_BT, cfg,
-                    logp_old_BT, topk_logq_BTK)
+                    logp_old_BT, topk_logq_BTK, y_in_BTK)
 
 
 @_jit_loss("cfg", "chunk_size")
@@ -259,9 +298,10 @@ def rl_loss_from_hidden(hidden_BTD: jax.Array, w_unembed_DV: jax.Array, targets_
   b, t, _ = hidden_BTD.shape
   v = w_unembed_DV.shape[-1]
   _check_common(mask_BT, adv_B, logq_BT, cfg, logp_old_BT, b, t)
-  ids_BTK1, topk_logq_BTK = _select_ids(targets_BT, topk_ids_BTK, topk_logq_BTK, cfg, v, b, t)
+  ids_BTK1, topk_logq_BTK, y_in_BTK = _select_ids(targets_BT, topk_ids_BTK, topk_logq_BTK, cfg,
+                                                 v, b, t)
   chunk = cfg.chunk_size if chunk_size is None else chunk_size
   lp_BTK1, ent_BT = chunked_logprobs(hidden_BTD, w_unembed_DV, ids_BTK1, cfg.temperature, chunk)
-  head = lp_BTK1[..., 1:] if cfg.needs_topk else None
+  head = lp_BTK1[..., 1:] if y_in_BTK is not None else None
   return _loss_core(lp_BTK1[..., 0], head, ent_BT, mask_BT, adv_B, logq_BT, cfg,
-                    logp_old_BT, topk_logq_BTK)
+                    logp_old_BT, topk_logq_BTK, y_in_BTK)

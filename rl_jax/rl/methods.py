@@ -1,13 +1,16 @@
 """Registry of correction rules: per-token weights, clips, drops and masks of SPEC's method table."""
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
-from rl_jax.rl.loss_config import LossConfig
+from rl_jax.config_utils import require
+from rl_jax.rl.registry import METHOD_REGISTRY, MethodSpec, Param, register_method
+
+if TYPE_CHECKING:  # loss_config imports this module (to fill the registry) before LossConfig exists
+  from rl_jax.rl.loss_config import LossConfig
 
 sg = jax.lax.stop_gradient
 
@@ -129,6 +132,26 @@ def _ppo_weight_fn(lo_key: str, hi_key: str):
   return weight
 
 
+# --- Method-owned config fields and their checks (LossConfig grows these fields) -----------
+
+def _positive(default):
+  return Param(default, lambda v: v > 0, "must be > 0")
+
+
+def _band_params(key: str, lo: float, hi: float) -> dict:
+  """A PPO-style trust band: it must contain ratio 1 (on-policy tokens are never clipped)."""
+  return {f"{key}_low": Param(lo, lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"),
+          f"{key}_high": Param(hi, lambda v: v >= 1.0, "must be >= 1")}
+
+
+def _ordered(key: str):
+  """Cross-field check 0 <= {key}_low < {key}_high, reported on {key}_high."""
+  def check(cfg):
+    lo, hi = getattr(cfg, f"{key}_low"), getattr(cfg, f"{key}_high")
+    require(0.0 <= lo < hi, f"{key}_high", f"need 0 <= {key}_low < {key}_high, got {lo}, {hi}")
+  return check
+
+
 # --- Rules -------------------------------------------------------------------------------
 
 def _token_ratio(x: TokenInputs) -> jax.Array:
@@ -136,26 +159,36 @@ def _token_ratio(x: TokenInputs) -> jax.Array:
   return safe_ratio(x.logp_BT - x.logq_BT)
 
 
+@register_method("pg", level="token", statistic="none", weight_fn=_ones_weight)
 def _pg_rule(x, cfg):
   del cfg
   return _sg_weight_rule(x, jnp.ones_like(x.logp_BT))
 
 
+@register_method("naive_is", level="token", statistic="ratio", weight_fn=_naive_is_weight)
 def _naive_is_rule(x, cfg):
   return _sg_weight_rule(x, _naive_is_weight(sg(_token_ratio(x)), x.adv_BT, cfg))
 
 
+@register_method("tis", level="token", statistic="ratio", weight_fn=_tis_weight,
+                 params={"tis_high": _positive(2.0)})
 def _tis_rule(x, cfg):
   r = sg(_token_ratio(x))
   return _sg_weight_rule(x, _tis_weight(r, x.adv_BT, cfg), clipped=r > cfg.tis_high)
 
 
+# cispo_high: 1.28 is verl's / Trinity's 1 + 0.28 (SPEC leaves it configurable).
+@register_method("cispo", level="token", statistic="ratio", weight_fn=_cispo_weight,
+                 params={"cispo_low": Param(0.0), "cispo_high": Param(1.28)},
+                 check=_ordered("cispo"))
 def _cispo_rule(x, cfg):
   r = sg(_token_ratio(x))
   return _sg_weight_rule(x, _cispo_weight(r, x.adv_BT, cfg),
                          clipped=(r > cfg.cispo_high) | (r < cfg.cispo_low))
 
 
+@register_method("mis", level="token", statistic="ratio", weight_fn=_mis_weight,
+                 params={"mis_low": Param(0.5), "mis_high": Param(5.0)}, check=_ordered("mis"))
 def _mis_rule(x, cfg):
   r = sg(_token_ratio(x))
   return _sg_weight_rule(x, _mis_weight(r, x.adv_BT, cfg), dropped=~_mis_inside(r, cfg))
@@ -178,10 +211,16 @@ def _ppo_surrogate(ratio_BT: jax.Array, x: TokenInputs, lo: float, hi: float,
   return RuleOutput(objective, jnp.where(kept, r, 0.0), _false(r), dropped, dual_clipped, _false(r))
 
 
+@register_method("ppo", level="token", statistic="ratio",
+                 weight_fn=_ppo_weight_fn("ppo_low", "ppo_high"),
+                 params=_band_params("ppo", 0.8, 1.2))
 def _ppo_rule(x, cfg):
   return _ppo_surrogate(_token_ratio(x), x, cfg.ppo_low, cfg.ppo_high, cfg.dual_clip)
 
 
+@register_method("dapo", level="token", statistic="ratio",
+                 weight_fn=_ppo_weight_fn("dapo_low", "dapo_high"),
+                 params=_band_params("dapo", 0.8, 1.28))
 def _dapo_rule(x, cfg):
   return _ppo_surrogate(_token_ratio(x), x, cfg.dapo_low, cfg.dapo_high, cfg.dual_clip)
 
@@ -193,6 +232,9 @@ def _seq_log_ratio(x: TokenInputs) -> tuple[jax.Array, jax.Array]:
   return sum_B, len_B
 
 
+@register_method(
+    "gspo", level="sequence", statistic="ratio", params=_band_params("gspo", 0.9997, 1.0004),
+    sc_incompatible="its statistic is the sequence-level geometric-mean ratio, not a per-token ratio")
 def _gspo_rule(x, cfg):
   """GSPO-token (Zheng et al. 2025) as in 001's Table 1: per-token ratio sg(s_i) p_t / sg(p_t).
 
@@ -206,6 +248,9 @@ def _gspo_rule(x, cfg):
   return _ppo_surrogate(ratio_BT, x, cfg.gspo_low, cfg.gspo_high, cfg.dual_clip)
 
 
+@register_method(
+    "topr", level="sequence", statistic="ratio", params={"topr_high": _positive(1.0)},
+    sc_incompatible="its statistic is the sequence-level ratio, not a per-token ratio")
 def _topr_rule(x, cfg):
   """TOPR (Le Roux et al. 2025): A < 0 responses weighted by sg(min(prod_t p/q, high)).
 
@@ -220,6 +265,10 @@ def _topr_rule(x, cfg):
   return _sg_weight_rule(x, w, clipped=neg & (seq_log_r_BT > log_high))
 
 
+@register_method(
+    "dppo", level="token", statistic="tv",
+    params={"dppo_tv": Param(0.2, lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")},
+    sc_incompatible="its statistic is the binary total variation |p - q|, not a function of p_v / q_v")
 def _dppo_rule(x, cfg):
   """DPPO (Qi et al. 2026): ratio objective, trust region on binary TV |p(y_t) - q(y_t)|.
 
@@ -234,6 +283,17 @@ def _dppo_rule(x, cfg):
   return RuleOutput(objective, jnp.where(dropped, 0.0, sg(ratio)), f, dropped, f, f)
 
 
+@register_method(
+    "minirl", level="token", statistic="ratio+staleness",
+    sc_incompatible=("its mask M_t uses the staleness ratio p/p_old, which is only known on the "
+                     "sampled token, not on the sampler's top-k head"),
+    # p_old feeds the mask, and the IS weight under the -train_infer_is ablation.
+    needs_logp_old=lambda cfg: cfg.minirl_clip or not cfg.minirl_train_infer_is,
+    params={"minirl_eps_low": Param(0.2, lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
+            "minirl_eps_high": Param(0.27, lambda v: v >= 0.0, "must be >= 0"),
+            "minirl_tis_c": _positive(5.0),
+            "minirl_train_infer_is": Param(True, owner_only=True),
+            "minirl_clip": Param(True, owner_only=True)})
 def _minirl_rule(x, cfg):
   """MiniRL (000, Eq. 7): J_t = M_t sg(min(p/q, C)) A log p.
 
@@ -256,38 +316,8 @@ def _minirl_rule(x, cfg):
                          masked=masked)
 
 
-WeightFn = Callable[[jax.Array, jax.Array, LossConfig], jax.Array]
-
-
-@dataclasses.dataclass(frozen=True)
-class MethodRule:
-  """One registry entry.
-
-  rule: (TokenInputs, LossConfig) -> RuleOutput.
-  level: 'token' or 'sequence' (the level of the statistic, Table 1 of 001).
-  statistic: 'none', 'ratio' (p/q), 'tv' (|p - q|) or 'ratio+staleness' (MiniRL).
-  weight_fn: f(r, A, cfg), the token-level weight score centering composes with (001,
-    Eq. 10), or None when the rule is no function of the per-token ratio.
-  """
-  rule: Callable[[TokenInputs, LossConfig], RuleOutput]
-  level: str
-  statistic: str
-  weight_fn: Optional[WeightFn]
-
-
-METHOD_REGISTRY: dict[str, MethodRule] = {
-    "pg": MethodRule(_pg_rule, "token", "none", _ones_weight),
-    "naive_is": MethodRule(_naive_is_rule, "token", "ratio", _naive_is_weight),
-    "tis": MethodRule(_tis_rule, "token", "ratio", _tis_weight),
-    "cispo": MethodRule(_cispo_rule, "token", "ratio", _cispo_weight),
-    "mis": MethodRule(_mis_rule, "token", "ratio", _mis_weight),
-    "ppo": MethodRule(_ppo_rule, "token", "ratio", _ppo_weight_fn("ppo_low", "ppo_high")),
-    "dapo": MethodRule(_dapo_rule, "token", "ratio", _ppo_weight_fn("dapo_low", "dapo_high")),
-    "gspo": MethodRule(_gspo_rule, "sequence", "ratio", None),
-    "topr": MethodRule(_topr_rule, "sequence", "ratio", None),
-    "dppo": MethodRule(_dppo_rule, "token", "tv", None),
-    "minirl": MethodRule(_minirl_rule, "token", "ratio+staleness", None),
-}
+WeightFn = Callable[[jax.Array, jax.Array, "LossConfig"], jax.Array]
+MethodRule = MethodSpec   # the registry entry's former name
 
 
 def weight_fn_for(cfg: LossConfig) -> WeightFn:

@@ -8,6 +8,7 @@ from typing import Literal, Sequence
 
 from rl_jax.config_utils import ConfigError, from_dict, require
 from rl_jax.tasks import reward as reward_lib
+from rl_jax.tasks.base import register_task
 
 ALL_OPS = ("+", "-", "*", "/")
 PromptStyle = Literal["compact", "paper"]
@@ -264,3 +265,52 @@ def format_completion(problem: Problem, prompt_style: PromptStyle = "compact") -
   if prompt_style == "paper":
     return f"{reward_lib.ANSWER_OPEN} {spaced(problem.solution)} {reward_lib.ANSWER_CLOSE}"
   raise ValueError(f"prompt_style must be 'compact' or 'paper', got {prompt_style!r}")
+
+
+# --- The Countdown tasks (registered under rl_jax.tasks.get_task) ----------------------------
+
+@dataclasses.dataclass(frozen=True)
+class CountdownTask:
+  """Countdown bound to its config; implements rl_jax.tasks.base.Task."""
+  name: str
+  config: CountdownConfig
+
+  def make_problem(self, seed: int, split: Split, index: int) -> Problem:
+    return make_problem(self.config, seed, split, index)
+
+  def make_problems(self, seed: int, split: Split, start: int, count: int) -> list[Problem]:
+    return make_problems(self.config, seed, split, start, count)
+
+  def prompt(self, problem: Problem) -> str:
+    return format_prompt(problem, self.config.prompt_style, self.config.ops)
+
+  def completion(self, problem: Problem) -> str:
+    """The SFT target following prompt(problem) (tokenizer adds eos)."""
+    return format_completion(problem, self.config.prompt_style)
+
+  @property
+  def response_prefix(self) -> str:
+    """Answer-block text already in the prompt; reward() prepends it to the completion."""
+    return response_prefix(self.config.prompt_style)
+
+  def reward_details(self, problem: Problem, completion: str) -> reward_lib.RewardDetails:
+    """Scores the sampled completion (the text after the prompt); never raises."""
+    text = self.response_prefix + completion if isinstance(completion, str) else completion
+    return reward_lib.score_countdown(text, problem.numbers, problem.target,
+                                      integer_intermediate=self.config.integer_intermediate)
+
+  def reward(self, problem: Problem, completion: str) -> float:
+    """Binary reward in {0, 1} (see reward.score_countdown); never raises."""
+    return self.reward_details(problem, completion).reward
+
+
+@register_task("countdown")
+def _countdown_paper(overrides) -> CountdownTask:
+  """The papers' distribution (PRESETS['paper']), with CountdownConfig overrides."""
+  return CountdownTask("countdown", preset("paper", **overrides))
+
+
+@register_task("countdown_easy")
+def _countdown_easy(overrides) -> CountdownTask:
+  """Short problems for the tiny CPU model (PRESETS['easy'])."""
+  return CountdownTask("countdown_easy", preset("easy", **overrides))

@@ -1,0 +1,88 @@
+"""Meters of the sampler/trainer drift: per-token total variation and score centering's share of the update."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def exact_tv(logp_XV: jax.Array, logq_XV: jax.Array) -> jax.Array:
+  """TV(q, p) = 1/2 sum_v |q_v - p_v| per position, from two full log-distributions [..., V]."""
+  return 0.5 * jnp.sum(jnp.abs(jnp.exp(logq_XV) - jnp.exp(logp_XV)), axis=-1)
+
+
+def topk_tv(head_logp_XK: jax.Array, head_logq_XK: jax.Array) -> jax.Array:
+  """TV estimate from the sampler's recorded head H (its top-k ids) and the reconstructed tail.
+
+  head_logq_XK: the sampler's log q at its top-k ids; head_logp_XK: the trainer's log p at
+  the same ids. The tail is everything outside H, with masses 1 - sum_H q and 1 - sum_H p
+  (001's Eq. 7 reconstructs the sampler's tail as rho * p, which has exactly that mass):
+
+    TV_k = 1/2 (sum_{v in H} |q_v - p_v| + |tail_q - tail_p|).
+
+  By the triangle inequality sum_{v not in H} |q_v - p_v| >= |tail_q - tail_p|, so TV_k is a
+  LOWER bound of the exact TV, equal to it when q and p are proportional on the tail (the
+  reconstruction's assumption) and when the head is the whole vocabulary (k = V: both tails
+  are 0 up to rounding, so TV_k is then the exact TV).
+  """
+  q = jnp.exp(head_logq_XK.astype(jnp.float32))
+  p = jnp.exp(head_logp_XK.astype(jnp.float32))
+  # Rounding can make a head sum exceed 1 by an ulp: a tail mass is never negative.
+  tail_q = jnp.maximum(1.0 - jnp.sum(q, axis=-1), 0.0)
+  tail_p = jnp.maximum(1.0 - jnp.sum(p, axis=-1), 0.0)
+  return 0.5 * (jnp.sum(jnp.abs(q - p), axis=-1) + jnp.abs(tail_q - tail_p))
+
+
+def sc_logit_grad_sq_norms(*, weight_X: jax.Array, adv_X: jax.Array, c_XK: jax.Array,
+                           head_p_XK: jax.Array, p_y_X: jax.Array,
+                           y_in_head_XK: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Squared norms of one token's loss gradient in logit space: total and centering term.
+
+  Per token the loss is ell = -w A log p_y + A sum_{v in H} c_v log p_v (w the rule's
+  gradient weight, c the centering coefficients, both constants), and d log p_v / dz = e_v - p,
+  so its gradient in the logits z is g = u - s p with the sparse u = A (c_H - w e_y) and
+  s = A (sum_H c - w); the centering term alone is g_sc = A (c_H - (sum_H c) p). Then
+
+    ||g||^2 = ||u||^2 - 2 s <u, p> + s^2 ||p||^2,   ||u||^2 = A^2 (sum c^2 - 2 w c_y + w^2),
+
+  with c_y the coefficient at y when y is in H (else 0). Only the head and y are known, so
+  ||p||^2 is taken over H and y: exact under full centering (H = the vocabulary), and under
+  top-k it leaves out sum_{v not in H, v != y} p_v^2 <= tail_p * max tail p, small when the
+  trainer's tail is spread out. The temperature scales both gradients alike and is left out.
+
+  Args:
+    weight_X, adv_X, p_y_X: w, A and p(y) per token; c_XK, head_p_XK: c_v and p_v on H;
+    y_in_head_XK: one-hot (as float) of y's position in H (all zero if y is not in H).
+
+  Returns:
+    (||g||^2, ||g_sc||^2) per token.
+  """
+  a, w = adv_X, weight_X
+  sum_c = jnp.sum(c_XK, axis=-1)
+  c_y = jnp.sum(c_XK * y_in_head_XK, axis=-1)
+  y_out = 1.0 - jnp.sum(y_in_head_XK, axis=-1)
+  p_sq = jnp.sum(jnp.square(head_p_XK), axis=-1) + y_out * jnp.square(p_y_X)
+  c_dot_p = jnp.sum(c_XK * head_p_XK, axis=-1)
+  c_sq = jnp.sum(jnp.square(c_XK), axis=-1)
+  u_sq = c_sq - 2.0 * w * c_y + jnp.square(w)
+  u_dot_p = c_dot_p - w * p_y_X
+  s = sum_c - w
+  total = jnp.square(a) * (u_sq - 2.0 * s * u_dot_p + jnp.square(s) * p_sq)
+  sc = jnp.square(a) * (c_sq - 2.0 * sum_c * c_dot_p + jnp.square(sum_c) * p_sq)
+  # Cancellation can leave a tiny negative where the true value is 0.
+  return jnp.maximum(total, 0.0), jnp.maximum(sc, 0.0)
+
+
+def sc_share(total_sq_X: jax.Array, sc_sq_X: jax.Array, mask_X: jax.Array) -> jax.Array:
+  """Share of the update the centering term accounts for: ||G_sc|| / ||G|| over response tokens.
+
+  G and G_sc stack the per-token logit-space gradients of all (masked-in) tokens, so this is
+  sqrt(sum_t ||g_sc,t||^2 / sum_t ||g_t||^2): 0 without centering, about 1 when the centering
+  term dominates (it can exceed 1 when it cancels part of the rule's gradient). No extra
+  backward pass: it is computed from the head quantities the loss already has. Tokens count
+  equally: that is the loss's own weighting under 'batch_tokens' and 'constant'
+  aggregation; under 'seq_mean' it is the share in the unweighted token sum.
+  """
+  m = mask_X.astype(jnp.float32)
+  num = jnp.sum(m * sc_sq_X)
+  den = jnp.sum(m * total_sq_X)
+  return jnp.sqrt(num / jnp.maximum(den, 1e-30))

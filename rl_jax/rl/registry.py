@@ -1,0 +1,164 @@
+"""Registry tables of loss methods and advantage estimators: the one place every list is derived from."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+from rl_jax.config_utils import require
+
+# This module imports nothing from rl_jax.rl, so both the config dataclasses (which validate
+# names against the tables and take their method-specific fields from them) and the modules
+# that fill the tables (methods.py, advantages.py) can import it without a cycle.
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+  """A config field owned by one registry entry (a threshold of one method, say).
+
+  default: its value when the config does not set it; its Python type is the field's type.
+  check: value -> bool, or None; `why` is the error text when it returns False.
+  owner_only: a non-default value is only valid when the owner is the configured entry
+    (ablation switches such as MiniRL's), else it is validated but allowed (a threshold
+    set for a method that is not selected does nothing).
+  """
+  default: Any
+  check: Optional[Callable[[Any], bool]] = None
+  why: str = ""
+  owner_only: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+  """One loss method.
+
+  rule: (TokenInputs, LossConfig) -> RuleOutput (methods.py).
+  level: 'token' or 'sequence' (the level of the statistic, Table 1 of 001).
+  statistic: 'none', 'ratio' (p/q), 'tv' (|p - q|) or 'ratio+staleness' (MiniRL).
+  weight_fn: f(r, A, cfg), the per-token ratio weight score centering composes with
+    (001, Eq. 10), or None: then `sc_incompatible` says why centering cannot compose.
+  needs_logp_old: cfg -> whether the rule reads p_old (the forward at theta_old).
+  params: the config fields this method owns (name -> Param); LossConfig grows them.
+  check: cfg -> None, raising ConfigError, for cross-field checks of those params (run on
+    every config, as the defaults must stay valid whichever method is selected).
+  """
+  name: str
+  rule: Callable
+  level: str
+  statistic: str
+  weight_fn: Optional[Callable] = None
+  sc_incompatible: Optional[str] = None
+  needs_logp_old: Callable[[Any], bool] = lambda cfg: False
+  params: dict = dataclasses.field(default_factory=dict)
+  check: Optional[Callable[[Any], None]] = None
+
+  def __post_init__(self):
+    if self.level not in ("token", "sequence"):
+      raise ValueError(f"method {self.name!r}: level must be 'token' or 'sequence', got {self.level!r}")
+    if (self.weight_fn is None) == (self.sc_incompatible is None):
+      raise ValueError(f"method {self.name!r}: give exactly one of weight_fn (score centering "
+                       "composes with it) and sc_incompatible (why it cannot)")
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimatorSpec:
+  """One advantage estimator: fn(rewards_NG, cfg) -> adv_NG on [groups, group size] rewards."""
+  name: str
+  fn: Callable
+  params: dict = dataclasses.field(default_factory=dict)
+  check: Optional[Callable[[Any], None]] = None   # cfg -> None, raising ConfigError
+
+
+# name -> spec, in registration order (the order every derived list uses).
+METHOD_REGISTRY: dict[str, MethodSpec] = {}
+ADVANTAGE_REGISTRY: dict[str, EstimatorSpec] = {}
+REWARD_MODE_REGISTRY: dict[str, Callable] = {}   # name -> rewards_B -> rewards_B
+
+
+def _params_owned(registry: dict) -> dict[str, tuple[str, Param]]:
+  out = {}
+  for owner, spec in registry.items():
+    for field, p in spec.params.items():
+      if field in out:
+        raise ValueError(f"config field {field!r} is declared by both {out[field][0]!r} and "
+                         f"{owner!r}; a field has one owner (make it a common field instead)")
+      out[field] = (owner, p)
+  return out
+
+
+def _add(registry: dict, name: str, spec) -> None:
+  if name in registry:
+    raise ValueError(f"{name!r} is already registered")
+  registry[name] = spec
+  _params_owned(registry)   # rejects a field declared twice
+
+
+def register_method(name: str, *, level: str, statistic: str, weight_fn=None,
+                    sc_incompatible: Optional[str] = None, needs_logp_old=None,
+                    params: Optional[dict] = None, check=None):
+  """Decorator registering a rule `(TokenInputs, LossConfig) -> RuleOutput` as loss method `name`.
+
+  Everything else (LossConfig's fields and validation of `loss.method`, the score-centering
+  composability check, the sweep over methods, the test parametrizations) reads the table.
+  """
+  def deco(rule):
+    _add(METHOD_REGISTRY, name, MethodSpec(
+        name, rule, level, statistic, weight_fn, sc_incompatible,
+        needs_logp_old or (lambda cfg: False), dict(params or {}), check))
+    return rule
+  return deco
+
+
+def register_advantage(name: str, *, params: Optional[dict] = None, check=None):
+  """Decorator registering `fn(rewards_NG, cfg) -> adv_NG` as advantage estimator `name`."""
+  def deco(fn):
+    _add(ADVANTAGE_REGISTRY, name, EstimatorSpec(name, fn, dict(params or {}), check))
+    return fn
+  return deco
+
+
+def register_reward_mode(name: str):
+  """Decorator registering `fn(rewards_B) -> rewards_B` (task rewards in [0, 1]) as reward mode `name`."""
+  def deco(fn):
+    if name in REWARD_MODE_REGISTRY:
+      raise ValueError(f"reward mode {name!r} is already registered")
+    REWARD_MODE_REGISTRY[name] = fn
+    return fn
+  return deco
+
+
+def add_registry_params(registry: dict):
+  """Class decorator (apply BELOW @dataclass): adds every registered entry's Params as fields.
+
+  The fields keep their declared names (`loss.tis_high`, ...), so configs and sweeps set
+  them as before; each is typed by its default's Python type, which `config_utils.from_dict`
+  checks.
+  """
+  def deco(cls):
+    ann = dict(cls.__dict__.get("__annotations__", {}))
+    for field, (owner, p) in _params_owned(registry).items():
+      if field in ann:
+        raise ValueError(f"{owner!r} declares field {field!r}, which {cls.__name__} already has")
+      ann[field] = type(p.default)
+      setattr(cls, field, p.default)
+    cls.__annotations__ = ann
+    return cls
+  return deco
+
+
+def check_registry_params(cfg, registry: dict, selected: str, section: str) -> None:
+  """Runs every registered Param check and cross-field check on `cfg` (a __post_init__ helper)."""
+  for field, (owner, p) in _params_owned(registry).items():
+    value = getattr(cfg, field)
+    if p.check is not None:
+      require(p.check(value), field, f"{p.why}, got {value}")
+    if p.owner_only and owner != selected:
+      require(value == p.default, field,
+              f"only applies to {section}={owner!r}, got {section}={selected!r}")
+  for spec in registry.values():
+    if spec.check is not None:
+      spec.check(cfg)
+
+
+def require_registered(name: str, registry: dict, key: str) -> None:
+  """ConfigError naming `key` and the registered names unless `name` is one of them."""
+  require(name in registry, key, f"{name!r} is not one of {list(registry)}")
