@@ -13,13 +13,14 @@ from rl_jax.config_utils import ConfigError
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.layers import dtype_of
 from rl_jax.models.transformer import Transformer
+from rl_jax.quant.qtensor import QTensor
 
 # Python-side trace counter of `sync_weights`: a test reads it to prove "no recompilation".
 TRACE_COUNT = {"sync_weights": 0}
 
 
 def _is_quantized(x) -> bool:
-  return hasattr(x, "qmatmul") or hasattr(x, "dequantize")
+  return isinstance(x, QTensor)
 
 
 def _is_float(x) -> bool:
