@@ -15,10 +15,6 @@ from rl_jax.models.layers import dtype_of
 from rl_jax.models.transformer import Transformer
 from rl_jax.quant.qtensor import QTensor
 
-# Python-side trace counter of `sync_weights`: a test reads it to prove "no recompilation".
-TRACE_COUNT = {"sync_weights": 0}
-
-
 def _is_quantized(x) -> bool:
   return isinstance(x, QTensor)
 
@@ -68,7 +64,6 @@ def _leaf_noise(key, w, sigma, relative):
 
 @functools.partial(jax.jit, static_argnames=("qcfg", "dtype"))
 def _sync(params_state, delta, qcfg, dtype):
-  TRACE_COUNT["sync_weights"] += 1
   state = params_state
   if delta is not None:
     state = jax.tree.map(lambda w, d: (w.astype(jnp.float32) + d).astype(w.dtype) if _is_float(w) else w,
