@@ -1,6 +1,7 @@
 """QuantConfig checks; quantize_params on dicts / nnx.State; QTensor via jit, sharding, orbax."""
 import importlib.util
 import os
+import subprocess
 import sys
 
 import jax
@@ -234,3 +235,10 @@ def test_memory_targets_on_qwen3_shapes():
     kv, _ = bench.kv_ratio(KVSpec(fmt), shape, batch=4, tokens=16)
     assert linear <= target and kv <= target, (fmt, linear, kv)
     assert linear < whole < 1.0
+
+
+def test_qtensor_does_not_import_ops():
+  """The storage type stands alone: quant.ops imports qtensor, never the other way round."""
+  code = ("import sys, rl_jax.quant.qtensor, rl_jax.quant; "
+          "assert 'rl_jax.quant.ops' not in sys.modules, sorted(sys.modules)")
+  subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
