@@ -2,7 +2,9 @@
 import copy
 import json
 import os
+import re
 import shutil
+import warnings
 
 import jax
 import numpy as np
@@ -13,7 +15,7 @@ from flax import nnx
 from safetensors.torch import load_file as torch_load_file
 from safetensors.torch import save_file as torch_save_file
 
-from rl_jax.models import hf
+from rl_jax.models import hf, safetensors_io
 from rl_jax.models.decode import greedy_reference
 from rl_jax.sharding import MeshConfig, make_mesh
 
@@ -368,6 +370,71 @@ def test_error_index_points_to_missing_file(ckpts, tmp_path):
   os.remove(dst / victim)
   with pytest.raises(hf.CheckpointError, match=rf"'{victim}', which does not exist"):
     hf.load_hf_model(str(dst))
+
+
+def test_error_truncated_safetensors_names_file_and_tensor(ckpts, tmp_path):
+  dst, _ = _copy_single_file(ckpts, tmp_path)
+  file = dst / "model.safetensors"
+  refs = safetensors_io.read_header(str(file))
+  last = max(refs.values(), key=lambda r: r.end)  # the tensor whose bytes a cut copy loses
+  with open(file, "r+b") as f:
+    f.truncate(last.begin + 4)  # inside its data
+  with pytest.raises(hf.CheckpointError,
+                     match=rf"model\.safetensors: tensor '{re.escape(last.name)}' needs bytes "
+                           rf"\[{last.begin}, {last.end}\).*only {last.begin + 4} bytes"):
+    hf.load_hf_model(str(dst))
+
+
+@pytest.mark.parametrize("key, value, kind", [("hidden_size", "forty", "an integer"),
+                                              ("num_hidden_layers", 2.5, "an integer"),
+                                              ("rms_norm_eps", "1e-6", "a number")])
+def test_error_non_numeric_config_field_names_the_key(ckpts, tmp_path, key, value, kind):
+  dst, _ = _copy_single_file(ckpts, tmp_path)
+  cfg = json.loads((dst / "config.json").read_text())
+  cfg[key] = value
+  (dst / "config.json").write_text(json.dumps(cfg))
+  with pytest.raises(hf.CheckpointError,
+                     match=rf"config\.json: key '{key}' = {re.escape(repr(value))} is not {kind}"):
+    hf.load_hf_model(str(dst))
+
+
+def _tied_with_head(ckpts, tmp_path, head_of):
+  """The tied MoE checkpoint re-saved with an explicit lm_head.weight = head_of(embedding)."""
+  dst, tensors = _copy_single_file(ckpts, tmp_path)
+  assert json.loads((dst / "config.json").read_text())["tie_word_embeddings"]
+  assert "lm_head.weight" not in tensors
+  tensors["lm_head.weight"] = head_of(tensors["model.embed_tokens.weight"])
+  torch_save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+  return dst
+
+
+def test_tied_config_with_different_head_loads_untied_like_transformers(ckpts, tmp_path):
+  torch.manual_seed(7)
+  dst = _tied_with_head(ckpts, tmp_path, lambda emb: 0.15 * torch.randn_like(emb))
+  with pytest.warns(UserWarning, match=r"tie_word_embeddings=true, but tensor 'lm_head\.weight' "
+                                       r".*differs from 'model\.embed_tokens\.weight'"):
+    model = hf.load_hf_model(str(dst))
+  assert not model.cfg.tie_embeddings
+  ref = transformers.AutoModelForCausalLM.from_pretrained(str(dst), **HF_IMPL).eval()
+  # transformers keeps the file's head too (the behaviour matched here).
+  assert not torch.equal(ref.lm_head.weight, ref.model.embed_tokens.weight)
+  logits, _ = _ours(model)
+  ref_logits, _ = _hf_forward(ref)
+  assert np.abs(logits - ref_logits)[VALID_BT].max() < LOGITS_ATOL
+  # A tied load would be far off: the check above can fail.
+  tied_logits, _ = _hf_forward(ckpts["moe_plain_sparse_step"][1])
+  assert np.abs(logits - tied_logits)[VALID_BT].max() > 100 * LOGITS_ATOL
+
+
+def test_tied_config_with_identical_head_loads_tied_silently(ckpts, tmp_path):
+  dst = _tied_with_head(ckpts, tmp_path, lambda emb: emb.clone())
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    model = hf.load_hf_model(str(dst))
+  assert model.cfg.tie_embeddings
+  logits, _ = _ours(model)
+  ref_logits, _ = _hf_forward(ckpts["moe_plain_sparse_step"][1])
+  assert np.abs(logits - ref_logits)[VALID_BT].max() < LOGITS_ATOL
 
 
 # --- tokenizer ------------------------------------------------------------------------------------

@@ -103,7 +103,7 @@ def test_qmatmul_kernel_equals_matmul_of_dequantized_operands(wspec, aspec, pow2
   def run(x, w):
     qt = ops.quantize_weight(w, wspec, act=aspec, backend="xla")
     # The operands the quantized matmul must reproduce: dequant(quant(.)).
-    xd, wd = ops.fake_quantize_activations(x, qt), qt.dequantize(jnp.float32)
+    xd, wd = ops.fake_quantize_activations(x, qt), ops.dequantize_weight(qt, jnp.float32)
     w_scales = qt.scales
     common = dict(k=96, w_fmt=qt.fmt, w_block=qt.block_size, w_sd=qt.scale_dtype, tm=8, tn=8,
                   tk=32, pow2=pow2, interpret=True)
@@ -115,7 +115,7 @@ def test_qmatmul_kernel_equals_matmul_of_dequantized_operands(wspec, aspec, pow2
                                    interpret=True)
       out = K.qmatmul(codes, qt.values, w_scales, x_scales=raw, a_fmt=afmt,
                       a_block=qt.act_block_size, a_sd=qt.act_scale_dtype, **common)
-    return out, qt.qmatmul(x), xd, wd
+    return out, ops.qmatmul(x, qt), xd, wd
 
   out, out_xla, xd, wd = run(x, w)
   xd, wd = np.asarray(xd, np.float64), np.asarray(wd, np.float64)
@@ -125,7 +125,7 @@ def test_qmatmul_kernel_equals_matmul_of_dequantized_operands(wspec, aspec, pow2
 
 
 def test_qtensor_pallas_backend_bf16_activations():
-  """QTensor.qmatmul with backend='pallas' (bf16 x, leading dims) matches the XLA backend."""
+  """ops.qmatmul with backend='pallas' (bf16 x, leading dims) matches the XLA backend."""
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((64, 24)).astype(np.float32))
@@ -134,7 +134,7 @@ def test_qtensor_pallas_backend_bf16_activations():
   def run(x, w):
     qt_p = ops.quantize_weight(w, WeightSpec("int8"), backend="pallas")
     qt_x = ops.quantize_weight(w, WeightSpec("int8"), backend="xla")
-    return qt_p, qt_x, qt_p.qmatmul(x), qt_x.dequantize(jnp.float32)
+    return qt_p, qt_x, ops.qmatmul(x, qt_p), ops.dequantize_weight(qt_x, jnp.float32)
 
   qt_p, qt_x, out, wd = run(x, w)
   _same_bits(qt_p.values, qt_x.values)

@@ -1,6 +1,7 @@
 """QuantConfig checks; quantize_params on dicts / nnx.State; QTensor via jit, sharding, orbax."""
 import importlib.util
 import os
+import subprocess
 import sys
 
 import jax
@@ -11,8 +12,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rl_jax.config_utils import ConfigError, from_dict
-from rl_jax.quant import (ActivationSpec, KVSpec, QTensor, QuantConfig, WeightSpec, ops,
-                          quantize_params)
+from rl_jax.quant import ActivationSpec, KVSpec, QTensor, QuantConfig, WeightSpec, ops
+from rl_jax.quant.params import quantize_params
 
 # --------------------------------------------------------------------------- config
 
@@ -103,7 +104,7 @@ def test_quantize_params_replaces_only_linear_weights():
     assert not isinstance(b, QTensor) and (a.shape, a.dtype) == (b.shape, b.dtype)
   # With values: dequantized expert weights are within int8's bound scale / 2 per element.
   w = _tree()["layers"][0]["moe"]["w_down"]
-  deq = jax.jit(lambda t: quantize_params(t, cfg)["w_down"].dequantize())({"w_down": w})
+  deq = jax.jit(lambda t: ops.dequantize_weight(quantize_params(t, cfg)["w_down"]))({"w_down": w})
   amax = np.max(np.abs(np.asarray(w)), axis=1, keepdims=True)
   assert np.all(np.abs(np.asarray(deq) - np.asarray(w)) <= amax / 127 * (0.5 + 1e-5))
 
@@ -137,7 +138,7 @@ class _Tiny(nnx.Module):
     self.scale = nnx.Param(jnp.ones((D,)))
 
   def __call__(self, x):
-    return ops.matmul(x * self.scale.get_value(), self.wq.get_value())
+    return ops.linear(x * self.scale.get_value(), self.wq.get_value())
 
 
 def test_quantize_params_on_nnx_state():
@@ -154,7 +155,7 @@ def test_quantize_params_on_nnx_state():
   @jax.jit
   def run(m, x):
     qt = m.wq.get_value()
-    return m(x), ops.fake_quantize_activations(x, qt) @ qt.dequantize()
+    return m(x), ops.fake_quantize_activations(x, qt) @ ops.dequantize_weight(qt)
 
   out, ref = run(qmodel, x)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
@@ -180,7 +181,7 @@ def test_qtensor_through_jit_tree_map_and_sharding():
   tree = qt.shardings(NamedSharding(mesh, P("model", "data")))
   assert tree.values.spec == P("model", "data") and tree.scales.spec == P(None, "data")
   sharded2 = jax.device_put(qt, tree)
-  f = jax.jit(lambda x, q: q.qmatmul(x))
+  f = jax.jit(lambda x, q: ops.qmatmul(x, q))
   ref = f(x, qt)
   np.testing.assert_allclose(np.asarray(f(x, sharded)), np.asarray(ref), rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(np.asarray(f(x, sharded2)), np.asarray(ref), rtol=1e-6, atol=1e-6)
@@ -213,7 +214,7 @@ def test_ragged_qmatmul_matches_per_expert_matmul(aspec):
   @jax.jit
   def run(x, w):
     qt = ops.quantize_weight(w, WeightSpec("fp8"), act=aspec, backend="xla")
-    return ops.ragged_matmul(x, qt, sizes), ops.fake_quantize_activations(x, qt), qt.dequantize()
+    return ops.ragged_linear(x, qt, sizes), ops.fake_quantize_activations(x, qt), ops.dequantize_weight(qt)
 
   out, xd, wd = run(x, w)
   xd, wd = np.asarray(xd, np.float64), np.asarray(wd, np.float64)
@@ -234,3 +235,10 @@ def test_memory_targets_on_qwen3_shapes():
     kv, _ = bench.kv_ratio(KVSpec(fmt), shape, batch=4, tokens=16)
     assert linear <= target and kv <= target, (fmt, linear, kv)
     assert linear < whole < 1.0
+
+
+def test_qtensor_does_not_import_ops():
+  """The storage type stands alone: quant.ops imports qtensor, never the other way round."""
+  code = ("import sys, rl_jax.quant.qtensor, rl_jax.quant; "
+          "assert 'rl_jax.quant.ops' not in sys.modules, sorted(sys.modules)")
+  subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))

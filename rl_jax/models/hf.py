@@ -1,56 +1,36 @@
-"""Load / save Hugging Face Qwen3 and Qwen3-MoE safetensors checkpoints as rl_jax Transformers."""
+"""Hugging Face Qwen3 / Qwen3-MoE checkpoints as rl_jax Transformers: config mapping and name plan.
+
+The file format itself (headers, sharded indexes, streamed writes) is `safetensors_io`;
+this module only knows which HF tensor feeds which parameter, in which layout.
+"""
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import struct
+import warnings
 from typing import Any, Mapping, Sequence
 
 import jax
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from rl_jax.models.config import ModelConfig
+from rl_jax.models.safetensors_io import (DTYPE_TO_ST, INDEX_FILE, SINGLE_FILE,  # noqa: F401
+                                          ST_TO_NP, CheckpointError, Reader, TensorRef,
+                                          equal_tensors, index_tensors, norm_index, plan_shards,
+                                          read_json, write_index, write_safetensors)
 from rl_jax.models.transformer import Transformer
 from rl_jax.sharding import state_shardings
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 # transformers' PretrainedConfig default when a config has no RoPE keys at all.
 _HF_DEFAULT_ROPE_THETA = 10_000.0
 
-# safetensors dtype tag <-> numpy dtype (little endian on disk). numpy has no
-# bfloat16, so raw bytes are viewed through ml_dtypes rather than going via torch.
-_ST_TO_NP = {
-    "F64": np.dtype("<f8"),
-    "F32": np.dtype("<f4"),
-    "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-}
-_DTYPE_TO_ST = {"float32": "F32", "bfloat16": "BF16"}
-
-
-class CheckpointError(ValueError):
-  """A checkpoint does not match what rl_jax expects; the message names the tensor / key and file."""
-
-
 # --------------------------------------------------------------------------------------------------
 # config.json <-> ModelConfig
-
-
-def _read_json(path: str) -> dict:
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except FileNotFoundError:
-    raise CheckpointError(f"{path}: file not found") from None
-  except json.JSONDecodeError as e:
-    raise CheckpointError(f"{path}: invalid JSON ({e})") from None
 
 
 def _config_path(path: str) -> str:
@@ -72,8 +52,14 @@ def _rope_theta(hf: Mapping[str, Any], where: str) -> float:
     if params.get("partial_rotary_factor", 1.0) != 1.0:
       raise CheckpointError(f"{where}: key '{key}.partial_rotary_factor' != 1 is not supported")
     if "rope_theta" in params:
-      return float(params["rope_theta"])
-  return float(hf.get("rope_theta", _HF_DEFAULT_ROPE_THETA))
+      return _float(params["rope_theta"], f"{key}.rope_theta", where)
+  return _float(hf.get("rope_theta", _HF_DEFAULT_ROPE_THETA), "rope_theta", where)
+
+
+def _float(value, key: str, where: str) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise CheckpointError(f"{where}: key '{key}' = {value!r} is not a number")
+  return float(value)
 
 
 def _checkpoint_dtype(hf: Mapping[str, Any]) -> str:
@@ -99,10 +85,22 @@ def hf_to_model_config(hf: Mapping[str, Any], *, where: str = CONFIG_FILE, dtype
     raise CheckpointError(f"{where}: key 'model_type' = {model_type!r} is not supported; "
                           f"supported: {list(SUPPORTED_MODEL_TYPES)}")
 
-  def need(key):
-    if hf.get(key) is None:
-      raise CheckpointError(f"{where}: required key '{key}' is missing (model_type {model_type!r})")
-    return hf[key]
+  def num(key, cast, default=None, required=False):
+    """hf[key] as int / float; a missing or null key gives `default` (or fails if required)."""
+    value = hf.get(key)
+    if value is None:
+      if required:
+        raise CheckpointError(f"{where}: required key '{key}' is missing (model_type {model_type!r})")
+      return default
+    # JSON numbers only: int("32") would accept a string and int(32.5) would truncate.
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+        or (cast is int and not float(value).is_integer())):
+      kind = "an integer" if cast is int else "a number"
+      raise CheckpointError(f"{where}: key '{key}' = {value!r} is not {kind}")
+    return cast(value)
+
+  def need(key, cast=int):
+    return num(key, cast, required=True)
 
   if hf.get("hidden_act", "silu") != "silu":
     raise CheckpointError(f"{where}: key 'hidden_act' = {hf['hidden_act']!r}; only 'silu' is supported")
@@ -110,34 +108,40 @@ def hf_to_model_config(hf: Mapping[str, Any], *, where: str = CONFIG_FILE, dtype
     raise CheckpointError(f"{where}: key 'attention_bias' = true is not supported (Qwen3 has none)")
   if hf.get("use_sliding_window", False):
     raise CheckpointError(f"{where}: key 'use_sliding_window' = true is not supported")
-  n_heads = int(need("num_attention_heads"))
-  d_model = int(need("hidden_size"))
+  n_heads = need("num_attention_heads")
+  d_model = need("hidden_size")
   kw = dict(
-      vocab_size=int(need("vocab_size")),
+      vocab_size=need("vocab_size"),
       d_model=d_model,
-      n_layers=int(need("num_hidden_layers")),
+      n_layers=need("num_hidden_layers"),
       n_heads=n_heads,
-      n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-      head_dim=int(hf.get("head_dim") or d_model // n_heads),
-      d_ff=int(need("intermediate_size")),
+      # `or`: transformers treats a 0 / null kv-head count or head_dim as "not set".
+      n_kv_heads=num("num_key_value_heads", int) or n_heads,
+      head_dim=num("head_dim", int) or d_model // n_heads,
+      d_ff=need("intermediate_size"),
       rope_theta=_rope_theta(hf, where),
-      rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      rms_eps=num("rms_norm_eps", float, 1e-6),
       # Both Qwen3 config classes default to untied embeddings.
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      init_std=float(hf.get("initializer_range", 0.02)),
+      init_std=num("initializer_range", float, 0.02),
   )
   if model_type == "qwen3_moe":
     # transformers >= 5 writes num_local_experts (num_experts is an attribute alias).
-    n_experts = hf.get("num_experts", hf.get("num_local_experts"))
-    if n_experts is None:
+    n_experts_key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
+    if hf.get(n_experts_key) is None:
       raise CheckpointError(f"{where}: required key 'num_experts' (or 'num_local_experts') is missing")
+    mlp_only = hf.get("mlp_only_layers") or ()
+    if not isinstance(mlp_only, (list, tuple)) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
+      raise CheckpointError(f"{where}: key 'mlp_only_layers' = {mlp_only!r} is not a list of "
+                            "layer indices")
     kw.update(
-        n_experts=int(n_experts),
-        n_experts_per_tok=int(need("num_experts_per_tok")),
-        moe_d_ff=int(hf.get("moe_intermediate_size", 768)),
+        n_experts=need(n_experts_key),
+        n_experts_per_tok=need("num_experts_per_tok"),
+        moe_d_ff=num("moe_intermediate_size", int, 768),
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-        decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
-        mlp_only_layers=tuple(int(i) for i in (hf.get("mlp_only_layers") or ())),
+        decoder_sparse_step=num("decoder_sparse_step", int, 1),
+        mlp_only_layers=tuple(mlp_only),
     )
   dtype = dtype or _checkpoint_dtype(hf)
   kw.update(dtype=dtype, param_dtype=param_dtype or dtype)
@@ -152,7 +156,7 @@ def load_hf_config(path: str, *, dtype: str | None = None, param_dtype: str | No
                    **overrides) -> ModelConfig:
   """ModelConfig of a checkpoint directory (or a config.json path); see hf_to_model_config."""
   cfg_path = _config_path(path)
-  return hf_to_model_config(_read_json(cfg_path), where=cfg_path, dtype=dtype,
+  return hf_to_model_config(read_json(cfg_path), where=cfg_path, dtype=dtype,
                             param_dtype=param_dtype, **overrides)
 
 
@@ -253,94 +257,12 @@ def _hf_shape(kind: str, shape: Sequence[int]) -> tuple[int, ...]:
   return (shape[2], shape[1])  # one expert's [out, in]
 
 
-# --------------------------------------------------------------------------------------------------
-# safetensors reading (header parse + memory map: nothing is read before it is sliced)
-
-
-@dataclasses.dataclass(frozen=True)
-class _TensorRef:
-  file: str
-  name: str
-  dtype: str            # safetensors tag, e.g. "BF16"
-  shape: tuple[int, ...]
-  begin: int            # absolute byte offset in the file
-  end: int
-
-
-def _read_header(file: str) -> dict[str, _TensorRef]:
-  try:
-    with open(file, "rb") as f:
-      (n,) = struct.unpack("<Q", f.read(8))
-      header = json.loads(f.read(n))
-  except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
-  base = 8 + n
-  refs = {}
-  for name, info in header.items():
-    if name == "__metadata__":
-      continue
-    b, e = info["data_offsets"]
-    refs[name] = _TensorRef(file, name, info["dtype"], tuple(info["shape"]), base + b, base + e)
-  return refs
-
-
-class _Reader:
-  """Memory-maps each file once; `view(ref)` is a lazy numpy view of one tensor."""
-
-  def __init__(self):
-    self._maps: dict[str, np.memmap] = {}
-
-  def view(self, ref: _TensorRef) -> np.ndarray:
-    mm = self._maps.get(ref.file)
-    if mm is None:
-      mm = self._maps[ref.file] = np.memmap(ref.file, dtype=np.uint8, mode="r")
-    dt = _ST_TO_NP[ref.dtype]
-    return mm[ref.begin:ref.end].view(dt).reshape(ref.shape)
-
-
-def _index_tensors(path: str) -> dict[str, _TensorRef]:
-  """name -> _TensorRef over all safetensors files of a checkpoint directory."""
-  index_path = os.path.join(path, INDEX_FILE)
-  refs: dict[str, _TensorRef] = {}
-  if os.path.exists(index_path):
-    weight_map = _read_json(index_path).get("weight_map")
-    if not isinstance(weight_map, Mapping):
-      raise CheckpointError(f"{index_path}: key 'weight_map' is missing or not a mapping")
-    headers: dict[str, dict[str, _TensorRef]] = {}
-    for name, fname in weight_map.items():
-      file = os.path.join(path, fname)
-      if fname not in headers:
-        if not os.path.exists(file):
-          raise CheckpointError(f"{index_path}: tensor '{name}' maps to file '{fname}', which does not exist")
-        headers[fname] = _read_header(file)
-      if name not in headers[fname]:
-        raise CheckpointError(f"{index_path}: tensor '{name}' maps to file '{fname}', "
-                              "which does not contain it")
-      refs[name] = headers[fname][name]
-    # Tensors present in a shard but absent from the index would be silently dropped.
-    for fname, header in headers.items():
-      for name in header:
-        if name not in weight_map:
-          raise CheckpointError(f"unexpected tensor '{name}' in file '{fname}': not listed in {INDEX_FILE}")
-    return refs
-  files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) if os.path.isdir(path) else []
-  if not files:
-    raise CheckpointError(f"{path}: no {INDEX_FILE} and no *.safetensors files")
-  for fname in files:
-    for name, ref in _read_header(os.path.join(path, fname)).items():
-      if name in refs:
-        raise CheckpointError(f"tensor '{name}' appears in both '{os.path.basename(refs[name].file)}' "
-                              f"and '{fname}'")
-      refs[name] = ref
-  return refs
-
-
 def _fused_names(prefix: str) -> tuple[str, str]:
   return prefix + "mlp.experts.gate_up_proj", prefix + "mlp.experts.down_proj"
 
 
-def _resolve(plan: list[_Entry], shapes: Mapping[tuple, tuple], refs: Mapping[str, _TensorRef],
-             cfg: ModelConfig, path: str) -> list[tuple[_Entry, str, tuple[_TensorRef, ...]]]:
+def _resolve(plan: list[_Entry], shapes: Mapping[tuple, tuple], refs: Mapping[str, TensorRef],
+             cfg: ModelConfig, path: str) -> list[tuple[_Entry, str, tuple[TensorRef, ...]]]:
   """Matches the plan against the checkpoint's tensors, raising on any missing / extra / misshapen one.
 
   Returns (entry, read kind, refs) per parameter. MoE layers accept the hub's
@@ -353,10 +275,10 @@ def _resolve(plan: list[_Entry], shapes: Mapping[tuple, tuple], refs: Mapping[st
   def fname(ref):
     return os.path.basename(ref.file)
 
-  def check(ref: _TensorRef, expected: tuple, param_path: tuple):
-    if ref.dtype not in _ST_TO_NP:
+  def check(ref: TensorRef, expected: tuple, param_path: tuple):
+    if ref.dtype not in ST_TO_NP:
       raise CheckpointError(f"tensor '{ref.name}' in file '{fname(ref)}' has dtype {ref.dtype}; "
-                            f"supported: {sorted(_ST_TO_NP)}")
+                            f"supported: {sorted(ST_TO_NP)}")
     if tuple(ref.shape) != tuple(expected):
       raise CheckpointError(f"tensor '{ref.name}' in file '{fname(ref)}' has shape {list(ref.shape)}, "
                             f"but config.json implies {list(expected)} (parameter "
@@ -403,20 +325,7 @@ def _resolve(plan: list[_Entry], shapes: Mapping[tuple, tuple], refs: Mapping[st
   return out
 
 
-def _norm_index(index, shape) -> tuple[slice, ...]:
-  if index is None:
-    index = ()
-  index = tuple(index) + (slice(None),) * (len(shape) - len(tuple(index)))
-  out = []
-  for s, n in zip(index, shape):
-    start, stop, step = s.indices(n)
-    if step != 1:
-      raise ValueError(f"strided shard index {s} not supported")
-    out.append(slice(start, stop))
-  return tuple(out)
-
-
-def _read_slice(reader: _Reader, kind: str, refs: Sequence[_TensorRef], index: tuple[slice, ...],
+def _read_slice(reader: Reader, kind: str, refs: Sequence[TensorRef], index: tuple[slice, ...],
                 f_dim: int) -> np.ndarray:
   """The rl_jax-layout block `param[index]`, reading only the bytes it needs."""
   if kind == "plain":
@@ -436,6 +345,27 @@ def _read_slice(reader: _Reader, kind: str, refs: Sequence[_TensorRef], index: t
   if kind == "fused_down":   # [E, D, F] -> [E, F, D]
     return v[se, s2, s1].transpose(0, 2, 1)
   raise AssertionError(kind)
+
+
+def _untie_if_head_differs(cfg: ModelConfig, refs: Mapping[str, TensorRef], reader: Reader,
+                           path: str) -> ModelConfig:
+  """`cfg` untied when a tied config comes with an `lm_head.weight` unequal to the embedding.
+
+  transformers does the same (it refuses to tie, warns, and keeps the file's head):
+  tying would silently replace the head the checkpoint was trained with.
+  """
+  head, emb = "lm_head.weight", "model.embed_tokens.weight"
+  if not cfg.tie_embeddings or head not in refs or emb not in refs:
+    return cfg
+  a, b = refs[head], refs[emb]
+  if a.dtype == b.dtype and a.shape == b.shape and equal_tensors(reader, a, b):
+    return cfg
+  warnings.warn(f"{path}: {CONFIG_FILE} says tie_word_embeddings=true, but tensor '{head}' "
+                f"('{os.path.basename(a.file)}') differs from '{emb}' "
+                f"('{os.path.basename(b.file)}'); loading them untied with the file's {head}, as "
+                f"transformers does. Set tie_word_embeddings=false to silence this.",
+                stacklevel=3)
+  return dataclasses.replace(cfg, tie_embeddings=False)
 
 
 def _state_paths(state) -> dict[tuple, Any]:
@@ -468,6 +398,9 @@ def load_hf_model(path: str, *, mesh: jax.sharding.Mesh | None = None, dtype: st
     **overrides: further ModelConfig fields (remat, router_aux_loss_coef, ...).
   """
   cfg = load_hf_config(path, dtype=dtype, param_dtype=param_dtype, **overrides)
+  refs = index_tensors(path)
+  reader = Reader()
+  cfg = _untie_if_head_differs(cfg, refs, reader, path)
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   variables = _state_paths(state)
@@ -476,17 +409,16 @@ def load_hf_model(path: str, *, mesh: jax.sharding.Mesh | None = None, dtype: st
   if set(e.path for e in plan) != set(variables):
     raise AssertionError(f"hf plan / model parameter mismatch: "
                          f"{set(e.path for e in plan) ^ set(variables)}")
-  resolved = _resolve(plan, shapes, _index_tensors(path), cfg, path)
+  resolved = _resolve(plan, shapes, refs, cfg, path)
   shardings = _state_paths(state_shardings(state, mesh)) if mesh is not None else None
   default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  reader = _Reader()
   for entry, kind, refs in resolved:
     var = variables[entry.path]
     shape, np_dtype = shapes[entry.path], np.dtype(var.get_value().dtype)
     cache: dict[tuple, np.ndarray] = {}
 
     def block(index, kind=kind, refs=refs, shape=shape, np_dtype=np_dtype, cache=cache):
-      idx = _norm_index(index, shape)
+      idx = norm_index(index, shape)
       key = tuple((s.start, s.stop) for s in idx)
       if key not in cache:  # partially replicated params: one read per distinct block
         cache[key] = np.array(_read_slice(reader, kind, refs, idx, cfg.moe_d_ff), dtype=np_dtype)
@@ -507,25 +439,6 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(x))
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def _write_safetensors(file: str, tensors: list[tuple[str, tuple, str]], produce) -> None:
-  """Streams one safetensors file: the header from shapes, then each tensor's bytes in turn."""
-  header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-  offset = 0
-  for name, shape, st_dtype in tensors:
-    nbytes = int(np.prod(shape, dtype=np.int64)) * _ST_TO_NP[st_dtype].itemsize
-    header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-    offset += nbytes
-  blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)  # 8-byte aligned data start, as the reference writer does
-  with open(file, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
-    for name, shape, st_dtype in tensors:
-      arr = produce(name)
-      assert arr.shape == tuple(shape) and arr.dtype == _ST_TO_NP[st_dtype], (name, arr.shape, arr.dtype)
-      f.write(np.ascontiguousarray(arr).tobytes())
 
 
 def save_hf_checkpoint(model: Transformer, path: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -554,10 +467,10 @@ def save_hf_checkpoint(model: Transformer, path: str, *, max_shard_bytes: int = 
   """
   cfg: ModelConfig = model.cfg
   dtype = dtype or cfg.param_dtype
-  if dtype not in _DTYPE_TO_ST:
-    raise ValueError(f"dtype must be one of {sorted(_DTYPE_TO_ST)}, got {dtype!r}")
-  st_dtype = _DTYPE_TO_ST[dtype]
-  np_dtype = _ST_TO_NP[st_dtype]
+  if dtype not in DTYPE_TO_ST:
+    raise ValueError(f"dtype must be one of {sorted(DTYPE_TO_ST)}, got {dtype!r}")
+  st_dtype = DTYPE_TO_ST[dtype]
+  np_dtype = ST_TO_NP[st_dtype]
   variables = _state_paths(nnx.state(model))
   plan = _plan(cfg)
   writer = jax.process_index() == 0
@@ -577,17 +490,8 @@ def save_hf_checkpoint(model: Transformer, path: str, *, max_shard_bytes: int = 
     for e, name in enumerate(entry.names):
       tensors.append((name, _hf_shape(entry.kind, shape), st_dtype))
       owner[name] = (entry, e)
-  shards: list[list] = [[]]
-  size = 0
-  for t in tensors:
-    nbytes = int(np.prod(t[1], dtype=np.int64)) * np_dtype.itemsize
-    if shards[-1] and size + nbytes > max_shard_bytes:
-      shards.append([])
-      size = 0
-    shards[-1].append(t)
-    size += nbytes
+  names, shards = plan_shards(tensors, max_shard_bytes)
   n = len(shards)
-  names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
   current: dict[str, Any] = {"path": None, "array": None}
 
@@ -606,7 +510,7 @@ def save_hf_checkpoint(model: Transformer, path: str, *, max_shard_bytes: int = 
 
   if writer:
     for fname, shard in zip(names, shards):
-      _write_safetensors(os.path.join(path, fname), shard, produce)
+      write_safetensors(os.path.join(path, fname), shard, produce)
   else:  # still join every collective gather, in the same order
     for shard in shards:
       for name, _, _ in shard:
@@ -614,11 +518,7 @@ def save_hf_checkpoint(model: Transformer, path: str, *, max_shard_bytes: int = 
   current["array"] = None
   if writer:
     if n > 1:
-      total = sum(int(np.prod(s, dtype=np.int64)) * np_dtype.itemsize for _, s, _ in tensors)
-      index = {"metadata": {"total_size": total},
-               "weight_map": {t[0]: f for f, shard in zip(names, shards) for t in shard}}
-      with open(os.path.join(path, INDEX_FILE), "w") as f:
-        json.dump(index, f, indent=2, sort_keys=True)
+      write_index(path, names, shards)
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
       json.dump(model_config_to_hf(cfg, dtype=dtype, extra=extra_config), f, indent=2)
   written = names + ([INDEX_FILE] if n > 1 else []) + [CONFIG_FILE]

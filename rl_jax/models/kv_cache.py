@@ -13,7 +13,7 @@ from rl_jax.models.config import ModelConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerKV:
-  """One layer's cache: k/v `[B, S, Hkv, D]` (low-bit values when `spec` quantizes) + scales."""
+  """One layer's cache: k/v `[B, C, G, D]` (C slots, G kv heads), low-bit when `spec` quantizes."""
   k: jax.Array
   v: jax.Array
   k_scale: jax.Array | None = None
@@ -26,22 +26,22 @@ class LayerKV:
   def quantized(self) -> bool:
     return self.k_scale is not None
 
-  def update(self, k_new_BTHD: jax.Array, v_new_BTHD: jax.Array, index: jax.Array, dtype
+  def update(self, k_new_BSGD: jax.Array, v_new_BSGD: jax.Array, index: jax.Array, dtype
              ) -> tuple["LayerKV", jax.Array, jax.Array]:
-    """Writes the new slab at slot `index` and returns (cache', k_all, v_all) as read back.
+    """Writes the new S-token slab at slot `index`; returns (cache', k_BCGD, v_BCGD) as read back.
 
     Reading back what was written (instead of using the fresh k/v) matches what a
     serving engine with a quantized cache computes for the current token too.
     """
     start = (0, index, 0, 0)
     if not self.quantized:
-      k = jax.lax.dynamic_update_slice(self.k, k_new_BTHD.astype(self.k.dtype), start)
-      v = jax.lax.dynamic_update_slice(self.v, v_new_BTHD.astype(self.v.dtype), start)
+      k = jax.lax.dynamic_update_slice(self.k, k_new_BSGD.astype(self.k.dtype), start)
+      v = jax.lax.dynamic_update_slice(self.v, v_new_BSGD.astype(self.v.dtype), start)
       new = dataclasses.replace(self, k=k, v=v)
       return new, k.astype(dtype), v.astype(dtype)
     from rl_jax.quant import kv as qkv  # pylint: disable=g-import-not-at-top
-    kq, ks = qkv.kv_quantize(k_new_BTHD, self.spec, self.backend)
-    vq, vs = qkv.kv_quantize(v_new_BTHD, self.spec, self.backend)
+    kq, ks = qkv.kv_quantize(k_new_BSGD, self.spec, self.backend)
+    vq, vs = qkv.kv_quantize(v_new_BSGD, self.spec, self.backend)
     new = dataclasses.replace(
         self,
         k=jax.lax.dynamic_update_slice(self.k, kq, start),

@@ -1,11 +1,20 @@
 """Qwen3 building blocks: RMSNorm, RoPE, GQA attention with q/k-norm, SwiGLU MLP."""
 from __future__ import annotations
 
+import chex
+import einops
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from rl_jax.models.config import ModelConfig
+from rl_jax.quant.ops import linear
+
+# Dimension letters in array names, across rl_jax.models: B rows, S tokens of this forward
+# (the whole token buffer; the prompt P + response T slots in the rollout), C key slots
+# attention reads (= S without a cache, the cache length with one), H query heads, G kv heads,
+# R query heads per kv head (H = G * R), D hidden or head dim, F feed-forward width, V vocab,
+# E experts, K experts per token, L MoE layers, N flattened B * S tokens.
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Finite "minus infinity": a fully masked row (padding query) stays NaN-free.
@@ -14,20 +23,6 @@ _MASK_VALUE = -1e30
 
 def dtype_of(name: str):
   return _DTYPES[name]
-
-
-def linear(x: jax.Array, w) -> jax.Array:
-  """x[..., K] @ w[K, N]; `w` may be a quantized tensor (sampler weights) exposing `qmatmul`."""
-  if hasattr(w, "qmatmul"):
-    return w.qmatmul(x).astype(x.dtype)
-  return jnp.dot(x, w.astype(x.dtype))
-
-
-def materialize(w, dtype) -> jax.Array:
-  """A dense array of `w` (dequantized when it is a quantized tensor)."""
-  if hasattr(w, "dequantize"):
-    return w.dequantize(dtype)
-  return w.astype(dtype)
 
 
 def param(rngs: nnx.Rngs, shape, axes, cfg: ModelConfig, std: float | None = None) -> nnx.Param:
@@ -53,17 +48,17 @@ class RMSNorm(nnx.Module):
     return rms_norm(x, self.scale.get_value(), self.eps)
 
 
-def rope(x_BTHD: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+def rope(x_BSHD: jax.Array, positions_BS: jax.Array, theta: float) -> jax.Array:
   """Rotary embedding, half-split ("rotate_half") layout as in transformers' Qwen3."""
-  d = x_BTHD.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-  angles_BTF = positions_BT.astype(jnp.float32)[..., None] * inv_freq
-  cos = jnp.cos(angles_BTF)[:, :, None, :]
-  sin = jnp.sin(angles_BTF)[:, :, None, :]
-  x32 = x_BTHD.astype(jnp.float32)
+  d = x_BSHD.shape[-1]
+  inv_freq_F = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # F = D / 2
+  angles_BSF = positions_BS.astype(jnp.float32)[..., None] * inv_freq_F
+  cos_BS1F = jnp.cos(angles_BSF)[:, :, None, :]
+  sin_BS1F = jnp.sin(angles_BSF)[:, :, None, :]
+  x32 = x_BSHD.astype(jnp.float32)
   x1, x2 = x32[..., : d // 2], x32[..., d // 2:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BTHD.dtype)
+  out = jnp.concatenate([x1 * cos_BS1F - x2 * sin_BS1F, x2 * cos_BS1F + x1 * sin_BS1F], axis=-1)
+  return out.astype(x_BSHD.dtype)
 
 
 class Attention(nnx.Module):
@@ -79,26 +74,30 @@ class Attention(nnx.Module):
     self.q_norm = RMSNorm(hd, cfg)
     self.k_norm = RMSNorm(hd, cfg)
 
-  def __call__(self, x_BTD, positions_BT, mask_BTS, cache=None, cache_index=None):
+  def __call__(self, x_BSD, positions_BS, mask_BSC, cache=None, cache_index=None):
+    """Returns (out_BSD, cache'); keys are the S new tokens, or all C cache slots with a cache."""
     cfg = self.cfg
-    b, t, _ = x_BTD.shape
-    h, kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    q = self.q_norm(linear(x_BTD, self.wq.get_value()).reshape(b, t, h, hd))
-    k = self.k_norm(linear(x_BTD, self.wk.get_value()).reshape(b, t, kv, hd))
-    v = linear(x_BTD, self.wv.get_value()).reshape(b, t, kv, hd)
-    q = rope(q, positions_BT, cfg.rope_theta)
-    k = rope(k, positions_BT, cfg.rope_theta)
+    hd = cfg.head_dim
+    heads = lambda y: einops.rearrange(y, "b s (h d) -> b s h d", d=hd)
+    q_BSHD = self.q_norm(heads(linear(x_BSD, self.wq.get_value())))
+    k_BSGD = self.k_norm(heads(linear(x_BSD, self.wk.get_value())))
+    v_BSGD = heads(linear(x_BSD, self.wv.get_value()))
+    q_BSHD = rope(q_BSHD, positions_BS, cfg.rope_theta)
+    k_BCGD = rope(k_BSGD, positions_BS, cfg.rope_theta)
+    v_BCGD = v_BSGD
     if cache is not None:
-      cache, k, v = cache.update(k, v, cache_index, x_BTD.dtype)
-    s = k.shape[1]
-    q = q.reshape(b, t, kv, h // kv, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (hd ** -0.5)
-    scores = jnp.where(mask_BTS[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h * hd)
-    del s
-    return linear(out, self.wo.get_value()), cache
+      cache, k_BCGD, v_BCGD = cache.update(k_BCGD, v_BCGD, cache_index, x_BSD.dtype)
+    b, s, c = mask_BSC.shape
+    chex.assert_shape([k_BCGD, v_BCGD], (b, c, cfg.n_kv_heads, hd))
+    # Query head h = g * R + r reads kv head g (transformers' repeat_kv order).
+    q_BSGRD = einops.rearrange(q_BSHD, "b s (g r) d -> b s g r d", g=cfg.n_kv_heads)
+    scores_BGRSC = jnp.einsum("bsgrd,bcgd->bgrsc", q_BSGRD, k_BCGD,
+                              preferred_element_type=jnp.float32) * (hd ** -0.5)
+    scores_BGRSC = jnp.where(mask_BSC[:, None, None, :, :], scores_BGRSC, _MASK_VALUE)
+    probs_BGRSC = jax.nn.softmax(scores_BGRSC, axis=-1).astype(v_BCGD.dtype)
+    out_BSGRD = jnp.einsum("bgrsc,bcgd->bsgrd", probs_BGRSC, v_BCGD)
+    out_BSX = einops.rearrange(out_BSGRD, "b s g r d -> b s (g r d)")  # X = H * head dim
+    return linear(out_BSX, self.wo.get_value()), cache
 
 
 class MLP(nnx.Module):
@@ -110,6 +109,7 @@ class MLP(nnx.Module):
     self.w_up = param(rngs, (d, f), ("embed", "mlp"), cfg)
     self.w_down = param(rngs, (f, d), ("mlp", "embed"), cfg)
 
-  def __call__(self, x_BTD):
-    h = jax.nn.silu(linear(x_BTD, self.w_gate.get_value())) * linear(x_BTD, self.w_up.get_value())
-    return linear(h, self.w_down.get_value())
+  def __call__(self, x_BSD):
+    h_BSF = (jax.nn.silu(linear(x_BSD, self.w_gate.get_value()))
+             * linear(x_BSD, self.w_up.get_value()))
+    return linear(h_BSF, self.w_down.get_value())

@@ -7,6 +7,7 @@ from flax import nnx
 
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.layers import param
+from rl_jax.quant.ops import ragged_linear
 
 
 def route(router_logits_NE: jax.Array, k: int, norm_topk_prob: bool,
@@ -30,25 +31,20 @@ def route(router_logits_NE: jax.Array, k: int, norm_topk_prob: bool,
   return ids, gates, natural_ids, probs_NE
 
 
-def _expert_matmul(x_MK, w, group_sizes_E):
-  if hasattr(w, "ragged_qmatmul"):
-    return w.ragged_qmatmul(x_MK, group_sizes_E).astype(x_MK.dtype)
-  return jax.lax.ragged_dot(x_MK, w.astype(x_MK.dtype), group_sizes_E)
-
-
 def dropless_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: int):
   """SwiGLU experts over (token, slot) pairs sorted by expert with `lax.ragged_dot`.
 
   Every assignment is computed (no capacity factor), so no token is ever dropped.
   """
   n, k = ids_NK.shape
-  flat_ids = ids_NK.reshape(-1)
-  order = jnp.argsort(flat_ids, stable=True)
-  x_sorted = x_ND[order // k]
-  group_sizes = jnp.bincount(flat_ids, length=n_experts).astype(jnp.int32)
-  h = jax.nn.silu(_expert_matmul(x_sorted, w_gate, group_sizes)) * _expert_matmul(x_sorted, w_up, group_sizes)
-  y_sorted = _expert_matmul(h, w_down, group_sizes)
-  y_NKD = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n, k, -1)
+  flat_ids_M = ids_NK.reshape(-1)  # M = N * K (token, slot) assignments
+  order_M = jnp.argsort(flat_ids_M, stable=True)
+  x_MD = x_ND[order_M // k]
+  group_sizes_E = jnp.bincount(flat_ids_M, length=n_experts).astype(jnp.int32)
+  h_MF = (jax.nn.silu(ragged_linear(x_MD, w_gate, group_sizes_E))
+          * ragged_linear(x_MD, w_up, group_sizes_E))
+  y_MD = ragged_linear(h_MF, w_down, group_sizes_E)
+  y_NKD = jnp.zeros_like(y_MD).at[order_M].set(y_MD).reshape(n, k, -1)
   return jnp.einsum("nkd,nk->nd", y_NKD, gates_NK.astype(y_NKD.dtype))
 
 
@@ -77,18 +73,20 @@ class MoE(nnx.Module):
     self.w_up = param(rngs, (e, d, f), ("expert", "embed", "mlp"), cfg)
     self.w_down = param(rngs, (e, f, d), ("expert", "mlp", "embed"), cfg)
 
-  def __call__(self, x_BTD, valid_BT, replay_ids_BTK=None, replay_mask_BT=None):
-    """Returns (y_BTD, ids_BTK used, router_logits_BTE, aux_loss)."""
+  def __call__(self, x_BSD, valid_BS, replay_ids_BSK=None, replay_mask_BS=None):
+    """Returns (y_BSD, ids_BSK used, router_logits_BSE, aux_loss)."""
     cfg = self.cfg
-    b, t, d = x_BTD.shape
-    x_ND = x_BTD.reshape(b * t, d)
+    b, s, d = x_BSD.shape
+    x_ND = x_BSD.reshape(b * s, d)
     # Router in float32 regardless of compute dtype: routing is precision-sensitive.
     logits_NE = jnp.dot(x_ND.astype(jnp.float32), self.w_router.get_value().astype(jnp.float32))
-    rid = None if replay_ids_BTK is None else replay_ids_BTK.reshape(b * t, -1)
-    rmask = None if replay_mask_BT is None else replay_mask_BT.reshape(b * t)
-    ids, gates, natural, probs = route(logits_NE, cfg.n_experts_per_tok, cfg.norm_topk_prob, rid, rmask)
-    y = dropless_experts(x_ND, ids, gates, self.w_gate.get_value(), self.w_up.get_value(), self.w_down.get_value(), cfg.n_experts)
-    aux = load_balancing_loss(probs, natural, valid_BT.reshape(-1), cfg.n_experts)
+    rid_NK = None if replay_ids_BSK is None else replay_ids_BSK.reshape(b * s, -1)
+    rmask_N = None if replay_mask_BS is None else replay_mask_BS.reshape(b * s)
+    ids_NK, gates_NK, natural_NK, probs_NE = route(logits_NE, cfg.n_experts_per_tok,
+                                                   cfg.norm_topk_prob, rid_NK, rmask_N)
+    y_ND = dropless_experts(x_ND, ids_NK, gates_NK, self.w_gate.get_value(),
+                            self.w_up.get_value(), self.w_down.get_value(), cfg.n_experts)
+    aux = load_balancing_loss(probs_NE, natural_NK, valid_BS.reshape(-1), cfg.n_experts)
     k = cfg.n_experts_per_tok
-    return (y.reshape(b, t, d).astype(x_BTD.dtype), ids.reshape(b, t, k),
-            logits_NE.reshape(b, t, -1), aux)
+    return (y_ND.reshape(b, s, d).astype(x_BSD.dtype), ids_NK.reshape(b, s, k),
+            logits_NE.reshape(b, s, -1), aux)

@@ -8,8 +8,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rl_jax.models.config import ModelConfig
-from rl_jax.models.layers import MLP, Attention, RMSNorm, dtype_of, linear, materialize, param
+from rl_jax.models.layers import MLP, Attention, RMSNorm, dtype_of, param
 from rl_jax.models.moe import MoE
+from rl_jax.quant.ops import dense, linear
 
 
 @jax.tree_util.register_dataclass
@@ -34,20 +35,22 @@ class Block(nnx.Module):
     self.ffn_norm = RMSNorm(cfg.d_model, cfg)
     self.ffn = MoE(cfg, rngs=rngs) if is_moe else MLP(cfg, rngs=rngs)
 
-  def __call__(self, x, positions, mask_BTS, valid_BT, cache, cache_index, replay_ids, replay_mask):
-    a, cache = self.attn(self.attn_norm(x), positions, mask_BTS, cache, cache_index)
-    x = x + a
-    h = self.ffn_norm(x)
+  def __call__(self, x_BSD, positions_BS, mask_BSC, valid_BS, cache, cache_index, replay_ids_BSK,
+               replay_mask_BS):
+    """Returns (x_BSD', cache', ids_BSK, router_logits_BSE, aux); the MoE outputs None if dense."""
+    a_BSD, cache = self.attn(self.attn_norm(x_BSD), positions_BS, mask_BSC, cache, cache_index)
+    x_BSD = x_BSD + a_BSD
+    h_BSD = self.ffn_norm(x_BSD)
     if self.is_moe:
-      y, ids, router_logits, aux = self.ffn(h, valid_BT, replay_ids, replay_mask)
+      y_BSD, ids_BSK, router_BSE, aux = self.ffn(h_BSD, valid_BS, replay_ids_BSK, replay_mask_BS)
     else:
-      y, ids, router_logits, aux = self.ffn(h), None, None, jnp.zeros((), jnp.float32)
-    return x + y, cache, ids, router_logits, aux
+      y_BSD, ids_BSK, router_BSE, aux = self.ffn(h_BSD), None, None, jnp.zeros((), jnp.float32)
+    return x_BSD + y_BSD, cache, ids_BSK, router_BSE, aux
 
 
-def default_positions(valid_BT: jax.Array) -> jax.Array:
+def default_positions(valid_BS: jax.Array) -> jax.Array:
   """Positions counting only valid tokens, so left-padded rows start at position 0."""
-  return jnp.maximum(jnp.cumsum(valid_BT.astype(jnp.int32), axis=1) - 1, 0)
+  return jnp.maximum(jnp.cumsum(valid_BS.astype(jnp.int32), axis=1) - 1, 0)
 
 
 class Transformer(nnx.Module):
@@ -65,8 +68,8 @@ class Transformer(nnx.Module):
   def unembed_weight(self, dtype=jnp.float32) -> jax.Array:
     """The output projection `[D, V]` (the transposed embedding when tied)."""
     if self.cfg.tie_embeddings:
-      return materialize(self.embedding.get_value(), dtype).T
-    return materialize(self.w_unembed.get_value(), dtype)
+      return dense(self.embedding.get_value(), dtype).T
+    return dense(self.w_unembed.get_value(), dtype)
 
   def __call__(self, tokens_BT, positions_BT=None, valid_BT=None, *, cache=None, cache_index=None,
                kv_valid_BS=None, replay_ids_BTLK=None, replay_mask_BT=None,
@@ -87,69 +90,69 @@ class Transformer(nnx.Module):
     """
     cfg = self.cfg
     dtype = dtype_of(cfg.dtype)
-    b, t = tokens_BT.shape
-    if valid_BT is None:
-      valid_BT = jnp.ones((b, t), bool)
-    if positions_BT is None:
-      positions_BT = (default_positions(valid_BT) if cache is None
-                      else jnp.broadcast_to(cache_index + jnp.arange(t), (b, t)))
+    # The public argument names use T for the token axis; inside, S (see layers.py's letters).
+    tokens_BS, positions_BS, valid_BS = tokens_BT, positions_BT, valid_BT
+    b, s = tokens_BS.shape
+    if valid_BS is None:
+      valid_BS = jnp.ones((b, s), bool)
+    if positions_BS is None:
+      positions_BS = (default_positions(valid_BS) if cache is None
+                      else jnp.broadcast_to(cache_index + jnp.arange(s), (b, s)))
     if cache is None:
-      causal_TS = jnp.tril(jnp.ones((t, t), bool))
-      mask_BTS = causal_TS[None] & valid_BT[:, None, :]
+      mask_BSC = jnp.tril(jnp.ones((s, s), bool))[None] & valid_BS[:, None, :]
     else:
-      s = cache[0].k.shape[1]
-      slots_S = jnp.arange(s)
-      q_slots_T = cache_index + jnp.arange(t)
-      if kv_valid_BS is None:
-        kv_valid_BS = jnp.broadcast_to(slots_S[None] < cache_index + t, (b, s))
-      mask_BTS = (slots_S[None, None, :] <= q_slots_T[None, :, None]) & kv_valid_BS[:, None, :]
+      c = cache[0].k.shape[1]
+      slots_C = jnp.arange(c)
+      q_slots_S = cache_index + jnp.arange(s)
+      kv_valid_BC = (jnp.broadcast_to(slots_C[None] < cache_index + s, (b, c))
+                     if kv_valid_BS is None else kv_valid_BS)
+      mask_BSC = (slots_C[None, None, :] <= q_slots_S[None, :, None]) & kv_valid_BC[:, None, :]
     if replay_ids_BTLK is not None and replay_mask_BT is None:
-      replay_mask_BT = jnp.ones((b, t), bool)
+      replay_mask_BT = jnp.ones((b, s), bool)
+    replay_mask_BS = replay_mask_BT
 
-    emb = self.embedding.get_value()
-    x = (jnp.take(materialize(emb, dtype), tokens_BT, axis=0) if hasattr(emb, "dequantize")
-         else jnp.take(emb, tokens_BT, axis=0).astype(dtype))
+    # The embedding is never quantized (quant.params leaves it a plain array).
+    x_BSD = jnp.take(self.embedding.get_value(), tokens_BS, axis=0).astype(dtype)
     ids_all, router_all, aux_total = [], [], jnp.zeros((), jnp.float32)
     new_cache = [] if cache is not None else None
     moe_index = cfg.moe_index
     for i, block in enumerate(self.layers):
-      r_ids = None
+      r_ids_BSK = None
       if replay_ids_BTLK is not None and i in moe_index:
-        r_ids = replay_ids_BTLK[:, :, moe_index[i]]
+        r_ids_BSK = replay_ids_BTLK[:, :, moe_index[i]]
       layer_cache = None if cache is None else cache[i]
       if cfg.remat and cache is None:
         graphdef, state = nnx.split(block)
-        def run(state, x, r_ids, _graphdef=graphdef):
-          return nnx.merge(_graphdef, state)(x, positions_BT, mask_BTS, valid_BT, None, None,
-                                             r_ids, replay_mask_BT)
-        x, layer_cache, ids, rl, aux = jax.checkpoint(run)(state, x, r_ids)
+        def run(state, x_BSD, r_ids_BSK, _graphdef=graphdef):
+          return nnx.merge(_graphdef, state)(x_BSD, positions_BS, mask_BSC, valid_BS, None, None,
+                                             r_ids_BSK, replay_mask_BS)
+        x_BSD, layer_cache, ids_BSK, rl_BSE, aux = jax.checkpoint(run)(state, x_BSD, r_ids_BSK)
       else:
-        x, layer_cache, ids, rl, aux = block(x, positions_BT, mask_BTS, valid_BT, layer_cache,
-                                             cache_index, r_ids, replay_mask_BT)
+        x_BSD, layer_cache, ids_BSK, rl_BSE, aux = block(
+            x_BSD, positions_BS, mask_BSC, valid_BS, layer_cache, cache_index, r_ids_BSK,
+            replay_mask_BS)
       if new_cache is not None:
         new_cache.append(layer_cache)
-      if ids is not None:
-        ids_all.append(ids)
-        router_all.append(rl)
+      if ids_BSK is not None:
+        ids_all.append(ids_BSK)
+        router_all.append(rl_BSE)
         aux_total = aux_total + aux
-    h = self.final_norm(x)
+    h_BSD = self.final_norm(x_BSD)
     k = cfg.n_experts_per_tok
-    expert_ids = (jnp.stack(ids_all, axis=2).astype(jnp.int32) if ids_all
-                  else jnp.zeros((b, t, 0, k), jnp.int32))
-    router_logits = None
+    expert_ids_BSLK = (jnp.stack(ids_all, axis=2).astype(jnp.int32) if ids_all
+                       else jnp.zeros((b, s, 0, k), jnp.int32))
+    router_logits_BSLE = None
     if return_router_logits and router_all:
-      router_logits = jnp.stack(router_all, axis=2)
-    logits = None
+      router_logits_BSLE = jnp.stack(router_all, axis=2)
+    logits_BSV = None
     if compute_logits:
-      w_out = self.embedding.get_value() if cfg.tie_embeddings else self.w_unembed.get_value()
       if cfg.tie_embeddings:
-        logits = jnp.einsum("btd,vd->btv", h, materialize(w_out, dtype),
-                            preferred_element_type=jnp.float32)
+        logits_BSV = jnp.einsum("bsd,vd->bsv", h_BSD, self.embedding.get_value().astype(dtype),
+                                preferred_element_type=jnp.float32)
       else:
-        logits = linear(h, w_out).astype(jnp.float32)
-      logits = logits.astype(jnp.float32)
+        logits_BSV = linear(h_BSD, self.w_unembed.get_value()).astype(jnp.float32)
     if cfg.n_moe_layers:
       aux_total = aux_total / cfg.n_moe_layers
-    return ModelOutput(logits_BTV=logits, hidden_BTD=h if return_hidden else None,
-                       expert_ids_BTLK=expert_ids, router_logits_BTLE=router_logits,
+    return ModelOutput(logits_BTV=logits_BSV, hidden_BTD=h_BSD if return_hidden else None,
+                       expert_ids_BTLK=expert_ids_BSLK, router_logits_BTLE=router_logits_BSLE,
                        aux_loss=aux_total, cache=new_cache)

@@ -23,29 +23,29 @@ def _layout(spec, d: int) -> tuple[F.Format, int | None]:
   return fmt, block
 
 
-def kv_quantize(x_BTHD: jax.Array, spec, backend: str = "auto"
+def kv_quantize(x_BSGD: jax.Array, spec, backend: str = "auto"
                 ) -> tuple[jax.Array, jax.Array | None]:
-  """Quantizes a K or V slab `[B, T, H, D]` -> (values, scales).
+  """Quantizes a K or V slab `[B, S, G, D]` -> (values, scales).
 
-  values: `[B, T, H, D]` int8 / float8, or `[B, T, H, D/2]` uint8 for int4 / fp4
+  values: `[B, S, G, D]` int8 / float8, or `[B, S, G, D/2]` uint8 for int4 / fp4
   (two codes per byte along D: jnp's int4 / float4 dtypes take a whole byte per
   element in `nbytes` and on CPU/GPU buffers, so packing is what saves memory).
-  scales: `[B, T, H, 1]` (one absmax scale per token and head) or
-  `[B, T, H, D/block]`, in the spec's scale dtype. fp32 / bf16: (cast, None).
+  scales: `[B, S, G, 1]` (one absmax scale per token and head) or
+  `[B, S, G, D/block]`, in the spec's scale dtype. fp32 / bf16: (cast, None).
   This is the write path: the Pallas kernel runs when `backend` resolves to it.
   """
   fmt = F.get_format(spec.format)
   if not fmt.quantized:
-    return x_BTHD.astype(fmt.storage_dtype), None
-  *lead, d = x_BTHD.shape
+    return x_BSGD.astype(fmt.storage_dtype), None
+  *lead, d = x_BSGD.shape
   fmt, block = _layout(spec, d)
-  codes, scales = ops.quantize_rows(x_BTHD.reshape(-1, d), fmt, block, spec.scale_dtype, backend)
+  codes, scales = ops.quantize_rows(x_BSGD.reshape(-1, d), fmt, block, spec.scale_dtype, backend)
   return codes.reshape(*lead, -1), scales.reshape(*lead, -1)
 
 
 def kv_dequantize(values: jax.Array, scales: jax.Array | None, spec, dtype=jnp.float32,
                   backend: str = "auto") -> jax.Array:
-  """Read path: (values, scales) from `kv_quantize` -> `[B, T, H, D]` in `dtype`."""
+  """Read path: (values, scales) from `kv_quantize` -> `[B, S, G, D]` in `dtype`."""
   fmt = F.get_format(spec.format)
   if not fmt.quantized:
     return values.astype(dtype)
@@ -57,22 +57,22 @@ def kv_dequantize(values: jax.Array, scales: jax.Array | None, spec, dtype=jnp.f
   return out.reshape(*lead, d)
 
 
-def kv_cache_zeros(shape_BSHD: tuple[int, ...], spec, dtype=jnp.float32
+def kv_cache_zeros(shape_BCGD: tuple[int, ...], spec, dtype=jnp.float32
                    ) -> tuple[jax.Array, jax.Array | None]:
   """An empty cache `(values, scales)` laid out as `kv_quantize` writes it."""
   vals, scales = jax.eval_shape(lambda x: kv_quantize(x, spec, "xla"),
-                                jax.ShapeDtypeStruct(shape_BSHD, dtype))
+                                jax.ShapeDtypeStruct(shape_BCGD, dtype))
   # Unit scales: e8m0 has no zero, and unwritten slots must read back as exact zeros.
   zeros = lambda s: None if s is None else jnp.zeros(s.shape, s.dtype)
   ones = lambda s: None if s is None else jnp.ones(s.shape, s.dtype)
   return zeros(vals), ones(scales)
 
 
-def kv_write(cache: tuple[jax.Array, jax.Array | None], x_new_BTHD: jax.Array, index, spec,
+def kv_write(cache: tuple[jax.Array, jax.Array | None], x_new_BSGD: jax.Array, index, spec,
              backend: str = "auto") -> tuple[jax.Array, jax.Array | None]:
   """Quantizes the new slab and writes it at slot `index` along T (in place under donation)."""
   values, scales = cache
-  q, s = kv_quantize(x_new_BTHD, spec, backend)
+  q, s = kv_quantize(x_new_BSGD, spec, backend)
   start = (0, index, 0, 0)
   values = jax.lax.dynamic_update_slice(values, q.astype(values.dtype), start)
   if scales is not None:
@@ -80,9 +80,9 @@ def kv_write(cache: tuple[jax.Array, jax.Array | None], x_new_BTHD: jax.Array, i
   return values, scales
 
 
-def kv_bytes(shape_BSHD: tuple[int, ...], spec, dtype=jnp.bfloat16) -> int:
-  """Stored bytes (values + scales) of one K or V cache of logical shape `[B, S, H, D]`."""
+def kv_bytes(shape_BCGD: tuple[int, ...], spec, dtype=jnp.bfloat16) -> int:
+  """Stored bytes (values + scales) of one K or V cache of logical shape `[B, C, G, D]`."""
   vals, scales = jax.eval_shape(lambda x: kv_quantize(x, spec, "xla"),
-                                jax.ShapeDtypeStruct(shape_BSHD, dtype))
+                                jax.ShapeDtypeStruct(shape_BCGD, dtype))
   return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
              for a in (vals, scales) if a is not None)

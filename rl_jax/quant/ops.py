@@ -149,15 +149,22 @@ def ragged_qmatmul(x_NK: jax.Array, qt: QTensor, group_sizes_E: jax.Array) -> ja
   return out.astype(x_NK.dtype)
 
 
-def matmul(x_sK: jax.Array, w) -> jax.Array:
-  """`x @ w` for a plain `[K, N]` array or a QTensor (the model's one call site for linears)."""
+def linear(x_sK: jax.Array, w) -> jax.Array:
+  """`x[..., K] @ w[K, N]` in x's dtype, for a plain array or a QTensor (the model's linears)."""
   if isinstance(w, QTensor):
     return qmatmul(x_sK, w)
   return jnp.dot(x_sK, w.astype(x_sK.dtype))
 
 
-def ragged_matmul(x_NK: jax.Array, w, group_sizes_E: jax.Array) -> jax.Array:
-  """`lax.ragged_dot` for a plain `[E, K, N]` array or a QTensor."""
+def ragged_linear(x_NK: jax.Array, w, group_sizes_E: jax.Array) -> jax.Array:
+  """`lax.ragged_dot(x, w[E, K, N], group_sizes)` in x's dtype, for a plain array or a QTensor."""
   if isinstance(w, QTensor):
     return ragged_qmatmul(x_NK, w, group_sizes_E)
   return jax.lax.ragged_dot(x_NK, w.astype(x_NK.dtype), group_sizes_E)
+
+
+def dense(w, dtype) -> jax.Array:
+  """`w` as a plain array in `dtype` (dequantized when it is a QTensor)."""
+  if isinstance(w, QTensor):
+    return dequantize_weight(w, dtype)
+  return w.astype(dtype)

@@ -27,6 +27,9 @@ class QTensor:
   Static aux data: format, logical shape and dtype, block size (None = one scale
   per output channel), scale dtype, the activation quantization attached for W+A
   matmuls (`act_format` None = weight-only), and the kernel backend.
+
+  Storage only: the math on it (dequantize, matmuls) lives in `quant/ops.py`, which
+  imports this module and never the other way round.
   """
   values: jax.Array
   scales: jax.Array
@@ -65,21 +68,6 @@ class QTensor:
     """Bytes really stored (values + scales), from the children's shapes and dtypes."""
     return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in (self.values, self.scales))
 
-  def dequantize(self, dtype=None) -> jax.Array:
-    """The float weight of logical shape, in `dtype` (default: the logical dtype)."""
-    from rl_jax.quant import ops  # pylint: disable=g-import-not-at-top
-    return ops.dequantize_weight(self, dtype)
-
-  def qmatmul(self, x_sK: jax.Array) -> jax.Array:
-    """`x[..., K] @ W[K, N]` -> `[..., N]` in x's dtype (W+A when `act_format` is set)."""
-    from rl_jax.quant import ops  # pylint: disable=g-import-not-at-top
-    return ops.qmatmul(x_sK, self)
-
-  def ragged_qmatmul(self, x_NK: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
-    """`lax.ragged_dot(x, W[E, K, N], group_sizes)` with this quantized W -> `[N_rows, N]`."""
-    from rl_jax.quant import ops  # pylint: disable=g-import-not-at-top
-    return ops.ragged_qmatmul(x_NK, self, group_sizes_E)
-
   def shardings(self, sharding: NamedSharding) -> "QTensor":
     """A QTensor-shaped tree of shardings from the float weight's `sharding`.
 
@@ -105,6 +93,3 @@ jax.tree_util.register_dataclass(
     meta_fields=["format", "shape", "logical_dtype", "block_size", "scale_dtype", "act_format",
                  "act_block_size", "act_scale_dtype", "backend"])
 
-
-def is_qtensor(x) -> bool:
-  return isinstance(x, QTensor)
