@@ -65,13 +65,13 @@ def resolve_wandb_mode(mode: str, environ: Mapping[str, str] | None = None) -> s
   return mode
 
 
-def truncate_metrics(path: Any, restored_step: int | None) -> int:
-  """Keeps the rows with step <= `restored_step` (none if None), atomically; returns rows dropped.
+def truncate_metrics(workdir: Any, restored_step: int | None) -> int:
+  """Keeps the `workdir/metrics.jsonl` rows with step <= `restored_step` (none if None), atomically; returns rows dropped.
 
   A torn last line (a kill mid-write) is dropped too. The file is rewritten to a temporary sibling
   and renamed over the original, so a kill during truncation leaves the old or the new file whole.
   """
-  path = wd.as_path(path)
+  path = wd.as_path(workdir) / METRICS_NAME
   if not path.exists():
     return 0
   lines = [l for l in path.read_text().splitlines() if l.strip()]
@@ -113,7 +113,7 @@ class MetricsWriter:
       return
     self.root.mkdir(parents=True, exist_ok=True)
     if restored_step is not _KEEP_ALL:
-      dropped = truncate_metrics(self.path, restored_step)
+      dropped = truncate_metrics(self.root, restored_step)
       if dropped:
         print(f"[metrics] dropped {dropped} row(s) after step {restored_step} from {self.path}")
     if not wd.is_local(self.path):
