@@ -67,6 +67,28 @@ def _now() -> str:
   return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+def _proc_start(pid: int) -> str | None:
+  """Linux: the process's start time in clock ticks since boot (field 22 of /proc/<pid>/stat)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[19]
+  except (OSError, IndexError):
+    return None
+
+
+def _boot_id() -> str | None:
+  try:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+      return f.read().strip()
+  except OSError:
+    return None
+
+
+# Lock files this process holds: a holder record with our own pid is stale unless listed here
+# (a restarted container often reuses the dead process's pid).
+_HELD: set[str] = set()
+
+
 def _pid_alive(pid: int) -> bool:
   try:
     os.kill(pid, 0)
@@ -93,7 +115,9 @@ class WorkdirLock:
   Remote schemes (gs://, ...): best effort. Object stores have no exclusive create through epath,
   so the lock is written and read back after a short delay; two processes starting within that
   delay can both pass, and a stale remote lock is only taken over when it names this host.
-  PID reuse can make a dead holder look alive; the error names the file to delete then.
+  Liveness on Linux also compares the boot id and the holder's start time, so a pid reused by
+  another process (a restarted container) does not keep a dead run's lock; elsewhere a reused
+  pid can make a dead holder look alive, and the error names the file to delete.
   """
   path: epath.Path
   token: str = ""
@@ -107,7 +131,9 @@ class WorkdirLock:
     return self
 
   def _record(self) -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "time": _now(), "token": self.token}
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "time": _now(), "token": self.token,
+            "start": _proc_start(pid), "boot": _boot_id()}
 
   def _held_error(self, holder: dict) -> LockHeldError:
     return LockHeldError(
@@ -116,9 +142,18 @@ class WorkdirLock:
         f"If that process is gone, delete {self.path}")
 
   def _is_stale(self, holder: dict) -> bool:
+    """Same host and the holder is gone: its pid is not running, or is a different process now
+    (another boot, another start time; a reused pid, e.g. a restarted container)."""
     pid = holder.get("pid")
-    return (holder.get("host") == socket.gethostname() and isinstance(pid, int)
-            and pid != os.getpid() and not _pid_alive(pid))
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int):
+      return False
+    if pid == os.getpid():
+      return os.fspath(self.path) not in _HELD
+    if not _pid_alive(pid):
+      return True
+    if holder.get("boot") and holder["boot"] != _boot_id():
+      return True
+    return bool(holder.get("start")) and holder["start"] != _proc_start(pid)
 
   def _acquire_local(self) -> None:
     path = os.fspath(self.path)
@@ -144,10 +179,11 @@ class WorkdirLock:
           raise self._held_error(moved)
         os.unlink(aside)
         print(f"[workdir] taking over a stale lock {path}: host {holder.get('host')!r} pid "
-              f"{holder.get('pid')} (since {holder.get('time')}) is not running")
+              f"{holder.get('pid')} (since {holder.get('time')}) is gone")
         continue
       with os.fdopen(fd, "w") as f:
         json.dump(self._record(), f)
+      _HELD.add(path)
       return
     raise self._held_error(_read_json(self.path))
 
@@ -157,17 +193,20 @@ class WorkdirLock:
       if not self._is_stale(holder):
         raise self._held_error(holder)
       print(f"[workdir] taking over a stale lock {self.path}: host {holder.get('host')!r} pid "
-            f"{holder.get('pid')} is not running")
+            f"{holder.get('pid')} is gone")
     self.path.write_text(json.dumps(self._record()))
     time.sleep(settle_s)
     holder = _read_json(self.path)
     if holder.get("token") != self.token:
       raise self._held_error(holder)
+    _HELD.add(os.fspath(self.path))
 
   def release(self) -> None:
     """Removes the lock if it is still ours (never someone else's)."""
     if self.token and self.path.exists() and _read_json(self.path).get("token") == self.token:
       self.path.unlink(missing_ok=True)
+    if self.token:
+      _HELD.discard(os.fspath(self.path))
     self.token = ""
 
 

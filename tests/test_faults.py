@@ -152,6 +152,29 @@ def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path, capsys):
   run.close()
 
 
+def test_reused_pid_does_not_keep_a_dead_runs_lock(tmp_path, capsys):
+  """A restarted container can give the new process the dead holder's pid, or give that pid to
+  another live process: the boot id / start time tell them apart (Linux)."""
+  if wd._proc_start(os.getpid()) is None:  # pylint: disable=protected-access
+    pytest.skip("no /proc")
+  lock = tmp_path / wd.LOCK_NAME
+  lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "token": "old"}))
+  wd.RunDir.open(tmp_path, _cfg()).close()  # our own pid, but not a lock this process took
+  assert "stale lock" in capsys.readouterr().out
+  live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+  try:
+    start = wd._proc_start(live.pid)  # pylint: disable=protected-access
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": live.pid, "start": start}))
+    with pytest.raises(wd.LockHeldError, match=f"pid {live.pid}"):
+      wd.RunDir.open(tmp_path, _cfg())
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": live.pid, "start": "1"}))
+    wd.RunDir.open(tmp_path, _cfg()).close()  # that pid is another process now
+    assert "stale lock" in capsys.readouterr().out
+  finally:
+    live.stdin.close()
+    live.wait(timeout=30)
+
+
 def test_lock_from_another_host_is_not_taken_over(tmp_path):
   (tmp_path / wd.LOCK_NAME).write_text(json.dumps(
       {"host": "other-host", "pid": 1, "time": "then", "token": "t"}))
