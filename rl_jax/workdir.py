@@ -272,7 +272,7 @@ class RunDir:
   """An opened workdir: `.path(...)` for files in it, `.identity`, `.config`, `.lock`, `.resuming`.
 
   `<workdir>/run.json` = {"identity": {run_id, created, host}, "config": resolved config,
-  "history": [{time, identity of the opener, changed keys}]}. It is (re)written when a run starts
+  "history": [{time, host, changed keys} per resume with changes]}. It is (re)written when a run starts
   with nothing to resume (no checkpoint), so a new experiment in a reused path gets a new
   identity (and wandb run); with a checkpoint the stored config is checked first.
   """
@@ -292,6 +292,8 @@ class RunDir:
     lock and write nothing, but run the same config check on the same stored files, so every
     process fails alike.
     """
+    if resume not in ("check", "force"):
+      raise ConfigError(f"config key 'resume': {resume!r} is not one of ['check', 'force']")
     root = as_path(workdir)
     if root.exists() and not root.is_dir():
       raise ConfigError(f"config key 'workdir': {root} exists and is not a directory")

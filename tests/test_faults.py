@@ -249,6 +249,9 @@ def test_model_shape_change_is_caught_before_restore(tmp_path):
 
 
 def test_bad_resume_value_names_the_key(tmp_path):
+  with pytest.raises(ConfigError, match="'resume'.*'maybe'"):
+    wd.RunDir.open(tmp_path / "fresh", _cfg(), resume="maybe")
+  assert not (tmp_path / "fresh").exists()
   wd.RunDir.open(tmp_path, _cfg()).close()
   _fake_checkpoint(tmp_path)
   with pytest.raises(ConfigError, match="'resume'.*'maybe'"):
