@@ -28,10 +28,12 @@ class Checkpointer:
   error is raised (e.g. a changed model shape fails on every step: no checkpoint is corrupt).
   """
 
-  def __init__(self, workdir: Any, max_to_keep: int = 3, subdir: str = "checkpoints"):
+  def __init__(self, workdir: Any, max_to_keep: int = 3, subdir: str = "checkpoints",
+               create: bool = True):
+    """`create=False` for readers (a warm-start lookup): a mistyped path is left uncreated."""
     self.directory = wd.as_path(workdir) / subdir
     self.corrupt_dir = wd.as_path(workdir) / f"{subdir}.corrupt"
-    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create,
                                            enable_async_checkpointing=False)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
 

@@ -397,3 +397,12 @@ def test_no_checkpoint_restores_raises_and_moves_nothing(tmp_path):
     ckpt.restore(wrong)
   ckpt.close()
   assert (tmp_path / "checkpoints" / "2").is_dir() and not (tmp_path / "checkpoints.corrupt").exists()
+
+
+def test_reader_checkpointer_leaves_a_mistyped_path_uncreated(tmp_path):
+  ckpt = Checkpointer(tmp_path / "typo", create=False)
+  assert ckpt.latest_step() is None
+  with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    ckpt.restore(_tiny(0))
+  ckpt.close()
+  assert not (tmp_path / "typo").exists()
