@@ -59,7 +59,7 @@ def naive_generate(graphdef, state, prompts_BP, key, *, cfg: SamplerConfig, step
 
   def step(j, c):
     buf, valid, logq_BT = c
-    logits = model(buf, valid_BT=valid).logits_BTV
+    logits = model(buf, valid_BS=valid).logits_BSV
     logits_BV = jax.lax.dynamic_index_in_dim(logits, p - 1 + j, axis=1, keepdims=False)
     logq_BV = next_token_logq(logits_BV, cfg.temperature)
     step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys_B, j)

@@ -37,7 +37,7 @@ class Rollout:
       `response_mask` is False.
     - `expert_ids_BSLK`: experts routed by the sampler in each MoE layer (L = MoE
       layers in `ModelConfig.moe_layers` order) for the token *at slot s*, prompt and
-      response alike: the trainer's `replay_ids_BTLK` for a forward over `tokens_BS`.
+      response alike: the trainer's `replay_ids_BSLK` for a forward over `tokens_BS`.
       `expert_valid_BS` marks the slots that carry a route: real prompt tokens and every
       response token except each row's last one, which the sampler never fed back.
     - `topk_ids_BTK` / `topk_logq_BTK` are None when `record_topk = 0`; `expert_ids_BSLK` is None for a
@@ -45,8 +45,8 @@ class Rollout:
   In the trainer's teacher-forced forward over `tokens_BS`, the logits at slot s predict
   token s+1; `trainer_targets` and `response_slice` do that shift, `trainer_logprobs`
   returns `log p` at the response tokens and at the top-k ids, aligned with `logq_BT`
-  and `topk_ids_BTK`. Replay for R3: `replay_ids_BTLK=expert_ids_BSLK,
-  replay_mask_BT=expert_valid_BS` in that same forward.
+  and `topk_ids_BTK`. Replay for R3: `replay_ids_BSLK=expert_ids_BSLK,
+  replay_mask_BS=expert_valid_BS` in that same forward.
   """
   tokens_BS: jax.Array
   positions_BS: jax.Array
@@ -64,7 +64,7 @@ class Rollout:
 
   @property
   def valid_BS(self) -> jax.Array:
-    """Real tokens (prompt or response): the trainer's `valid_BT`."""
+    """Real tokens (prompt or response): the trainer's `valid_BS`."""
     return self.prompt_mask_BS | self.response_mask_BS
 
   @property

@@ -70,8 +70,8 @@ class SFTJob:
 
 def nll_loss(graphdef, params, batch, aux_coef: float):
   """Mean next-token NLL over loss-masked targets (+ the MoE load-balancing loss)."""
-  out = nnx.merge(graphdef, params)(batch["inputs_BT"], valid_BT=batch["valid_BT"])
-  logp_BT = token_logprobs(out.logits_BTV, batch["targets_BT"])
+  out = nnx.merge(graphdef, params)(batch["inputs_BT"], valid_BS=batch["valid_BT"])
+  logp_BT = token_logprobs(out.logits_BSV, batch["targets_BT"])
   mask = batch["loss_mask_BT"].astype(jnp.float32)
   nll = -jnp.sum(logp_BT * mask) / jnp.maximum(jnp.sum(mask), 1.0)
   return nll + aux_coef * out.aux_loss, {"nll": nll, "aux_loss": out.aux_loss}

@@ -114,8 +114,8 @@ def _hf_forward(model, tokens_BT=TOKENS_BT, valid_BT=VALID_BT):
 
 @nnx.jit
 def _forward(model, tokens_BT, valid_BT):
-  out = model(tokens_BT, valid_BT=valid_BT)
-  return out.logits_BTV, out.expert_ids_BTLK
+  out = model(tokens_BT, valid_BS=valid_BT)
+  return out.logits_BSV, out.expert_ids_BSLK
 
 
 def _ours(model, tokens_BT=TOKENS_BT, valid_BT=VALID_BT):

@@ -44,13 +44,13 @@ def test_kv_cache_decode_equals_full_recompute(cfg):
   full = model(tok)
   cache = init_cache(cfg, 2, 12)
   out = model(tok[:, :5], cache=cache, cache_index=0)
-  np.testing.assert_allclose(out.logits_BTV, full.logits_BTV[:, :5], atol=F32_ATOL)
+  np.testing.assert_allclose(out.logits_BSV, full.logits_BSV[:, :5], atol=F32_ATOL)
   cache = out.cache
   for i in range(5, 9):
     out = model(tok[:, i:i + 1], cache=cache, cache_index=i)
     cache = out.cache
-    np.testing.assert_allclose(out.logits_BTV[:, 0], full.logits_BTV[:, i], atol=F32_ATOL)
-    np.testing.assert_array_equal(out.expert_ids_BTLK[:, 0], full.expert_ids_BTLK[:, i])
+    np.testing.assert_allclose(out.logits_BSV[:, 0], full.logits_BSV[:, i], atol=F32_ATOL)
+    np.testing.assert_array_equal(out.expert_ids_BSLK[:, 0], full.expert_ids_BSLK[:, i])
 
 
 def test_left_padding_matches_unpadded():
@@ -58,8 +58,8 @@ def test_left_padding_matches_unpadded():
   tok = _tokens(1, 5)
   padded = jnp.concatenate([jnp.zeros((1, 3), tok.dtype), tok], axis=1)
   valid = jnp.array([[False] * 3 + [True] * 5])
-  a = model(tok).logits_BTV
-  b = model(padded, valid_BT=valid).logits_BTV[:, 3:]
+  a = model(tok).logits_BSV
+  b = model(padded, valid_BS=valid).logits_BSV[:, 3:]
   np.testing.assert_allclose(a, b, atol=F32_ATOL)
 
 
@@ -106,28 +106,28 @@ def test_replay_with_natural_ids_reproduces_forward_exactly():
   model = Transformer(MOE, rngs=nnx.Rngs(2))
   tok = _tokens()
   nat = model(tok)
-  rep = model(tok, replay_ids_BTLK=nat.expert_ids_BTLK)
-  np.testing.assert_array_equal(rep.logits_BTV, nat.logits_BTV)
-  np.testing.assert_array_equal(rep.expert_ids_BTLK, nat.expert_ids_BTLK)
+  rep = model(tok, replay_ids_BSLK=nat.expert_ids_BSLK)
+  np.testing.assert_array_equal(rep.logits_BSV, nat.logits_BSV)
+  np.testing.assert_array_equal(rep.expert_ids_BSLK, nat.expert_ids_BSLK)
 
 
 def test_replay_other_ids_changes_output_and_router_gets_gradient():
   model = Transformer(MOE, rngs=nnx.Rngs(2))
   tok = _tokens()
   nat = model(tok)
-  other = (nat.expert_ids_BTLK + 3) % MOE.n_experts  # distinct slots, all differ from natural
+  other = (nat.expert_ids_BSLK + 3) % MOE.n_experts  # distinct slots, all differ from natural
   mask = jnp.ones(tok.shape, bool).at[:, -1].set(False)  # last position falls back to top-k
-  rep = model(tok, replay_ids_BTLK=other, replay_mask_BT=mask, return_router_logits=True)
-  assert np.abs(np.asarray(rep.logits_BTV - nat.logits_BTV)).max() > 1e-3
-  np.testing.assert_array_equal(rep.expert_ids_BTLK[:, :-1], other[:, :-1])
+  rep = model(tok, replay_ids_BSLK=other, replay_mask_BS=mask, return_router_logits=True)
+  assert np.abs(np.asarray(rep.logits_BSV - nat.logits_BSV)).max() > 1e-3
+  np.testing.assert_array_equal(rep.expert_ids_BSLK[:, :-1], other[:, :-1])
   # Unmasked position: the trainer's own top-k of its (replay-perturbed) router scores.
-  _, own_top = jax.lax.top_k(rep.router_logits_BTLE[:, -1], MOE.n_experts_per_tok)
-  np.testing.assert_array_equal(rep.expert_ids_BTLK[:, -1], own_top)
+  _, own_top = jax.lax.top_k(rep.router_logits_BSLE[:, -1], MOE.n_experts_per_tok)
+  np.testing.assert_array_equal(rep.expert_ids_BSLK[:, -1], own_top)
 
   graphdef, state = nnx.split(model)
   def loss(state):
-    return jnp.mean(nnx.merge(graphdef, state)(tok, replay_ids_BTLK=other, replay_mask_BT=mask)
-                    .logits_BTV ** 2)
+    return jnp.mean(nnx.merge(graphdef, state)(tok, replay_ids_BSLK=other, replay_mask_BS=mask)
+                    .logits_BSV ** 2)
   g = jax.grad(loss)(state)
   for layer in MOE.moe_layers:
     assert np.abs(np.asarray(g["layers"][layer]["ffn"]["w_router"][...])).max() > 0
@@ -136,7 +136,7 @@ def test_replay_other_ids_changes_output_and_router_gets_gradient():
 def _loss_fn(graphdef, tok):
   def loss(state):
     out = nnx.merge(graphdef, state)(tok)
-    logp = jax.nn.log_softmax(out.logits_BTV[:, :-1])
+    logp = jax.nn.log_softmax(out.logits_BSV[:, :-1])
     nll = -jnp.take_along_axis(logp, tok[:, 1:, None], -1).mean()
     return nll + 0.01 * out.aux_loss
   return loss
@@ -179,6 +179,6 @@ def test_sharded_equals_single_device(cfg, mesh_cfg):
                    out_shardings=(sh.replicated(mesh), shardings))(sstate, stok)
   np.testing.assert_allclose(l8, l1, rtol=1e-6)
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=F32_ATOL), g8, g1)
-  logits1 = jax.jit(lambda s: nnx.merge(graphdef, s)(tok).logits_BTV)(state)
-  logits8 = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t).logits_BTV)(sstate, stok)
+  logits1 = jax.jit(lambda s: nnx.merge(graphdef, s)(tok).logits_BSV)(state)
+  logits8 = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t).logits_BSV)(sstate, stok)
   np.testing.assert_allclose(logits8, logits1, atol=F32_ATOL)

@@ -116,13 +116,13 @@ def test_zero_mismatch_logq_topk_experts(model, monkeypatch):
   out = model(r.tokens_BS, r.positions_BS, r.valid_BS)  # the trainer's teacher forcing
   mask = np.asarray(r.response_mask_BT)
   assert mask[:, 0].all()
-  logp_BT, logp_topk_BTK = rollout_lib.trainer_logprobs(out.logits_BTV, r, cfg.temperature)
+  logp_BT, logp_topk_BTK = rollout_lib.trainer_logprobs(out.logits_BSV, r, cfg.temperature)
   err = np.abs(np.where(mask, np.asarray(logp_BT) - np.asarray(r.logq_BT), 0.0))
   assert err.max() < LOGQ_ATOL, err.max()
   # The same numbers through the lower-level helpers: targets at logits slot s = token s+1.
   targets_BS, tmask_BS = rollout_lib.trainer_targets(r)
   np.testing.assert_array_equal(rollout_lib.response_slice(tmask_BS, r), mask)
-  logp_BSV = next_token_logq(out.logits_BTV, cfg.temperature)
+  logp_BSV = next_token_logq(out.logits_BSV, cfg.temperature)
   logp_BS = jnp.take_along_axis(logp_BSV, targets_BS[..., None], -1)[..., 0]
   np.testing.assert_allclose(np.where(mask, rollout_lib.response_slice(logp_BS, r), 0), logp_BT, atol=1e-6)
   logp_BTV = rollout_lib.response_slice(logp_BSV, r)
@@ -148,7 +148,7 @@ def test_zero_mismatch_logq_topk_experts(model, monkeypatch):
   if is_moe:
     ev = np.asarray(r.expert_valid_BS)
     assert r.expert_ids_BSLK.shape == (4, P + T, model.cfg.n_moe_layers, 2)
-    np.testing.assert_array_equal(np.where(ev[..., None, None], out.expert_ids_BTLK, 0), r.expert_ids_BSLK)
+    np.testing.assert_array_equal(np.where(ev[..., None, None], out.expert_ids_BSLK, 0), r.expert_ids_BSLK)
     # Routes exist for real prompt tokens and every response token but the last one.
     np.testing.assert_array_equal(ev.sum(1), np.asarray(r.prompt_lengths_B) + np.asarray(r.lengths_B) - 1)
   else:
@@ -230,7 +230,7 @@ def test_head_mass_without_topk_is_the_top1_mass(model):
   r = gen.generate(graphdef, state, toks, valid, jax.random.key(0), cfg)
   assert r.topk_ids_BTK is None and r.topk_logq_BTK is None
   out = model(r.tokens_BS, r.positions_BS, r.valid_BS)
-  logp_BTV = rollout_lib.response_slice(next_token_logq(out.logits_BTV, cfg.temperature), r)
+  logp_BTV = rollout_lib.response_slice(next_token_logq(out.logits_BSV, cfg.temperature), r)
   mask = np.asarray(r.response_mask_BT)
   chex.assert_shape(r.head_mass_BT, mask.shape)
   want = np.where(mask, np.exp(np.max(np.asarray(logp_BTV), axis=-1)), 0.0)

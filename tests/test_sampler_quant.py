@@ -41,7 +41,7 @@ def _kl_to_trainer(graphdef, state, r):
   teacher-forced on the same tokens, both at temperature 1.
   """
   model = nnx.merge(graphdef, state)
-  logp_BTV = gen.response_slice(jax.nn.log_softmax(model(r.tokens_BS, r.positions_BS, r.valid_BS).logits_BTV), r)
+  logp_BTV = gen.response_slice(jax.nn.log_softmax(model(r.tokens_BS, r.positions_BS, r.valid_BS).logits_BSV), r)
   logp_at = jnp.take_along_axis(logp_BTV, r.topk_ids_BTK, axis=-1)
   kl_BT = jnp.sum(jnp.exp(r.topk_logq_BTK) * (r.topk_logq_BTK - logp_at), axis=-1)
   mask = r.response_mask_BT

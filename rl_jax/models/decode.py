@@ -12,7 +12,7 @@ from flax import nnx
 @functools.partial(jax.jit, static_argnums=(0,))
 def _next_token(graphdef, state, buf_BS, valid_BS, pos):
   model = nnx.merge(graphdef, state)
-  logits = model(buf_BS, valid_BT=valid_BS).logits_BTV
+  logits = model(buf_BS, valid_BS=valid_BS).logits_BSV
   return jnp.argmax(logits[:, pos - 1], axis=-1).astype(jnp.int32)
 
 

@@ -16,11 +16,12 @@ from rl_jax.quant.ops import dense, linear
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ModelOutput:
-  """Forward results. `expert_ids_BTLK` holds the experts each MoE layer used (L = MoE layers)."""
-  logits_BTV: jax.Array | None
-  hidden_BTD: jax.Array | None
-  expert_ids_BTLK: jax.Array
-  router_logits_BTLE: jax.Array | None
+  """Forward results over the S tokens of the call. `expert_ids_BSLK` holds the experts each MoE
+  layer used (L = MoE layers; under replay, the replayed ones where the replay mask is set)."""
+  logits_BSV: jax.Array | None
+  hidden_BSD: jax.Array | None
+  expert_ids_BSLK: jax.Array
+  router_logits_BSLE: jax.Array | None
   aux_loss: jax.Array
   cache: list | None
 
@@ -71,27 +72,26 @@ class Transformer(nnx.Module):
       return dense(self.embedding.get_value(), dtype).T
     return dense(self.w_unembed.get_value(), dtype)
 
-  def __call__(self, tokens_BT, positions_BT=None, valid_BT=None, *, cache=None, cache_index=None,
-               kv_valid_BS=None, replay_ids_BTLK=None, replay_mask_BT=None,
+  def __call__(self, tokens_BS, positions_BS=None, valid_BS=None, *, cache=None, cache_index=None,
+               kv_valid_BC=None, replay_ids_BSLK=None, replay_mask_BS=None,
                return_router_logits=False, return_hidden=False, compute_logits=True) -> ModelOutput:
     """Runs the decoder.
 
     Args:
-      tokens_BT: int token ids.
-      positions_BT: RoPE positions; default counts valid tokens (left padding safe),
-        or, with a cache, `cache_index + arange(T)`.
-      valid_BT: True for real tokens (keys at padding are masked). Default all True.
-      cache / cache_index: a `kv_cache.init_cache` list and the slot where these T
-        tokens are written; attention then runs over all S cache slots.
-      kv_valid_BS: which cache slots hold real tokens after this write (default:
-        slots < cache_index + T).
-      replay_ids_BTLK / replay_mask_BT: experts to replay per MoE layer and where
+      tokens_BS: int token ids (S tokens: the whole buffer when teacher forcing, the
+        tokens of this step when decoding with a cache).
+      positions_BS: RoPE positions; default counts valid tokens (left padding safe),
+        or, with a cache, `cache_index + arange(S)`.
+      valid_BS: True for real tokens (keys at padding are masked). Default all True.
+      cache / cache_index: a `kv_cache.init_cache` list and the slot where these S
+        tokens are written; attention then runs over all C cache slots.
+      kv_valid_BC: which cache slots hold real tokens after this write (default:
+        slots < cache_index + S).
+      replay_ids_BSLK / replay_mask_BS: experts to replay per MoE layer and where
         (SPEC "Routing replay"); unmasked positions use the natural top-k.
     """
     cfg = self.cfg
     dtype = dtype_of(cfg.dtype)
-    # The public argument names use T for the token axis; inside, S (see layers.py's letters).
-    tokens_BS, positions_BS, valid_BS = tokens_BT, positions_BT, valid_BT
     b, s = tokens_BS.shape
     if valid_BS is None:
       valid_BS = jnp.ones((b, s), bool)
@@ -105,11 +105,10 @@ class Transformer(nnx.Module):
       slots_C = jnp.arange(c)
       q_slots_S = cache_index + jnp.arange(s)
       kv_valid_BC = (jnp.broadcast_to(slots_C[None] < cache_index + s, (b, c))
-                     if kv_valid_BS is None else kv_valid_BS)
+                     if kv_valid_BC is None else kv_valid_BC)
       mask_BSC = (slots_C[None, None, :] <= q_slots_S[None, :, None]) & kv_valid_BC[:, None, :]
-    if replay_ids_BTLK is not None and replay_mask_BT is None:
-      replay_mask_BT = jnp.ones((b, s), bool)
-    replay_mask_BS = replay_mask_BT
+    if replay_ids_BSLK is not None and replay_mask_BS is None:
+      replay_mask_BS = jnp.ones((b, s), bool)
 
     # The embedding is never quantized (quant.params leaves it a plain array).
     x_BSD = jnp.take(self.embedding.get_value(), tokens_BS, axis=0).astype(dtype)
@@ -118,8 +117,8 @@ class Transformer(nnx.Module):
     moe_index = cfg.moe_index
     for i, block in enumerate(self.layers):
       r_ids_BSK = None
-      if replay_ids_BTLK is not None and i in moe_index:
-        r_ids_BSK = replay_ids_BTLK[:, :, moe_index[i]]
+      if replay_ids_BSLK is not None and i in moe_index:
+        r_ids_BSK = replay_ids_BSLK[:, :, moe_index[i]]
       layer_cache = None if cache is None else cache[i]
       if cfg.remat and cache is None:
         graphdef, state = nnx.split(block)
@@ -153,6 +152,6 @@ class Transformer(nnx.Module):
         logits_BSV = linear(h_BSD, self.w_unembed.get_value()).astype(jnp.float32)
     if cfg.n_moe_layers:
       aux_total = aux_total / cfg.n_moe_layers
-    return ModelOutput(logits_BTV=logits_BSV, hidden_BTD=h_BSD if return_hidden else None,
-                       expert_ids_BTLK=expert_ids_BSLK, router_logits_BTLE=router_logits_BSLE,
+    return ModelOutput(logits_BSV=logits_BSV, hidden_BSD=h_BSD if return_hidden else None,
+                       expert_ids_BSLK=expert_ids_BSLK, router_logits_BSLE=router_logits_BSLE,
                        aux_loss=aux_total, cache=new_cache)

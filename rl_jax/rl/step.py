@@ -102,18 +102,18 @@ def old_forward(params, batch: TrainBatch, sampler_ids_BSLK=None, sampler_valid_
     raise ValueError("routing_replay='R3' needs the sampler's expert ids (sampler.record_experts)")
   kw = {}
   if r3:
-    kw = dict(replay_ids_BTLK=sampler_ids_BSLK, replay_mask_BT=sampler_valid_BS, return_router_logits=True)
+    kw = dict(replay_ids_BSLK=sampler_ids_BSLK, replay_mask_BS=sampler_valid_BS, return_router_logits=True)
   out = _forward(model, batch, loss_cfg.chunk_size, **kw)
   targets_BT1 = batch.response_BT[..., None]
   temp = loss_cfg.temperature
   if loss_cfg.chunk_size > 0:
-    hidden_BTD = batch.response_slots(out.hidden_BTD)
+    hidden_BTD = batch.response_slots(out.hidden_BSD)
     logp_old_BT = chunked_logprobs(hidden_BTD, model.unembed_weight(), targets_BT1, temp,
                                    loss_cfg.chunk_size)[0][..., 0]
   else:
     # The function the loss computes log p with (chunked or not): p_old and p agree in form.
-    logp_old_BT = gather_logprobs(batch.response_slots(out.logits_BTV), targets_BT1, temp)[0][..., 0]
-  own_ids_BSLK = out.expert_ids_BTLK
+    logp_old_BT = gather_logprobs(batch.response_slots(out.logits_BSV), targets_BT1, temp)[0][..., 0]
+  own_ids_BSLK = out.expert_ids_BSLK
   if r3 and own_ids_BSLK is not None:
     # Under replay the model reports the replayed ids, but the agreement diagnostic is about
     # the trainer's own routing. Its router logits on this same forward give it without a
@@ -121,7 +121,7 @@ def old_forward(params, batch: TrainBatch, sampler_ids_BSLK=None, sampler_valid_
     # see hidden states shaped by the replayed experts of earlier ones, so this is the
     # layer-local agreement (identical at the first MoE layer); a second, un-replayed forward
     # only for a diagnostic would cost as much as the p_old forward itself.
-    probs_BSLE = jax.nn.softmax(out.router_logits_BTLE.astype(jnp.float32), axis=-1)
+    probs_BSLE = jax.nn.softmax(out.router_logits_BSLE.astype(jnp.float32), axis=-1)
     own_ids_BSLK = jax.lax.top_k(probs_BSLE, own_ids_BSLK.shape[-1])[1].astype(jnp.int32)
   mask = batch.response_mask_BT
   log_x = logp_old_BT - batch.logq_BT
@@ -140,16 +140,16 @@ def loss_fn(params, batch: TrainBatch, *, graphdef: nnx.GraphDef, loss_cfg: Loss
   model = nnx.merge(graphdef, params)
   kw = {}
   if batch.replay_ids_BSLK is not None:
-    kw = dict(replay_ids_BTLK=batch.replay_ids_BSLK, replay_mask_BT=batch.replay_mask_BS)
+    kw = dict(replay_ids_BSLK=batch.replay_ids_BSLK, replay_mask_BS=batch.replay_mask_BS)
   out = _forward(model, batch, loss_cfg.chunk_size, **kw)
   args = (batch.response_BT, batch.response_mask_BT, batch.adv_B, batch.logq_BT, loss_cfg)
   opt = dict(logp_old_BT=batch.logp_old_BT, topk_ids_BTK=batch.topk_ids_BTK,
              topk_logq_BTK=batch.topk_logq_BTK)
   if loss_cfg.chunk_size > 0:
-    loss, metrics = rl_loss_from_hidden(batch.response_slots(out.hidden_BTD), model.unembed_weight(),
+    loss, metrics = rl_loss_from_hidden(batch.response_slots(out.hidden_BSD), model.unembed_weight(),
                                         *args, **opt)
   else:
-    loss, metrics = rl_loss(batch.response_slots(out.logits_BTV), *args, **opt)
+    loss, metrics = rl_loss(batch.response_slots(out.logits_BSV), *args, **opt)
   # The load-balancing loss uses the trainer's own routing, also under replay (models/moe.py).
   return loss + aux_coef * out.aux_loss, dict(metrics, aux_loss=out.aux_loss)
 

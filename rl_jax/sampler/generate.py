@@ -157,7 +157,7 @@ def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: Sampler
   positions_BS = jnp.concatenate([positions_BP, prompt_len_B[:, None] + jnp.arange(t, dtype=jnp.int32)], 1)
   # Keys of response slots are valid; the causal `slot <= query slot` rule hides the
   # future ones. Rows that finished keep decoding garbage that nobody reads.
-  kv_valid_BS = jnp.concatenate([pvalid_BP, jnp.ones((b, t), bool)], axis=1)
+  kv_valid_BC = jnp.concatenate([pvalid_BP, jnp.ones((b, t), bool)], axis=1)
   cache = constrain(init_cache(mcfg, b, s, dtype_of(mcfg.dtype), kv_spec,
                                backend=getattr(cfg.quant, "backend", "auto")))
   experts_BSLK = jnp.zeros((b, s, n_moe, k_exp), jnp.int32) if record_experts else None
@@ -167,10 +167,10 @@ def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: Sampler
   # decode step, so every logged distribution comes out of the same T=1 code path.
   if p > 1:
     out = model(tokens_BP[:, :p - 1], positions_BP[:, :p - 1], pvalid_BP[:, :p - 1], cache=cache,
-                cache_index=0, kv_valid_BS=kv_valid_BS, compute_logits=False)
+                cache_index=0, kv_valid_BC=kv_valid_BC, compute_logits=False)
     cache = constrain(out.cache)
     if record_experts:
-      experts_BSLK = jax.lax.dynamic_update_slice(experts_BSLK, out.expert_ids_BTLK, (0, 0, 0, 0))
+      experts_BSLK = jax.lax.dynamic_update_slice(experts_BSLK, out.expert_ids_BSLK, (0, 0, 0, 0))
 
   keys_B = jax.random.split(key, b)
   carry = dict(
@@ -192,8 +192,8 @@ def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: Sampler
     slot = p - 1 + j
     tok_B1 = jax.lax.dynamic_slice_in_dim(c["tokens_BS"], slot, 1, axis=1)
     pos_B1 = jax.lax.dynamic_slice_in_dim(positions_BS, slot, 1, axis=1)
-    out = model(tok_B1, pos_B1, cache=c["cache"], cache_index=slot, kv_valid_BS=kv_valid_BS)
-    logits_BV = out.logits_BTV[:, 0]
+    out = model(tok_B1, pos_B1, cache=c["cache"], cache_index=slot, kv_valid_BC=kv_valid_BC)
+    logits_BV = out.logits_BSV[:, 0]
     logq_BV = next_token_logq(logits_BV, cfg.temperature)
     active_B = ~c["done_B"]
     y_B = jnp.where(active_B, _sample(logits_BV, logq_BV, keys_B, j, cfg), cfg.pad_id)
@@ -219,7 +219,7 @@ def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: Sampler
     head_B = jnp.where(active_B, head_B, 0.0)
     new["head_mass_BT"] = jax.lax.dynamic_update_slice(c["head_mass_BT"], head_B[:, None], (0, j))
     if record_experts:
-      new["experts_BSLK"] = jax.lax.dynamic_update_slice(c["experts_BSLK"], out.expert_ids_BTLK,
+      new["experts_BSLK"] = jax.lax.dynamic_update_slice(c["experts_BSLK"], out.expert_ids_BSLK,
                                                          (0, slot, 0, 0))
     return constrain(new)
 
