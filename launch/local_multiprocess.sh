@@ -29,12 +29,18 @@ mkdir -p "$LOG_DIR"
 PORT="${RL_JAX_PORT:-$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
 
 pids=()
+tail_pid=""
 cleanup() {
-  # Only the processes this script started, by id.
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  # Only the processes this script started, by id (the log tail too: `tail -f` never ends by itself).
+  for pid in ${pids[@]+"${pids[@]}"} $tail_pid; do kill "$pid" 2>/dev/null || true; done
 }
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+# Ctrl-C / kill: stop the processes and exit (a bare INT trap would return into the wait loop).
+trap 'cleanup; exit 130' INT
+trap 'cleanup; exit 143' TERM
 
+# Created before any process starts so that `tail -f` below never races a log file into existence.
+for ((i = 0; i < NUM; i++)); do : >"$LOG_DIR/process_$i.log"; done
 for ((i = 0; i < NUM; i++)); do
   env JAX_PLATFORMS=cpu \
       XLA_FLAGS="--xla_force_host_platform_device_count=${DEVICES}" \
@@ -66,6 +72,7 @@ while (( ${#running[@]} > 0 )); do
   (( ${#running[@]} > 0 )) && sleep 0.5
 done
 kill "$tail_pid" 2>/dev/null || true
+tail_pid=""
 if (( status != 0 )); then
   for ((i = 1; i < NUM; i++)); do
     echo "--- process $i (last lines) ---" >&2

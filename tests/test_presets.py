@@ -2,8 +2,6 @@
 import math
 
 import pytest
-import torch
-import transformers
 
 from rl_jax.config_utils import ConfigError
 from rl_jax.models import hf
@@ -26,6 +24,15 @@ def test_preset_param_counts(name):
     scaled = getattr(counts, field) / 1e9 * 10**digits
     # The model cards round (0.596B -> "0.6B") but also truncate (3.35B activated -> "3.3B").
     assert round(billions * 10**digits) in (round(scaled), math.floor(scaled)), (field, counts)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_param_counts_match_transformers(name):
+  # The `hf` extra (torch, transformers) is optional: absent on e.g. the Python 3.12 CI venv.
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  cfg = PRESETS[name]
+  counts = count_params(cfg)
   # transformers builds the same architecture from our config.json (on the meta device: no memory).
   hf_cfg = transformers.AutoConfig.for_model(**hf.model_config_to_hf(cfg))
   with torch.device("meta"):
