@@ -99,12 +99,14 @@ def test_group_by_config_key_and_figures_tables(tmp_path):
     write_run(tmp_path / f"r{i}", rows_of([0.1, 0.2 + 0.01 * i, 0.3], [0, 1e-3, 1e-3]), config=cfg)
   runs = analysis.load_runs(str(tmp_path / "r*"))
   groups = analysis.group_runs(runs, group_by="loss.method", panel_by="sampler.noise_sigma")
-  assert [(g.panel, g.line, g.n) for g in groups] == [("0.1", "pg", 2), ("0.1", "tis", 1), ("0.2", "pg", 1)]
+  assert [(g.panel, g.line, g.n) for g in groups] == [
+      ("sampler.noise_sigma=0.1", "pg", 2), ("sampler.noise_sigma=0.1", "tis", 1),
+      ("sampler.noise_sigma=0.2", "pg", 1)]
   paths, summaries = analysis.compare(groups, str(tmp_path / "out"))
   for p in paths.values():
     assert os.path.getsize(p) > 0
   md = open(paths["md"]).read()
-  assert "| 0.1/pg | 2 | 0.3 +- 0 |" in md
+  assert "| sampler.noise_sigma=0.1/pg | 2 | 0.3 +- 0 |" in md
   table = json.load(open(paths["json"]))
   assert table[1]["final_accuracy"] == {"mean": 0.3, "se": None, "n": 1}
   assert open(paths["csv"]).readline().startswith("name,panel,line,n_seeds")
@@ -133,3 +135,7 @@ def test_config_value_sources(tmp_path):
   r = runs_lib.load_run(str(tmp_path / "w"))
   assert (r.config_value("loss.method"), r.config_value("rl.steps"), r.config_value("x.y"), r.seed) == \
       ("tis", 2, None, 3)
+  # The run-state file run.json holds the resolved config under "config"; it wins over config.json.
+  with open(tmp_path / "w" / "run.json", "w") as f:
+    json.dump({"identity": {"run_id": "x"}, "config": {"loss": {"method": "mis"}}, "history": []}, f)
+  assert runs_lib.load_run(str(tmp_path / "w")).config_value("loss.method") == "mis"

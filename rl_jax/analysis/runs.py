@@ -2,8 +2,9 @@
 
 A workdir is any directory with a `metrics.jsonl` written by the RL trainer. Its run name is
 its path without the trailing `seed<k>` component (`ROOT/<name>/seed<k>`), relative to the
-common parent of the loaded runs. Its config is read from `<workdir>/run/config.json` or
-`<workdir>/config.json` when the trainer stored one, and otherwise from the `study.json` that
+common parent of the loaded runs. Its config is read from the run-state file
+`<workdir>/run.json` (its "config"), `<workdir>/run/config.json` or `<workdir>/config.json`
+when one was stored, and otherwise from the `study.json` that
 the study runner writes beside each run (the run's overrides); `config_value` looks in both.
 
 Metric names changed from flat (`kl_k1`) to prefixed (`mismatch/kl_k1`); `METRIC_ALIASES` maps
@@ -35,7 +36,8 @@ METRIC_ALIASES: dict[str, tuple[str, ...]] = {
     "first_order/norm_ratio": ("first_order/norm_ratio",),
 }
 
-CONFIG_FILES = ("run/config.json", "config.json")
+# (file, key holding the config or None for the whole file), first found wins.
+CONFIG_FILES = (("run.json", "config"), ("run/config.json", None), ("config.json", None))
 STUDY_FILE = "study.json"      # written by rl_jax.study's runner: study, run, panel, line, seed, overrides
 FAILED_FILE = "failed.json"    # written by the runner when the job exited non-zero: rc, error
 _SEED_DIR = re.compile(r"^seed(\d+)$")
@@ -138,8 +140,10 @@ def load_run(workdir: str, name: str | None = None) -> Run:
   base = os.path.basename(workdir)
   m = _SEED_DIR.match(base)
   config = None
-  for rel in CONFIG_FILES:
+  for rel, key in CONFIG_FILES:
     config = _read_json(os.path.join(workdir, rel))
+    if config is not None and key is not None:
+      config = config.get(key)
     if config is not None:
       break
   study = _read_json(os.path.join(workdir, STUDY_FILE))
@@ -218,7 +222,7 @@ def group_runs(runs: list[Run], group_by: str | None = None, panel_by: str | Non
     else:
       line = r.name
     if panel_by:
-      panel = _label(r.config_value(panel_by))
+      panel = f"{panel_by}={_label(r.config_value(panel_by))}"
     elif not group_by and r.study is not None and r.study.get("panel"):
       panel = r.study["panel"]
     else:
