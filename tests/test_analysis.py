@@ -67,7 +67,8 @@ def test_load_dedup_aliases_and_aggregate(tmp_path):
   rows.insert(2, {"step": 2, "reward": -9.0, "eval_greedy_accuracy": -9.0})
   write_run(tmp_path / "pg" / "seed1", rows)
   write_run(tmp_path / "sc" / "seed0", rows_of([0.1, 0.1, 0.1], [0, 0, 0]))
-  runs = analysis.load_runs([str(tmp_path / "*" / "seed*")])
+  write_run(tmp_path / "warm_start", [{"step": 1, "loss": 2.0, "eval_accuracy": 0.1}])   # SFT: not a run
+  runs = analysis.load_runs([str(tmp_path / "**")])
   assert [(r.name, r.seed) for r in runs] == [("pg", 0), ("pg", 1), ("sc", 0)]
   groups = analysis.group_runs(runs)
   assert [(g.name, g.n) for g in groups] == [("pg", 2), ("sc", 1)]

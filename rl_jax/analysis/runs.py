@@ -168,10 +168,12 @@ def find_workdirs(patterns: Iterable[str]) -> list[str]:
 
 
 def load_runs(patterns: Iterable[str] | str) -> list[Run]:
-  """Loads every workdir the globs match; names are made relative to their common parent."""
+  """Loads every RL workdir the globs match; names are made relative to their common parent."""
   if isinstance(patterns, str):
     patterns = [patterns]
-  runs = [load_run(d) for d in find_workdirs(patterns)]
+  # Only RL runs: a `**` glob also reaches SFT workdirs (a study's warm_start), which log neither.
+  runs = [r for r in (load_run(d) for d in find_workdirs(patterns))
+          if any("reward" in row or "eval_greedy_accuracy" in row for row in r.rows)]
   parents = [os.path.dirname(r.workdir) if _SEED_DIR.match(os.path.basename(r.workdir)) else r.workdir
              for r in runs]
   if len(set(parents)) > 1:
