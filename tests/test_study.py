@@ -129,6 +129,24 @@ def test_nonfinite_abort_is_a_finished_collapse(tmp_path):
   assert table["fp32/pg"]["collapse_steps"] == [2] and table["fp32/tis"]["collapse_steps"] == [None]
 
 
+def test_dry_run_estimate_measures_finished_runs(tmp_path):
+  p = runner.plan(studies.get("micro"), str(tmp_path), seeds=1, steps=40)
+  per_run = runner.RUN_OVERHEAD_S + 40 * 8 * runner.STEP_S_PER_RESPONSE
+  assert runner.estimate_s(p) == (pytest.approx(runner.WARM_START_S + 2 * per_run), pytest.approx(
+      "constant STEP_S_PER_RESPONSE (no finished run measured yet)"))
+  d = tmp_path / "fp32" / "pg" / "seed0"
+  os.makedirs(d)
+  with open(d / "metrics.jsonl", "w") as f:
+    f.write(json.dumps({"step": 40, "reward": 0.0}) + "\n")
+  with open(d / "summary.json", "w") as f:
+    json.dump({"steps": 40}, f)
+  with open(d / "study.json", "w") as f:
+    json.dump({"steps": 40, "responses": 8, "wall_s": runner.RUN_OVERHEAD_S + 40 * 8 * 0.01}, f)
+  total, source = runner.estimate_s(p)   # pg/seed0 is done; tis/seed0 at the measured 0.01 s
+  assert total == pytest.approx(runner.WARM_START_S + runner.RUN_OVERHEAD_S + 40 * 8 * 0.01)
+  assert source.startswith("measured over 1 finished runs")
+
+
 def test_cli_lists_dry_run_and_commands(tmp_path, capsys):
   assert cli.main([]) == 0
   assert "fig3_weight_noise" in capsys.readouterr().out

@@ -38,6 +38,8 @@ WARM_START_DONE = "study_warm_start.json"
 STEP_S_PER_RESPONSE = 3.7e-3
 RUN_OVERHEAD_S = 30.0
 WARM_START_S = 60.0
+# Runs shorter than this are all start-up (compiles): they do not measure the per-step cost.
+MEASURE_MIN_STEPS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,12 +142,13 @@ def _remaining_steps(launch: Launch, st: str) -> int:
 
 
 def step_cost(root: str) -> tuple[float, float, str]:
-  """(seconds per response-step, seconds of overhead per run, source) measured from finished runs in
-  `root` (their study.json wall time), else the module's constants."""
+  """(seconds per response-step, seconds of overhead per run, source) measured from the wall time
+  of finished, unresumed runs of >= MEASURE_MIN_STEPS steps in `root`, else the module's constants."""
   per, n = 0.0, 0
   for d in runs_lib.find_workdirs([os.path.join(root, "**")]):
     info = _read_json(os.path.join(d, runs_lib.STUDY_FILE)) or {}
-    if info.get("wall_s") and info.get("steps") and info.get("responses") and not info.get("resumed"):
+    if (info.get("wall_s") and info.get("steps", 0) >= MEASURE_MIN_STEPS and info.get("responses")
+        and not info.get("resumed")):
       per += max(info["wall_s"] - RUN_OVERHEAD_S, 0.0) / (info["steps"] * info["responses"])
       n += 1
   if n:
