@@ -6,6 +6,7 @@ top (as 001 plots), sparse evaluation curves with markers.
 """
 from __future__ import annotations
 
+import textwrap
 from typing import Sequence
 
 import matplotlib
@@ -80,8 +81,9 @@ def plot_groups(groups: Sequence[Group], path: str, metrics: Sequence[tuple[str,
       if ax.get_legend_handles_labels()[0] and i == 0:
         ax.legend(fontsize=7)
   if title:
-    fig.suptitle(title)
-  fig.tight_layout()
+    fig.suptitle(textwrap.fill(title, width=max(60, 50 * len(panels))), fontsize=9)
+  # Leave room for a (wrapped) title above the top row.
+  fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (2.8 * len(rows))) if title else None)
   fig.savefig(path, dpi=80)
   plt.close(fig)
   return path

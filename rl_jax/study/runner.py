@@ -298,7 +298,7 @@ def aggregate_study(p: Plan, command: str = "") -> dict[str, str]:
   groups = groups_of(p)
   if not groups:
     raise FileNotFoundError(f"study {p.study.name}: no run under {p.root} logged metrics yet")
-  paths, summaries = analysis.compare(groups, p.root, title=f"{p.study.name}: {p.study.description}"[:120])
+  paths, summaries = analysis.compare(groups, p.root, title=f"{p.study.name}: {p.study.description}")
   paths["verdict"] = os.path.join(p.root, "verdict.md")
   with open(paths["verdict"], "w") as f:
     f.write(verdict_skeleton(p, summaries, command))
