@@ -104,6 +104,9 @@ def test_runner_skips_resumes_and_aggregates(tmp_path):
   fake.calls.clear()
   assert runner.run_study(p, executor=fake, progress=False) == {"skipped": 4, "ok": 0, "failed": 0}
   assert fake.calls == []
+  # A longer study (--steps 3) resumes the runs that finished at 2 steps.
+  longer = runner.plan(studies.get("micro"), str(tmp_path), steps=3)
+  assert [runner.status(launch) for launch in longer.launches] == ["resume@2"] * 4
   paths = runner.aggregate_study(p, "python -m rl_jax.study micro")
   for k in ("png", "md", "csv", "json", "verdict"):
     assert os.path.getsize(paths[k]) > 0
