@@ -1,0 +1,24 @@
+"""Run analysis: load workdirs, aggregate over seeds, study figures and tables (`compare` does all)."""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from rl_jax.analysis import aggregate, figures, tables
+from rl_jax.analysis.runs import Group, Run, group_runs, load_runs
+
+
+def compare(groups: Sequence[Group], out_dir: str, title: str | None = None,
+            fraction: float = aggregate.COLLAPSE_FRACTION, patience: int = aggregate.COLLAPSE_PATIENCE,
+            collapse_metric: str = aggregate.COLLAPSE_METRIC, smooth: int = figures.SMOOTH
+            ) -> tuple[dict[str, str], list[aggregate.GroupSummary]]:
+  """Writes OUT/figure.png and OUT/table.{md,csv,json} for `groups`; returns the paths and the rows."""
+  os.makedirs(out_dir, exist_ok=True)
+  summaries = [aggregate.summarize_group(g, collapse_metric=collapse_metric, fraction=fraction,
+                                         patience=patience) for g in groups]
+  paths = tables.write_tables(summaries, out_dir)
+  paths["png"] = figures.plot_groups(groups, os.path.join(out_dir, "figure.png"), smooth=smooth, title=title)
+  return paths, summaries
+
+
+__all__ = ["Group", "Run", "aggregate", "compare", "figures", "group_runs", "load_runs", "tables"]

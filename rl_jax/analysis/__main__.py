@@ -1,0 +1,42 @@
+"""Compare CLI: python -m rl_jax.analysis --workdirs 'runs/*/seed*' [--group_by loss.method] --out DIR.
+
+Writes DIR/figure.png (one line per group, mean +- s.e. over seeds) and DIR/table.{md,csv,json}
+(final / best held-out accuracy, collapse, mean KL) for any set of RL workdirs. Runs are
+grouped by their name (the path without `seed<k>`) or by a config key (`--group_by`), read
+from the workdir's stored config.json or the study runner's study.json.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rl_jax import analysis
+from rl_jax.analysis import aggregate, figures
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="python -m rl_jax.analysis", description=__doc__.split("\n")[0])
+  p.add_argument("--workdirs", nargs="+", required=True, help="globs of workdirs (quote them)")
+  p.add_argument("--out", required=True, help="output directory")
+  p.add_argument("--group_by", default=None, help="config key, e.g. loss.method (default: run name)")
+  p.add_argument("--panel_by", default=None, help="config key drawn as one panel per value")
+  p.add_argument("--collapse_metric", default=aggregate.COLLAPSE_METRIC)
+  p.add_argument("--collapse_fraction", type=float, default=aggregate.COLLAPSE_FRACTION)
+  p.add_argument("--collapse_patience", type=int, default=aggregate.COLLAPSE_PATIENCE)
+  p.add_argument("--smooth", type=int, default=figures.SMOOTH, help="moving-average window (steps)")
+  p.add_argument("--title", default=None)
+  args = p.parse_args(argv)
+  runs = analysis.load_runs(args.workdirs)
+  if not runs:
+    p.error(f"--workdirs {args.workdirs}: no directory with a metrics.jsonl matched")
+  groups = analysis.group_runs(runs, args.group_by, args.panel_by)
+  paths, summaries = analysis.compare(groups, args.out, title=args.title, fraction=args.collapse_fraction,
+                                      patience=args.collapse_patience, collapse_metric=args.collapse_metric,
+                                      smooth=args.smooth)
+  print(analysis.tables.markdown(summaries))
+  print(f"{len(runs)} runs in {len(groups)} groups -> " + ", ".join(paths[k] for k in ("png", "md", "csv", "json")))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,175 @@
+"""Statistics over seeds: mean and standard error, centered moving average, collapse detection.
+
+Standard error: s.e. = std(values, ddof=1) / sqrt(n) over the n seeds that logged a step;
+undefined (nan, no shading) for n = 1.
+
+Collapse (of one run, on one curve, by default held-out greedy accuracy at each evaluation):
+  the step of the first of `patience` (M) consecutive evaluations whose value is below
+  `fraction` (f) times the running best, where the running best is the maximum of the finite
+  values up to and including that evaluation and is > 0; or the step of the first non-finite
+  value; or, for a run the trainer aborted on a non-finite loss/gradient (`Run.aborted_step`),
+  that step. A run that never collapsed has collapse step None. Defaults f = 0.5, M = 2: one
+  bad evaluation is noise at this scale, two in a row below half the best is not.
+  With `smooth` > 1 the curve is first replaced by its centered moving average (for the
+  per-step train reward).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+from rl_jax.analysis.runs import Group, Run
+
+COLLAPSE_FRACTION = 0.5
+COLLAPSE_PATIENCE = 2
+COLLAPSE_METRIC = "eval_greedy_accuracy"
+ACCURACY = "eval_greedy_accuracy"
+KL = "mismatch/kl_k1"
+
+
+def mean_se(values: Sequence[float]) -> tuple[float, float, int]:
+  """(mean, standard error with ddof=1, n) of the finite values; s.e. is nan for n < 2."""
+  x = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=np.float64)
+  n = int(x.size)
+  if n == 0:
+    return math.nan, math.nan, 0
+  se = float(x.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
+  return float(x.mean()), se, n
+
+
+def moving_average(ys: Sequence[float], window: int) -> np.ndarray:
+  """Centered moving average; the window shrinks at the ends (no padding) and skips nans."""
+  y = np.asarray(ys, dtype=np.float64)
+  half = window // 2
+  out = np.full(y.shape, np.nan)
+  for i in range(y.size):
+    w = y[max(0, i - half):i + half + 1]
+    w = w[np.isfinite(w)]
+    if w.size:
+      out[i] = w.mean()
+  return out
+
+
+@dataclasses.dataclass
+class Curve:
+  """A metric over steps across seeds: per step the mean, s.e. and how many seeds logged it."""
+  steps: np.ndarray
+  mean: np.ndarray
+  se: np.ndarray
+  n: np.ndarray
+
+
+def aggregate_curve(runs: Sequence[Run], metric: str) -> Curve:
+  """Mean and s.e. at every step any run logged `metric` (seeds that stopped early drop out)."""
+  by_step: dict[int, list[float]] = {}
+  for r in runs:
+    for s, v in zip(*r.series(metric)):
+      by_step.setdefault(s, []).append(v)
+  steps = sorted(by_step)
+  stats = [mean_se(by_step[s]) for s in steps]
+  return Curve(steps=np.asarray(steps, dtype=np.int64),
+               mean=np.asarray([m for m, _, _ in stats]), se=np.asarray([e for _, e, _ in stats]),
+               n=np.asarray([k for _, _, k in stats], dtype=np.int64))
+
+
+def collapse_step(steps: Sequence[int], values: Sequence[float], fraction: float = COLLAPSE_FRACTION,
+                  patience: int = COLLAPSE_PATIENCE, smooth: int = 1) -> int | None:
+  """The collapse step of one curve (module docstring), or None."""
+  if fraction <= 0 or patience < 1:
+    raise ValueError(f"collapse: need fraction > 0 and patience >= 1, got {fraction}, {patience}")
+  v = np.asarray(values, dtype=np.float64)
+  bad = ~np.isfinite(v)
+  if bad.any():
+    first_bad = int(np.argmax(bad))
+    v, steps = v[:first_bad], list(steps)[:first_bad + 1]
+  else:
+    first_bad = None
+  if smooth > 1:
+    v = moving_average(v, smooth)
+  best = -math.inf
+  below = 0
+  for i, x in enumerate(v):
+    best = max(best, x)
+    if best > 0 and x < fraction * best:
+      below += 1
+      if below == patience:
+        return int(steps[i - patience + 1])
+    else:
+      below = 0
+  return int(steps[first_bad]) if first_bad is not None else None
+
+
+def run_collapse(run: Run, metric: str = COLLAPSE_METRIC, fraction: float = COLLAPSE_FRACTION,
+                 patience: int = COLLAPSE_PATIENCE, smooth: int = 1) -> int | None:
+  steps, values = run.series(metric)
+  c = collapse_step(steps, values, fraction, patience, smooth)
+  aborted = run.aborted_step
+  if aborted is not None and (c is None or aborted < c):
+    return aborted
+  return c
+
+
+@dataclasses.dataclass
+class GroupSummary:
+  """One table row: a run name's numbers over its seeds (mean, s.e., n)."""
+  name: str
+  panel: str
+  line: str
+  seeds: list[int | None]
+  final_accuracy: tuple[float, float, int]
+  best_accuracy: tuple[float, float, int]
+  final_reward: tuple[float, float, int]
+  mean_kl: tuple[float, float, int]
+  collapse_steps: list[int | None]
+  extra: dict[str, tuple[float, float, int]]
+
+  @property
+  def n_collapsed(self) -> int:
+    return sum(c is not None for c in self.collapse_steps)
+
+  def as_dict(self) -> dict:
+    def ms(t):
+      return {"mean": t[0], "se": t[1], "n": t[2]}
+    return {"name": self.name, "panel": self.panel, "line": self.line, "seeds": self.seeds,
+            "final_accuracy": ms(self.final_accuracy), "best_accuracy": ms(self.best_accuracy),
+            "final_reward": ms(self.final_reward), "mean_kl": ms(self.mean_kl),
+            "collapse_steps": self.collapse_steps, "n_collapsed": self.n_collapsed,
+            **{k: ms(v) for k, v in self.extra.items()}}
+
+
+# Per-run means reported when any run logged them (the meters).
+EXTRA_MEANS = ("drift/tv_mean", "first_order/cosine")
+
+
+def summarize_group(group: Group, accuracy: str = ACCURACY, collapse_metric: str = COLLAPSE_METRIC,
+                    fraction: float = COLLAPSE_FRACTION, patience: int = COLLAPSE_PATIENCE,
+                    smooth: int = 1) -> GroupSummary:
+  """Final / best held-out accuracy, final reward and per-run mean KL over seeds, and each seed's collapse."""
+  def per_run(metric: str, reduce) -> list[float]:
+    out = []
+    for r in group.runs:
+      _, v = r.series(metric)
+      if v:
+        out.append(reduce(v))
+    return out
+
+  def mean_finite(v):
+    x = [a for a in v if math.isfinite(a)]
+    return float(np.mean(x)) if x else math.nan
+
+  def best(v):
+    x = [a for a in v if math.isfinite(a)]
+    return max(x) if x else math.nan
+
+  extra = {m: mean_se(per_run(m, mean_finite)) for m in EXTRA_MEANS if any(r.has(m) for r in group.runs)}
+  return GroupSummary(
+      name=group.name, panel=group.panel, line=group.line, seeds=[r.seed for r in group.runs],
+      final_accuracy=mean_se(per_run(accuracy, lambda v: v[-1])),
+      best_accuracy=mean_se(per_run(accuracy, best)),
+      final_reward=mean_se(per_run("reward", lambda v: v[-1])),
+      mean_kl=mean_se(per_run(KL, mean_finite)),
+      collapse_steps=[run_collapse(r, collapse_metric, fraction, patience, smooth) for r in group.runs],
+      extra=extra)

@@ -1,0 +1,65 @@
+"""Study CLI: python -m rl_jax.study STUDY [--root DIR] [--seeds N] [--steps N] [--jobs N] [--dry_run | --print_commands].
+
+Runs every (run, seed) of a named study on this machine (or prints one launch command per run
+for a cluster), skipping finished runs and resuming unfinished ones, then writes
+ROOT/figure.png, ROOT/table.{md,csv,json} and ROOT/verdict.md. Without STUDY, lists the studies.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+from rl_jax.study import runner, studies
+
+DEFAULT_ROOT = "/tmp/rl_jax_studies"
+
+
+def _listing() -> str:
+  lines = ["studies:"]
+  for s in studies.STUDIES.values():
+    lines.append(f"  {s.name:22s} {len(s.runs()):3d} runs x {s.seeds} seeds  {s.description}")
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="python -m rl_jax.study", description=__doc__.split("\n")[0],
+                              epilog=_listing(), formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("study", nargs="?", choices=sorted(studies.STUDIES), metavar="STUDY")
+  p.add_argument("--root", default=None, help=f"workdirs root (default {DEFAULT_ROOT}/STUDY)")
+  p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default: the study's)")
+  p.add_argument("--steps", type=int, default=None, help="rl.steps of every run (default: the study's)")
+  p.add_argument("--jobs", type=int, default=1, help="runs at a time on this machine")
+  p.add_argument("--dry_run", action="store_true", help="list the runs and the estimated CPU time left")
+  p.add_argument("--print_commands", action="store_true", help="print one launch command per run")
+  p.add_argument("--aggregate_only", action="store_true", help="only redraw the figure and tables")
+  p.add_argument("--wandb_mode", default="disabled", choices=("disabled", "offline", "online"))
+  args = p.parse_args(argv)
+  if args.study is None:
+    print(_listing())
+    return 0
+  study = studies.get(args.study)
+  root = args.root or os.path.join(DEFAULT_ROOT, study.name)
+  plan = runner.plan(study, root, seeds=args.seeds, steps=args.steps, wandb_mode=args.wandb_mode)
+  if args.dry_run:
+    runner.dry_run(plan)
+    return 0
+  if args.print_commands:
+    runner.print_commands(plan)
+    return 0
+  command = " ".join(shlex.quote(a) for a in ["python", "-m", "rl_jax.study"] + list(
+      sys.argv[1:] if argv is None else argv))
+  rc = 0
+  if not args.aggregate_only:
+    counts = runner.run_study(plan, jobs=args.jobs)
+    print(f"[study] {study.name}: {counts['ok']} ran, {counts['skipped']} already finished, "
+          f"{counts['failed']} failed")
+    rc = 1 if counts["failed"] else 0
+  paths = runner.aggregate_study(plan, command)
+  print("[study] wrote " + ", ".join(paths[k] for k in ("png", "md", "csv", "json", "verdict")))
+  return rc
+
+
+if __name__ == "__main__":
+  sys.exit(main())

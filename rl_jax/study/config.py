@@ -1,0 +1,59 @@
+"""Config file for study runs: `--config=rl_jax/study/config.py:STUDY/RUN` or `:warm_start/STUDY`.
+
+Used where flags cannot express a run's overrides (ml_collections only overrides keys the
+base file has, with values of their type: a quantization section in place of a preset name
+needs this file), and for the one SFT warm start a study's runs share.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import types
+
+import ml_collections
+
+from configs import sweeps
+from rl_jax.study import studies
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def load_base(base: str) -> ml_collections.ConfigDict:
+  """`path[:arg]` (relative to the repository root, as `--config` takes it) -> its get_config(arg)."""
+  path, _, arg = base.partition(":")
+  full = path if os.path.isabs(path) else os.path.join(REPO_ROOT, path)
+  if not os.path.exists(full):
+    raise FileNotFoundError(f"study base config {base!r}: no file {full}")
+  spec = importlib.util.spec_from_file_location(f"_study_base_{abs(hash(full))}", full)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def run_config(study_name: str, run_name: str) -> ml_collections.ConfigDict:
+  study = studies.get(study_name)
+  runs = {r.name: r for r in study.runs()}
+  if run_name not in runs:
+    raise KeyError(f"study {study_name!r} has no run {run_name!r}; runs: {sorted(runs)}")
+  return sweeps.apply_overrides(load_base(study.base), runs[run_name].overrides)
+
+
+def warm_start_config(study_name: str) -> ml_collections.ConfigDict:
+  """The SFT job that the RL trainer's 'auto' warm start would run for this study's base config.
+
+  Built by the trainer's own `_sft_config` so that the shared checkpoint is exactly the one
+  each run would otherwise produce (same task, model, SFT section and steps).
+  """
+  from rl_jax.rl import trainer  # pylint: disable=g-import-not-at-top
+  base = load_base(studies.get(study_name).base)
+  return trainer.RLTrainer._sft_config(types.SimpleNamespace(config=base))  # pylint: disable=protected-access
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  head, sep, tail = (arg or "").partition("/")
+  if not sep:
+    raise ValueError(f"config arg {arg!r}: expected 'STUDY/RUN' or 'warm_start/STUDY'; "
+                     f"studies: {sorted(studies.STUDIES)}")
+  if head == "warm_start":
+    return warm_start_config(tail)
+  return run_config(head, tail)

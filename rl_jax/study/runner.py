@@ -1,0 +1,305 @@
+"""Runs a study: one shared SFT warm start, then every (run, seed) as a subprocess; skips, resumes, aggregates.
+
+Layout under ROOT: `warm_start/` (the shared SFT checkpoint), `<panel>/<line>/seed<k>/` (one
+trainer workdir per run and seed, with the runner's `study.json`, `run.log` and, when the
+job exited non-zero, `failed.json`), and the study's `figure.png`, `table.{md,csv,json}` and
+`verdict.md`.
+
+A run is finished when its summary.json says it reached its rl.steps, or when it failed on a
+non-finite loss (a collapse, recorded as such); any other run is (re)launched, and the trainer
+resumes it from its last checkpoint. The executor that runs a launch is injectable (tests
+use a fake one); the default runs `python -m rl_jax.main` from the repository root.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Literal, Sequence
+
+import tqdm
+
+from configs import sweeps
+from rl_jax import analysis
+from rl_jax.analysis import aggregate, runs as runs_lib, tables
+from rl_jax.study import studies
+from rl_jax.study.config import REPO_ROOT, load_base
+
+CONFIG_FILE = "rl_jax/study/config.py"   # relative to REPO_ROOT, where every launch runs
+WARM_START_DONE = "study_warm_start.json"
+# CPU cost of one RL step per response (prompts x group) plus a run's start-up (compiles,
+# evaluations), from the main job's ~3 min for 160 steps x 256 responses on an idle 2-core
+# machine. Used by --dry_run until a finished run in ROOT gives a measured figure.
+STEP_S_PER_RESPONSE = 3.7e-3
+RUN_OVERHEAD_S = 30.0
+WARM_START_S = 60.0
+# Runs shorter than this are all start-up (compiles): they do not measure the per-step cost.
+MEASURE_MIN_STEPS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+  """One job to run: the shared warm start, or one run of the grid at one seed."""
+  kind: Literal["warm_start", "run"]
+  name: str
+  seed: int
+  workdir: str
+  argv: tuple[str, ...]
+  steps: int
+  responses: int
+  run: studies.RunDef | None = None
+  study: str = ""
+
+  @property
+  def command(self) -> str:
+    return " ".join(shlex.quote(a) for a in self.argv)
+
+
+Executor = Callable[[Launch, str], int]   # (launch, log path) -> exit status
+
+
+def subprocess_executor(launch: Launch, log_path: str) -> int:
+  """Runs the launch's command from the repository root, stdout and stderr to `log_path`."""
+  with open(log_path, "a") as log:
+    return subprocess.call(list(launch.argv), cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def _flag_value(v: Any) -> str:
+  return repr(v) if isinstance(v, float) else str(v)
+
+
+@dataclasses.dataclass
+class Plan:
+  study: studies.Study
+  root: str
+  warm_start: Launch
+  launches: list[Launch]
+
+
+def plan(study: studies.Study, root: str, seeds: int | None = None, steps: int | None = None,
+         wandb_mode: str = "disabled", python: str = sys.executable) -> Plan:
+  """Every launch of `study` under `root`; `seeds` / `steps` override the study's."""
+  base = load_base(study.base)
+  root = os.path.abspath(root)
+  ws_dir = os.path.join(root, "warm_start")
+  warm = Launch(kind="warm_start", name="warm_start", seed=int(base.get("seed", 0)), workdir=ws_dir,
+                argv=(python, "-m", "rl_jax.main", f"--config={CONFIG_FILE}:warm_start/{study.name}",
+                      f"--workdir={ws_dir}"), steps=int(base.sft.steps), responses=0, study=study.name)
+  launches = []
+  for run in study.runs():
+    overrides = dict(run.overrides)
+    if steps is not None:
+      overrides["rl.steps"] = steps
+    cfg = sweeps.apply_overrides(base, overrides)
+    n_steps, responses = int(cfg.rl.steps), int(cfg.rl.prompts_per_step * cfg.rl.group_size)
+    for seed in range(study.seeds if seeds is None else seeds):
+      workdir = os.path.join(root, run.panel, run.line, f"seed{seed}")
+      argv = [python, "-m", "rl_jax.main"]
+      if sweeps.flag_expressible(overrides, base):
+        argv += [f"--config={study.base}", f"--workdir={workdir}"]
+        argv += [f"--config.{k}={_flag_value(v)}" for k, v in overrides.items()]
+      else:
+        argv += [f"--config={CONFIG_FILE}:{study.name}/{run.name}", f"--workdir={workdir}"]
+        if steps is not None:
+          argv.append(f"--config.rl.steps={steps}")
+      argv += [f"--config.seed={seed}", "--config.warm_start.source=sft",
+               f"--config.warm_start.path={ws_dir}", f"--config.logging.wandb_mode={wandb_mode}"]
+      launches.append(Launch(kind="run", name=run.name, seed=seed, workdir=workdir, argv=tuple(argv),
+                             steps=n_steps, responses=responses, run=run, study=study.name))
+  return Plan(study=study, root=root, warm_start=warm, launches=launches)
+
+
+def _read_json(path: str) -> dict | None:
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def status(launch: Launch) -> str:
+  """'done', 'collapsed' (aborted on a non-finite value), 'resume@<step>', or 'new'."""
+  if launch.kind == "warm_start":
+    return "done" if os.path.exists(os.path.join(launch.workdir, WARM_START_DONE)) else "new"
+  summary = _read_json(os.path.join(launch.workdir, "summary.json"))
+  if summary is not None and summary.get("steps") == launch.steps:
+    return "done"
+  failed = _read_json(os.path.join(launch.workdir, runs_lib.FAILED_FILE))
+  if failed is not None and "non-finite" in str(failed.get("error", "")):
+    return "collapsed"
+  rows = runs_lib.read_rows(launch.workdir)
+  last = max((r["step"] for r in rows), default=None)
+  return f"resume@{last}" if last else "new"
+
+
+def _remaining_steps(launch: Launch, st: str) -> int:
+  return launch.steps - int(st.split("@")[1]) if st.startswith("resume@") else launch.steps
+
+
+def step_cost(root: str) -> tuple[float, float, str]:
+  """(seconds per response-step, seconds of overhead per run, source) measured from the wall time
+  of finished, unresumed runs of >= MEASURE_MIN_STEPS steps in `root`, else the module's constants."""
+  per, n = 0.0, 0
+  for d in runs_lib.find_workdirs([os.path.join(root, "**")]):
+    info = _read_json(os.path.join(d, runs_lib.STUDY_FILE)) or {}
+    if (info.get("wall_s") and info.get("steps", 0) >= MEASURE_MIN_STEPS and info.get("responses")
+        and not info.get("resumed")):
+      per += max(info["wall_s"] - RUN_OVERHEAD_S, 0.0) / (info["steps"] * info["responses"])
+      n += 1
+  if n:
+    return per / n, RUN_OVERHEAD_S, f"measured over {n} finished runs in {root}"
+  return STEP_S_PER_RESPONSE, RUN_OVERHEAD_S, "constant STEP_S_PER_RESPONSE (no finished run measured yet)"
+
+
+def estimate_s(p: Plan) -> tuple[float, str]:
+  """Estimated CPU seconds of what is left to run (this machine's measured rate when available)."""
+  per, overhead, source = step_cost(p.root)
+  total = WARM_START_S if status(p.warm_start) != "done" else 0.0
+  for launch in p.launches:
+    st = status(launch)
+    if st not in ("done", "collapsed"):
+      total += overhead + _remaining_steps(launch, st) * launch.responses * per
+  return total, source
+
+
+def dry_run(p: Plan, out=None) -> float:
+  out = out or sys.stdout
+  total, source = estimate_s(p)
+  print(f"study {p.study.name}: {len(p.launches)} runs ({len(p.study.runs())} configs x "
+        f"{len(p.launches) // max(len(p.study.runs()), 1)} seeds) under {p.root}", file=out)
+  print(f"  {'warm_start':40s} {status(p.warm_start):12s} {p.warm_start.command}", file=out)
+  for launch in p.launches:
+    print(f"  {launch.name + f'/seed{launch.seed}':40s} {status(launch):12s} {launch.steps:5d} steps "
+          f"x {launch.responses} responses", file=out)
+  print(f"estimated CPU time left: {total / 60:.1f} min ({total / 3600:.2f} h; {source}); "
+        f"divide by --jobs for wall time on enough cores", file=out)
+  return total
+
+
+def print_commands(p: Plan, out=None) -> None:
+  """One shell command per launch, the warm start first (it must finish before the runs start)."""
+  out = out or sys.stdout
+  print(f"# study {p.study.name}, from the repository root: run the first command to completion, "
+        "then the rest in any order", file=out)
+  for launch in [p.warm_start] + p.launches:
+    print(" ".join(shlex.quote(a) for a in ("python",) + launch.argv[1:]), file=out)
+
+
+def _tail(path: str, n: int = 20) -> str:
+  if not os.path.exists(path):
+    return ""
+  with open(path, errors="replace") as f:
+    return "".join(f.readlines()[-n:])
+
+
+def execute(launch: Launch, executor: Executor) -> int:
+  """Runs one launch, records its labels and wall time (study.json) or its failure (failed.json)."""
+  os.makedirs(launch.workdir, exist_ok=True)
+  log = os.path.join(launch.workdir, "run.log" if launch.kind == "run" else "study_warm_start.log")
+  info_path = os.path.join(launch.workdir, runs_lib.STUDY_FILE)
+  st = status(launch)
+  info = None
+  if launch.run is not None:
+    info = {"study": launch.study, "run": launch.name, "panel": launch.run.panel, "line": launch.run.line,
+            "seed": launch.seed, "steps": launch.steps, "responses": launch.responses,
+            "overrides": launch.run.overrides, "command": launch.command, "resumed": st != "new"}
+    with open(info_path, "w") as f:
+      json.dump(info, f, indent=1, default=str)
+  t0 = time.time()
+  rc = executor(launch, log)
+  failed_path = os.path.join(launch.workdir, runs_lib.FAILED_FILE)
+  if rc != 0:
+    with open(failed_path, "w") as f:
+      json.dump({"rc": rc, "error": _tail(log)}, f, indent=1)
+    return rc
+  if os.path.exists(failed_path):
+    os.remove(failed_path)
+  if launch.kind == "warm_start":
+    with open(os.path.join(launch.workdir, WARM_START_DONE), "w") as f:
+      json.dump({"wall_s": time.time() - t0, "command": launch.command}, f)
+  elif info is not None:
+    info["wall_s"] = time.time() - t0
+    with open(info_path, "w") as f:
+      json.dump(info, f, indent=1, default=str)
+  return rc
+
+
+def run_study(p: Plan, executor: Executor = subprocess_executor, jobs: int = 1,
+              progress: bool = True) -> dict[str, int]:
+  """Warm start (once), then every unfinished launch, `jobs` at a time; returns counts by outcome."""
+  if jobs < 1:
+    raise ValueError(f"--jobs must be >= 1, got {jobs}")
+  counts = {"skipped": 0, "ok": 0, "failed": 0}
+  if status(p.warm_start) != "done":
+    print(f"[study] warm start -> {p.warm_start.workdir}", flush=True)
+    if execute(p.warm_start, executor) != 0:
+      raise RuntimeError(f"study warm start failed; log: {p.warm_start.workdir}/study_warm_start.log")
+  todo = [launch for launch in p.launches if status(launch) not in ("done", "collapsed")]
+  counts["skipped"] = len(p.launches) - len(todo)
+  bar = tqdm.tqdm(total=len(p.launches), initial=counts["skipped"], desc=f"study {p.study.name}",
+                  unit="run", disable=not progress)
+  try:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+      futures = {pool.submit(execute, launch, executor): launch for launch in todo}
+      for fut in concurrent.futures.as_completed(futures):
+        launch = futures[fut]
+        rc = fut.result()
+        counts["ok" if rc == 0 else "failed"] += 1
+        if rc != 0:
+          tqdm.tqdm.write(f"[study] {launch.name}/seed{launch.seed} exited {rc}; see {launch.workdir}/run.log")
+        bar.update(1)
+  finally:
+    bar.close()
+  return counts
+
+
+def groups_of(p: Plan) -> list[runs_lib.Group]:
+  """The study's runs that logged anything, one group per grid cell, labelled by the study."""
+  groups = []
+  for run in p.study.runs():
+    rs = [runs_lib.load_run(launch.workdir, name=run.name) for launch in p.launches
+          if launch.run is not None and launch.run.name == run.name]
+    rs = [r for r in rs if r.rows]
+    if rs:
+      groups.append(runs_lib.Group(name=run.name, panel=run.panel, line=run.line, runs=rs))
+  return groups
+
+
+def verdict_skeleton(p: Plan, summaries: Sequence[aggregate.GroupSummary], command: str) -> str:
+  """verdict.md: the command, the numbers and per-panel orderings; the verdict itself is for a person."""
+  wall = [(_read_json(os.path.join(launch.workdir, runs_lib.STUDY_FILE)) or {}).get("wall_s")
+          for launch in p.launches]
+  wall_s = sum(w for w in wall if w)
+  lines = [f"# Study `{p.study.name}`", "", p.study.description, "",
+           f"Command: `{command}`", "",
+           f"Runs: {len(p.launches)} ({len(summaries)} configurations with results); summed run wall "
+           f"time {wall_s / 60:.1f} min; base config `{p.study.base}`.", "",
+           f"Collapse: first of {aggregate.COLLAPSE_PATIENCE} consecutive evaluations with held-out greedy "
+           f"accuracy below {aggregate.COLLAPSE_FRACTION} x its running best, or a non-finite value "
+           "(rl_jax/analysis/aggregate.py).", "", "## Numbers (mean +- s.e. over seeds)", "",
+           tables.markdown(summaries), "## Final held-out greedy accuracy, best first, per panel", ""]
+  for panel in dict.fromkeys(s.panel for s in summaries):
+    row = sorted((s for s in summaries if s.panel == panel),
+                 key=lambda s: -s.final_accuracy[0] if s.final_accuracy[2] else float("inf"))
+    lines.append(f"- {panel}: " + " > ".join(f"{s.line} {tables.fmt(s.final_accuracy)}" for s in row))
+  lines += ["", "## Verdict", "",
+            "Not yet written: state which of the papers' orderings reproduce at this scale and which do "
+            "not, citing the numbers above; a null or reversed result is a result.", ""]
+  return "\n".join(lines)
+
+
+def aggregate_study(p: Plan, command: str = "") -> dict[str, str]:
+  """Writes ROOT/figure.png, ROOT/table.{md,csv,json} and ROOT/verdict.md; returns the paths."""
+  groups = groups_of(p)
+  if not groups:
+    raise FileNotFoundError(f"study {p.study.name}: no run under {p.root} logged metrics yet")
+  paths, summaries = analysis.compare(groups, p.root, title=f"{p.study.name}: {p.study.description}")
+  paths["verdict"] = os.path.join(p.root, "verdict.md")
+  with open(paths["verdict"], "w") as f:
+    f.write(verdict_skeleton(p, summaries, command))
+  return paths

@@ -1,0 +1,192 @@
+"""The named studies as code: panels (mismatch regimes) x lines (methods) x seeds over a base config.
+
+Regimes and budgets below are PLACEHOLDERS to be calibrated (issue 14, item 1): choose each
+regime from plain PG's behaviour alone (it must degrade within the run budget) before any
+other method runs on it, then change the module constants here, not per study. The budgets
+(steps, batch) aim at about an hour per study on 2 CPU cores and are estimates until
+measured (`python -m rl_jax.study STUDY --dry_run` prints the estimate).
+
+Overrides use the vocabulary of configs/sweeps.py (dotted config keys; a dict value replaces
+a whole section, e.g. a quantization section that fits the tiny model).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from configs import sweeps
+
+Overrides = dict[str, Any]
+
+# -- regimes (placeholders: calibrate by PG's behaviour, issue 14) ------------------------------
+FP32 = {"sampler.quant": "none"}
+# 001 Fig. 3: relative weight noise. sigma = 0.1 (KL ~0.03/token) does not bite in 160 steps.
+NOISE_SIGMAS = (0.1, 0.2, 0.4)
+# 001 Fig. 4: a severe quantized sampler (FP4 KV with FP8 W/A, sections that fit the tiny model).
+SEVERE_QUANT = "fp8_wa_fp4_kv"
+# 001 Fig. 4: sampler refreshed every K steps.
+STALENESS = 8
+# 001 Fig. 2: offline = the sampler is never refreshed (staleness beyond any run's steps).
+OFFLINE_STALENESS = 10**9
+# 000 Figs. 2-4: a mismatch that moves routing (the base INT8 W/A + INT4 KV sampler).
+ROUTING_MISMATCH = {"sampler.quant": "int8_wa_int4_kv"}
+# 001 finds {+1/0} the least stable reward online.
+REWARD_01_RAW = {"advantage.reward_mode": "01", "advantage.mode": "raw"}
+
+# -- budgets (placeholders: ~1 hour per study on 2 cores) ----------------------------------------
+SMALL_BATCH = {"rl.prompts_per_step": 16, "rl.group_size": 8}
+STEPS = 120
+SEEDS = 3
+
+
+def noise(sigma: float) -> Overrides:
+  return dict(FP32, **{"sampler.noise": "relative", "sampler.noise_sigma": sigma})
+
+
+def quant(name: str) -> Overrides:
+  return {"sampler.quant": sweeps.QUANT_REGIMES[name]}
+
+
+def stale(k: int) -> Overrides:
+  return dict(FP32, **{"rl.staleness": k})
+
+
+# -- methods ---------------------------------------------------------------------------------------
+def _m(method: str, sc: str = "none") -> Overrides:
+  return {"loss.method": method, "loss.score_centering": sc}
+
+
+# 001's comparison: PG and the IS-based corrections, with and without (top-k) score centering.
+METHODS_001: dict[str, Overrides] = {
+    "pg": _m("pg"), "tis": _m("tis"), "mis": _m("mis"), "ppo": _m("ppo"), "dppo": _m("dppo"),
+    "sc": _m("pg", "topk"), "sc_tis": _m("tis", "topk"), "sc_mis": _m("mis", "topk"),
+}
+REWARD_MODES: dict[str, Overrides] = {
+    "r01": {"advantage.reward_mode": "01", "advantage.mode": "raw"},
+    "pm1": {"advantage.reward_mode": "pm1", "advantage.mode": "raw"},
+    "group_centered": {"advantage.reward_mode": "01", "advantage.mode": "group_centered"},
+}
+TOPK_SC: dict[str, Overrides] = {
+    "pg": _m("pg"),
+    "topk4": dict(_m("pg", "topk"), **{"loss.topk": 4}),
+    "topk16": dict(_m("pg", "topk"), **{"loss.topk": 16}),
+    "full": dict(_m("pg", "full"), **{"sampler.record_topk": sweeps.TINY_VOCAB}),
+}
+MINIRL = dict(sweeps.MINIRL)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDef:
+  """One grid cell: `panel/line`, with the study's common overrides, then the panel's, then the line's."""
+  name: str
+  panel: str
+  line: str
+  overrides: Overrides
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+  """A named grid: panels (regimes) x lines (methods), each run over `seeds` seeds of `base`.
+
+  `base` is a config file as `--config` takes it (`path[:arg]`, relative to the repository root).
+  `common` applies to every run (budget: steps, batch). `steps=None` keeps the base's rl.steps.
+  """
+  name: str
+  description: str
+  panels: tuple[tuple[str, Overrides], ...]
+  lines: tuple[tuple[str, Overrides], ...]
+  base: str = sweeps.BASE
+  seeds: int = SEEDS
+  steps: int | None = STEPS
+  common: Overrides = dataclasses.field(default_factory=dict)
+  # Lines a panel leaves out (e.g. score centering is incompatible with a method).
+  skip: tuple[tuple[str, str], ...] = ()
+
+  def runs(self) -> list[RunDef]:
+    out = []
+    for panel, po in self.panels:
+      for line, lo in self.lines:
+        if (panel, line) in self.skip:
+          continue
+        o = dict(self.common)
+        if self.steps is not None:
+          o["rl.steps"] = self.steps
+        o.update(po)
+        o.update(lo)
+        out.append(RunDef(name=f"{panel}/{line}", panel=panel, line=line, overrides=o))
+    return out
+
+
+def _t(d: dict[str, Overrides]) -> tuple[tuple[str, Overrides], ...]:
+  return tuple(d.items())
+
+
+STUDIES: dict[str, Study] = {}
+
+
+def _add(s: Study) -> Study:
+  STUDIES[s.name] = s
+  return s
+
+
+# A seconds-long grid for tests and smoke checks: 2 runs x 2 seeds x 2 steps of the `:test` config.
+MICRO = _add(Study(
+    name="micro", description="Smoke test: PG vs TIS on the :test config, 2 seeds x 2 steps.",
+    base=sweeps.BASE + ":test", seeds=2, steps=2,
+    panels=(("fp32", {}),), lines=(("pg", _m("pg")), ("tis", _m("tis")))))
+
+_add(Study(
+    name="fig3_weight_noise",
+    description="001 Fig. 3: relative weight noise at three scales x PG / TIS / MIS / PPO / DPPO / SC / SC+TIS / "
+                "SC+MIS, {+1/0} rewards, small batch.",
+    panels=tuple((f"noise_{s:g}", noise(s)) for s in NOISE_SIGMAS), lines=_t(METHODS_001),
+    common=dict(SMALL_BATCH, **REWARD_01_RAW)))
+
+_add(Study(
+    name="fig4_quant_stale",
+    description=f"001 Fig. 4: a severe quantized sampler ({SEVERE_QUANT}) and staleness K={STALENESS} x the "
+                "methods of Fig. 3, {+1/0} rewards, small batch.",
+    panels=((SEVERE_QUANT, quant(SEVERE_QUANT)), (f"stale_{STALENESS}", stale(STALENESS))),
+    lines=_t(METHODS_001), common=dict(SMALL_BATCH, **REWARD_01_RAW)))
+
+_add(Study(
+    name="fig2_online_offline",
+    description="001 Fig. 2: online vs offline (sampler never refreshed) x reward modes {+1/0, +-1, "
+                "group-centered}, plain PG under the middle weight-noise regime.",
+    panels=(("online", noise(NOISE_SIGMAS[1])),
+            ("offline", dict(noise(NOISE_SIGMAS[1]), **{"rl.staleness": OFFLINE_STALENESS}))),
+    lines=tuple((k, dict(_m("pg"), **v)) for k, v in REWARD_MODES.items()), common=dict(SMALL_BATCH)))
+
+_add(Study(
+    name="fig5_topk_sc",
+    description="001 Fig. 5: top-k score centering with k in {4, 16, full} (and PG without) in the regimes "
+                "of Figs. 3-4.",
+    panels=((f"noise_{NOISE_SIGMAS[1]:g}", noise(NOISE_SIGMAS[1])), (SEVERE_QUANT, quant(SEVERE_QUANT)),
+            (f"stale_{STALENESS}", stale(STALENESS))),
+    lines=_t(TOPK_SC), common=dict(SMALL_BATCH, **REWARD_01_RAW)))
+
+_add(Study(
+    name="minirl_on_policy",
+    description="000 Fig. 1: on-policy (N=1) MiniRL vs without the train/inference IS weight, with length "
+                "normalization, with R3 routing replay; base INT8/INT4 sampler.",
+    panels=(("on_policy", dict(ROUTING_MISMATCH, **{"rl.n_minibatches": 1})),),
+    lines=(("minirl", dict(MINIRL, **{"rl.routing_replay": "none"})),
+           ("no_train_infer_is", dict(MINIRL, **{"loss.minirl_train_infer_is": False})),
+           ("length_norm", dict(MINIRL, **{"loss.aggregation": "seq_mean"})),
+           ("r3", dict(MINIRL, **{"rl.routing_replay": "R3"}))),
+    common=dict(SMALL_BATCH)))
+
+_add(Study(
+    name="minirl_off_policy",
+    description="000 Figs. 2-4: off-policy N in {2, 4, 8} mini-batches x MiniRL with / without clipping x "
+                "routing replay none / R2 / R3, under a mismatch that moves routing.",
+    panels=tuple((f"n{n}", dict(ROUTING_MISMATCH, **{"rl.n_minibatches": n})) for n in (2, 4, 8)),
+    lines=tuple((f"{clip}_{r}", dict(MINIRL, **{"loss.minirl_clip": clip == "clip", "rl.routing_replay": r}))
+                for clip in ("clip", "no_clip") for r in ("none", "R2", "R3")),
+    common=dict(SMALL_BATCH)))
+
+
+def get(name: str) -> Study:
+  if name not in STUDIES:
+    raise KeyError(f"unknown study {name!r}; studies: {sorted(STUDIES)}")
+  return STUDIES[name]

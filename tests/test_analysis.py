@@ -1,0 +1,142 @@
+"""rl_jax.analysis: loading, mean / s.e. over seeds by hand, collapse detector, figures, tables, CLI."""
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from rl_jax import analysis
+from rl_jax.analysis import __main__ as cli
+from rl_jax.analysis import aggregate, runs as runs_lib
+
+
+def write_run(workdir, rows, config=None, summary=None, failed=None):
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    for r in rows:
+      f.write(json.dumps(r) + "\n")
+  for name, obj in (("config.json", config), ("summary.json", summary), ("failed.json", failed)):
+    if obj is not None:
+      with open(os.path.join(workdir, name), "w") as f:
+        json.dump(obj, f)
+
+
+def rows_of(acc, kl, kl_key="mismatch/kl_k1"):
+  """Eval at step 0 and every step; reward = acc; one train row per step >= 1."""
+  out = [{"step": 0, "eval_greedy_accuracy": acc[0]}]
+  for s in range(1, len(acc)):
+    out.append({"step": s, "reward": acc[s], kl_key: kl[s], "loss/entropy": 1.0,
+                "eval_greedy_accuracy": acc[s]})
+  return out
+
+
+def test_mean_se_by_hand():
+  m, se, n = aggregate.mean_se([1.0, 2.0, 4.0])
+  # mean 7/3; sample variance ((4/3)^2 + (1/3)^2 + (5/3)^2) / 2 = 7/3; s.e. sqrt(7/3 / 3)
+  assert n == 3 and m == pytest.approx(7 / 3, abs=1e-12)
+  assert se == pytest.approx(math.sqrt(7 / 9), abs=1e-12)
+  assert math.isnan(aggregate.mean_se([5.0])[1]) and aggregate.mean_se([5.0])[0] == 5.0
+  assert aggregate.mean_se([1.0, float("nan"), 3.0])[:2] == (2.0, pytest.approx(1.0))
+  assert aggregate.mean_se([])[2] == 0
+
+
+def test_moving_average_centered_shrinking():
+  np.testing.assert_allclose(aggregate.moving_average([0, 3, 6, 9], 3), [1.5, 3, 6, 7.5])
+  np.testing.assert_allclose(aggregate.moving_average([1, float("nan"), 3], 3), [1, 2, 3])
+
+
+def test_collapse_detector():
+  steps = [0, 10, 20, 30, 40, 50]
+  assert aggregate.collapse_step(steps, [0.1, 0.3, 0.4, 0.35, 0.3, 0.41]) is None   # never below 0.2
+  assert aggregate.collapse_step(steps, [0.1, 0.4, 0.1, 0.3, 0.1, 0.1]) == 40       # one dip is noise
+  assert aggregate.collapse_step(steps, [0.1, 0.4, 0.1, 0.3, 0.1, 0.1], patience=1) == 20
+  assert aggregate.collapse_step(steps, [0.1, 0.4, 0.21, 0.19, 0.19, 0.4], fraction=0.5) == 30
+  assert aggregate.collapse_step(steps, [0.1, 0.4, 0.3, float("nan"), 0.3, 0.3]) == 30
+  assert aggregate.collapse_step(steps, [0.0] * 6) is None                          # nothing to lose
+  # Smoothing the per-step reward: isolated dips vanish, a sustained fall stays.
+  assert aggregate.collapse_step(range(8), [.4, .4, .1, .4, .4, .1, .4, .4], patience=1, smooth=3) is None
+  assert aggregate.collapse_step(range(8), [.4, .4, .4, .4, .1, .0, .0, .0], patience=2, smooth=3) == 4
+
+
+def test_load_dedup_aliases_and_aggregate(tmp_path):
+  a, b = [0.1, 0.2, 0.3], [0.1, 0.4, 0.5]
+  write_run(tmp_path / "pg" / "seed0", rows_of(a, [0, 1e-3, 2e-3], kl_key="kl_k1"))   # old name
+  rows = rows_of(b, [0, 3e-3, 4e-3])
+  # A resumed run re-logs step 2 after its checkpoint at step 1: the last write wins.
+  rows.insert(2, {"step": 2, "reward": -9.0, "eval_greedy_accuracy": -9.0})
+  write_run(tmp_path / "pg" / "seed1", rows)
+  write_run(tmp_path / "sc" / "seed0", rows_of([0.1, 0.1, 0.1], [0, 0, 0]))
+  write_run(tmp_path / "warm_start", [{"step": 1, "loss": 2.0, "eval_accuracy": 0.1}])   # SFT: not a run
+  runs = analysis.load_runs([str(tmp_path / "**")])
+  assert [(r.name, r.seed) for r in runs] == [("pg", 0), ("pg", 1), ("sc", 0)]
+  groups = analysis.group_runs(runs)
+  assert [(g.name, g.n) for g in groups] == [("pg", 2), ("sc", 1)]
+  c = aggregate.aggregate_curve(groups[0].runs, "mismatch/kl_k1")
+  np.testing.assert_array_equal(c.steps, [1, 2])
+  np.testing.assert_allclose(c.mean, [2e-3, 3e-3])
+  np.testing.assert_allclose(c.se, [np.std([1e-3, 3e-3], ddof=1) / np.sqrt(2)] * 2)
+  s = aggregate.summarize_group(groups[0])
+  assert s.final_accuracy[:2] == (pytest.approx(0.4), pytest.approx(np.std([0.3, 0.5], ddof=1) / np.sqrt(2)))
+  assert s.best_accuracy[0] == pytest.approx(0.4)
+  assert s.mean_kl[0] == pytest.approx(np.mean([np.mean([1e-3, 2e-3]), np.mean([3e-3, 4e-3])]))
+  assert s.collapse_steps == [None, None]
+
+
+def test_nonfinite_and_aborted_runs_collapse(tmp_path):
+  rows = rows_of([0.1, 0.4, 0.4], [0, 1e-3, 1e-3])
+  rows[2]["eval_greedy_accuracy"] = "nan"   # MetricsWriter's spelling of a non-finite value
+  write_run(tmp_path / "nan" / "seed0", rows)
+  write_run(tmp_path / "abort" / "seed0", rows_of([0.1, 0.4], [0, 1e-3]),
+            failed={"rc": 1, "error": "FloatingPointError: non-finite loss or gradient at RL step 2"})
+  groups = analysis.group_runs(analysis.load_runs(str(tmp_path / "*" / "seed*")))
+  got = {g.name: aggregate.summarize_group(g).collapse_steps for g in groups}
+  assert got == {"nan": [2], "abort": [2]}
+
+
+def test_group_by_config_key_and_figures_tables(tmp_path):
+  for i, (method, sigma) in enumerate([("pg", 0.1), ("pg", 0.1), ("tis", 0.1), ("pg", 0.2)]):
+    cfg = {"seed": i, "loss": {"method": method}, "sampler": {"noise_sigma": sigma}}
+    write_run(tmp_path / f"r{i}", rows_of([0.1, 0.2 + 0.01 * i, 0.3], [0, 1e-3, 1e-3]), config=cfg)
+  runs = analysis.load_runs(str(tmp_path / "r*"))
+  groups = analysis.group_runs(runs, group_by="loss.method", panel_by="sampler.noise_sigma")
+  assert [(g.panel, g.line, g.n) for g in groups] == [
+      ("sampler.noise_sigma=0.1", "pg", 2), ("sampler.noise_sigma=0.1", "tis", 1),
+      ("sampler.noise_sigma=0.2", "pg", 1)]
+  paths, summaries = analysis.compare(groups, str(tmp_path / "out"))
+  for p in paths.values():
+    assert os.path.getsize(p) > 0
+  md = open(paths["md"]).read()
+  assert "| sampler.noise_sigma=0.1/pg | 2 | 0.3 +- 0 |" in md
+  table = json.load(open(paths["json"]))
+  assert table[1]["final_accuracy"] == {"mean": 0.3, "se": None, "n": 1}
+  assert open(paths["csv"]).readline().startswith("name,panel,line,n_seeds")
+  with pytest.raises(ValueError, match="no stored config"):
+    write_run(tmp_path / "bare" / "seed0", rows_of([0.1, 0.2], [0, 0]))
+    analysis.group_runs(analysis.load_runs(str(tmp_path / "bare" / "seed*")), group_by="loss.method")
+
+
+def test_cli(tmp_path, capsys):
+  for name in ("a", "b"):
+    for seed in (0, 1):
+      acc = [0.1] + [0.1 + 0.01 * s * (seed + 1) for s in range(1, 40)]
+      write_run(tmp_path / "runs" / name / f"seed{seed}", rows_of(acc, [0] + [1e-3] * 39))
+  out = tmp_path / "cmp"
+  assert cli.main(["--workdirs", str(tmp_path / "runs" / "*" / "seed*"), "--out", str(out)]) == 0
+  assert "4 runs in 2 groups" in capsys.readouterr().out
+  assert sorted(os.listdir(out)) == ["figure.png", "table.csv", "table.json", "table.md"]
+  with pytest.raises(SystemExit):
+    cli.main(["--workdirs", str(tmp_path / "nothing*"), "--out", str(out)])
+
+
+def test_config_value_sources(tmp_path):
+  write_run(tmp_path / "w", rows_of([0.1, 0.2], [0, 0]), config={"loss": {"method": "tis"}})
+  with open(tmp_path / "w" / "study.json", "w") as f:
+    json.dump({"run": "p/l", "panel": "p", "line": "l", "seed": 3, "overrides": {"rl.steps": 2}}, f)
+  r = runs_lib.load_run(str(tmp_path / "w"))
+  assert (r.config_value("loss.method"), r.config_value("rl.steps"), r.config_value("x.y"), r.seed) == \
+      ("tis", 2, None, 3)
+  # The run-state file run.json holds the resolved config under "config"; it wins over config.json.
+  with open(tmp_path / "w" / "run.json", "w") as f:
+    json.dump({"identity": {"run_id": "x"}, "config": {"loss": {"method": "mis"}}, "history": []}, f)
+  assert runs_lib.load_run(str(tmp_path / "w")).config_value("loss.method") == "mis"

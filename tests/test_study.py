@@ -1,0 +1,173 @@
+"""rl_jax.study: study grids, launch commands, the runner's skip / resume / aggregate logic (fake executor)."""
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from rl_jax.rl import trainer
+from rl_jax.study import __main__ as cli
+from rl_jax.study import config as study_config
+from rl_jax.study import runner, studies
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class FakeExecutor:
+  """Writes what a finished (or crashed) trainer run leaves in its workdir: metrics.jsonl, summary.json."""
+
+  def __init__(self, crash=()):
+    self.calls = []
+    self.crash = dict(crash)   # (name, seed) -> error text for its first call
+
+  def __call__(self, launch, log_path):
+    self.calls.append((launch.name, launch.seed))
+    if launch.kind == "warm_start":
+      return 0
+    path = os.path.join(launch.workdir, "metrics.jsonl")
+    start = 0
+    if os.path.exists(path):   # resume: the trainer continues after its last logged step
+      with open(path) as f:
+        start = max(json.loads(line)["step"] for line in f if line.strip())
+    key = (launch.name, launch.seed)
+    acc = 0.1 + 0.1 * launch.seed + (0.05 if launch.run.line == "tis" else 0.0)
+    with open(path, "a") as f:
+      if start == 0:
+        f.write(json.dumps({"step": 0, "eval_greedy_accuracy": 0.1}) + "\n")
+      for s in range(start + 1, launch.steps + 1):
+        f.write(json.dumps({"step": s, "reward": acc, "kl_k1": 1e-3 * (s + launch.seed),
+                            "loss/entropy": 1.0, "eval_greedy_accuracy": acc}) + "\n")
+        if key in self.crash:
+          with open(log_path, "a") as log:
+            log.write(self.crash.pop(key) + "\n")
+          return 1
+    with open(os.path.join(launch.workdir, "summary.json"), "w") as f:
+      json.dump({"steps": launch.steps, "final_eval_greedy_accuracy": acc}, f)
+    return 0
+
+
+def test_studies_resolve_and_validate(monkeypatch):
+  """Every run of every study builds a config the trainer accepts (names unknown keys, bad combinations)."""
+  # The abstract quantization check costs ~0.5 s; it depends only on the model and the quant section.
+  fits, seen = trainer.check_sampler_fits, {}
+
+  def check_once(model_cfg, s):
+    key = repr((model_cfg, s.quant))
+    if key not in seen:
+      seen[key] = fits(model_cfg, s)
+
+  monkeypatch.setattr(trainer, "check_sampler_fits", check_once)
+  names = set()
+  for study in studies.STUDIES.values():
+    runs = study.runs()
+    assert len({r.name for r in runs}) == len(runs), study.name
+    for r in runs:
+      trainer.RLJob.from_config(study_config.get_config(f"{study.name}/{r.name}"))
+    names.add(study.name)
+  assert {"micro", "fig3_weight_noise", "fig4_quant_stale", "fig2_online_offline", "fig5_topk_sc",
+          "minirl_on_policy", "minirl_off_policy"} <= names
+  ws = study_config.get_config("warm_start/fig3_weight_noise")
+  assert ws.job == "sft" and ws.sft.steps == 100   # countdown_tiny's early SFT checkpoint
+  with pytest.raises(KeyError, match="has no run"):
+    study_config.get_config("micro/nope/pg")
+
+
+def test_plan_commands(tmp_path):
+  p = runner.plan(studies.get("micro"), str(tmp_path), steps=3)
+  assert [(x.name, x.seed, x.steps) for x in p.launches] == [
+      ("fp32/pg", 0, 3), ("fp32/pg", 1, 3), ("fp32/tis", 0, 3), ("fp32/tis", 1, 3)]
+  cmd = p.launches[3].command
+  for part in ("--config=configs/countdown_tiny.py:test", f"--workdir={tmp_path}/fp32/tis/seed1",
+               "--config.loss.method=tis", "--config.rl.steps=3", "--config.seed=1",
+               "--config.warm_start.source=sft", f"--config.warm_start.path={tmp_path}/warm_start"):
+    assert part in cmd
+  # A quantization section cannot be a flag: the run goes through the study's config file.
+  q = runner.plan(studies.get("fig4_quant_stale"), str(tmp_path), seeds=1).launches[0]
+  assert "--config=rl_jax/study/config.py:fig4_quant_stale/fp8_wa_fp4_kv/pg" in q.command
+
+
+def test_runner_skips_resumes_and_aggregates(tmp_path):
+  p = runner.plan(studies.get("micro"), str(tmp_path))
+  fake = FakeExecutor(crash={("fp32/tis", 1): "killed"})
+  counts = runner.run_study(p, executor=fake, progress=False)
+  assert counts == {"skipped": 0, "ok": 3, "failed": 1}
+  assert fake.calls[0] == ("warm_start", 0) and len(fake.calls) == 5
+  assert runner.status(p.launches[3]) == "resume@1"
+  assert json.load(open(tmp_path / "fp32/tis/seed1/failed.json"))["rc"] == 1
+  # Rerun: the warm start and finished runs are skipped, the crashed one resumes and finishes.
+  fake.calls.clear()
+  assert runner.run_study(p, executor=fake, progress=False) == {"skipped": 3, "ok": 1, "failed": 0}
+  assert fake.calls == [("fp32/tis", 1)]
+  assert not (tmp_path / "fp32/tis/seed1/failed.json").exists()
+  fake.calls.clear()
+  assert runner.run_study(p, executor=fake, progress=False) == {"skipped": 4, "ok": 0, "failed": 0}
+  assert fake.calls == []
+  # A longer study (--steps 3) resumes the runs that finished at 2 steps.
+  longer = runner.plan(studies.get("micro"), str(tmp_path), steps=3)
+  assert [runner.status(launch) for launch in longer.launches] == ["resume@2"] * 4
+  paths = runner.aggregate_study(p, "python -m rl_jax.study micro")
+  for k in ("png", "md", "csv", "json", "verdict"):
+    assert os.path.getsize(paths[k]) > 0
+  table = {row["name"]: row for row in json.load(open(paths["json"]))}
+  assert table["fp32/pg"]["final_accuracy"]["mean"] == pytest.approx(0.15)    # seeds 0.1, 0.2
+  assert table["fp32/pg"]["final_accuracy"]["se"] == pytest.approx(0.05)      # std 0.0707 / sqrt 2
+  assert table["fp32/tis"]["seeds"] == [0, 1]
+  verdict = open(paths["verdict"]).read()
+  assert "fp32: tis 0.2 +- 0.05 > pg 0.15 +- 0.05" in verdict
+
+
+def test_nonfinite_abort_is_a_finished_collapse(tmp_path):
+  p = runner.plan(studies.get("micro"), str(tmp_path), seeds=1)
+  err = "FloatingPointError: non-finite loss or gradient at RL step 2, mini-batch 0"
+  fake = FakeExecutor(crash={("fp32/pg", 0): err})
+  assert runner.run_study(p, executor=fake, progress=False)["failed"] == 1
+  assert runner.status(p.launches[0]) == "collapsed"
+  fake.calls.clear()
+  assert runner.run_study(p, executor=fake, progress=False)["skipped"] == 2
+  assert fake.calls == []
+  runner.aggregate_study(p)
+  table = {row["name"]: row for row in json.load(open(tmp_path / "table.json"))}
+  assert table["fp32/pg"]["collapse_steps"] == [2] and table["fp32/tis"]["collapse_steps"] == [None]
+
+
+def test_dry_run_estimate_measures_finished_runs(tmp_path):
+  p = runner.plan(studies.get("micro"), str(tmp_path), seeds=1, steps=40)
+  per_run = runner.RUN_OVERHEAD_S + 40 * 8 * runner.STEP_S_PER_RESPONSE
+  assert runner.estimate_s(p) == (pytest.approx(runner.WARM_START_S + 2 * per_run), pytest.approx(
+      "constant STEP_S_PER_RESPONSE (no finished run measured yet)"))
+  d = tmp_path / "fp32" / "pg" / "seed0"
+  os.makedirs(d)
+  with open(d / "metrics.jsonl", "w") as f:
+    f.write(json.dumps({"step": 40, "reward": 0.0}) + "\n")
+  with open(d / "summary.json", "w") as f:
+    json.dump({"steps": 40}, f)
+  with open(d / "study.json", "w") as f:
+    json.dump({"steps": 40, "responses": 8, "wall_s": runner.RUN_OVERHEAD_S + 40 * 8 * 0.01}, f)
+  total, source = runner.estimate_s(p)   # pg/seed0 is done; tis/seed0 at the measured 0.01 s
+  assert total == pytest.approx(runner.WARM_START_S + runner.RUN_OVERHEAD_S + 40 * 8 * 0.01)
+  assert source.startswith("measured over 1 finished runs")
+
+
+def test_cli_lists_dry_run_and_commands(tmp_path, capsys):
+  assert cli.main([]) == 0
+  assert "fig3_weight_noise" in capsys.readouterr().out
+  assert cli.main(["micro", "--root", str(tmp_path), "--dry_run"]) == 0
+  out = capsys.readouterr().out
+  assert "4 runs" in out and "estimated CPU time left" in out
+  assert cli.main(["micro", "--root", str(tmp_path), "--print_commands", "--seeds", "1"]) == 0
+  lines = [l for l in capsys.readouterr().out.splitlines() if not l.startswith("#")]
+  assert len(lines) == 3 and all(shlex.split(l)[:3] == ["python", "-m", "rl_jax.main"] for l in lines)
+
+
+@pytest.mark.slow
+def test_micro_study_end_to_end(tmp_path):
+  """The real micro grid (2 runs x 2 seeds x 2 steps + the warm start) through subprocesses, then a rerun."""
+  env = dict(os.environ, PYTHONPATH=REPO)
+  cmd = [sys.executable, "-m", "rl_jax.study", "micro", "--root", str(tmp_path)]
+  subprocess.run(cmd, cwd=REPO, env=env, check=True)
+  for k in ("figure.png", "table.md", "table.csv", "table.json", "verdict.md"):
+    assert (tmp_path / k).exists()
+  rerun = subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True)
+  assert "0 ran, 4 already finished" in rerun.stdout
