@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import types
 
 import ml_collections
 
@@ -41,12 +40,11 @@ def run_config(study_name: str, run_name: str) -> ml_collections.ConfigDict:
 def warm_start_config(study_name: str) -> ml_collections.ConfigDict:
   """The SFT job that the RL trainer's 'auto' warm start would run for this study's base config.
 
-  Built by the trainer's own `_sft_config` so that the shared checkpoint is exactly the one
-  each run would otherwise produce (same task, model, SFT section and steps).
+  Built by the trainer's own `warm_start.sft_config` so that the shared checkpoint is exactly
+  the one each run would otherwise produce (same task, model, SFT section and steps).
   """
-  from rl_jax.rl import trainer  # pylint: disable=g-import-not-at-top
-  base = load_base(studies.get(study_name).base)
-  return trainer.RLTrainer._sft_config(types.SimpleNamespace(config=base))  # pylint: disable=protected-access
+  from rl_jax.rl import warm_start  # pylint: disable=g-import-not-at-top
+  return warm_start.sft_config(load_base(studies.get(study_name).base))
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
