@@ -39,12 +39,12 @@ Sweep = list[tuple[str, Overrides]]
 # The tiny model's vocabulary: full score centering records the sampler's whole distribution.
 TINY_VOCAB = 80
 
-# MiniRL as 000 defines it (Eq. 7): no score centering, no length normalization.
+# MiniRL as [MiniRL] defines it (Eq. 7): no score centering, no length normalization.
 MINIRL: Overrides = {"loss.method": "minirl", "loss.score_centering": "none",
                      "loss.aggregation": "constant"}
-REPLAY_FOR_N = qwen3_30b_a3b_minirl.REPLAY_FOR_N   # 000's recommendation
+REPLAY_FOR_N = qwen3_30b_a3b_minirl.REPLAY_FOR_N   # [MiniRL]'s recommendation
 
-# 001's four sampler regimes plus weight-only ones, as sections that fit the tiny model.
+# [SC]'s four sampler regimes plus weight-only ones, as sections that fit the tiny model.
 # FP4 KV: the MXFP4 preset's 32-element blocks do not divide head_dim 16; 16-element
 # blocks are NVFP4's size. INT4 weights: the preset's GPTQ groups of 128 exceed the
 # 64-wide contraction dims; 32 is the smallest common GPTQ/AWQ group size.
@@ -62,7 +62,7 @@ STALENESS = 64
 
 
 def methods() -> Sweep:
-  """Every correction method of SPEC's table, without score centering, under the base INT8/INT4 sampler."""
+  """Every correction method (docs/math.md#correction-methods), no score centering, base INT8/INT4 sampler."""
   out = []
   for m in METHODS:
     o = {"loss.method": m, "loss.score_centering": "none"}
@@ -73,7 +73,7 @@ def methods() -> Sweep:
 
 
 def minirl_ablations(n: int = 4) -> Sweep:
-  """000's MiniRL ablations at N mini-batches (off-policy, where the mask and replay matter)."""
+  """[MiniRL]'s ablations at N mini-batches (off-policy, where the mask and replay matter)."""
   base = dict(MINIRL, **{"rl.n_minibatches": n, "rl.routing_replay": REPLAY_FOR_N[n]})
   return [
       ("minirl", base),
@@ -86,7 +86,7 @@ def minirl_ablations(n: int = 4) -> Sweep:
 
 
 def score_centering() -> Sweep:
-  """001's SC variants: none / top-k (k = 4, 16) / full, and SC composed with TIS and MIS."""
+  """[SC]'s SC variants: none / top-k (k = 4, 16) / full, and SC composed with TIS and MIS."""
   pg = {"loss.method": "pg"}
   return [
       ("none", dict(pg, **{"loss.score_centering": "none"})),
@@ -101,7 +101,9 @@ def score_centering() -> Sweep:
 
 
 def mismatch() -> Sweep:
-  """Every mismatch source of SPEC with the base loss (PG + top-k SC): quantization, noise, staleness.
+  """Every mismatch source (docs/math.md#mismatch-sources) with the base loss (PG + top-k SC).
+
+  Quantization, noise, staleness.
 
   Noise and staleness runs use an fp32 sampler so that only that source is present.
   With K=64 the base 160 steps would refresh the sampler only twice: those runs take 192
@@ -117,7 +119,7 @@ def mismatch() -> Sweep:
 
 
 def off_policy() -> Sweep:
-  """MiniRL at N in {1, 2, 4, 8} mini-batches per global batch, each with 000's replay mode."""
+  """MiniRL at N in {1, 2, 4, 8} mini-batches per global batch, each with [MiniRL]'s replay mode."""
   return [(f"n{n}_{r}", dict(MINIRL, **{"rl.n_minibatches": n, "rl.routing_replay": r}))
           for n, r in REPLAY_FOR_N.items()]
 
@@ -128,7 +130,7 @@ def replay(n: int = 4) -> Sweep:
 
 
 def regimes_x_corrections() -> Sweep:
-  """001's figure grid: each mismatch regime x {PG, TIS, MIS, SC, SC+TIS, SC+MIS}."""
+  """[SC]'s figure grid: each mismatch regime x {PG, TIS, MIS, SC, SC+TIS, SC+MIS}."""
   corrections = {
       "pg": {"loss.method": "pg", "loss.score_centering": "none"},
       "tis": {"loss.method": "tis", "loss.score_centering": "none"},

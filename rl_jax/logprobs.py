@@ -14,7 +14,7 @@ sg = jax.lax.stop_gradient
 def next_token_logq(logits_BV: jax.Array, temperature: float) -> jax.Array:
   """`log q(. | prefix)`: log-softmax of the temperature-scaled full-vocabulary logits.
 
-  The trainer must compute `log p` with this same function (SPEC "Log-prob semantics").
+  The trainer must compute `log p` with this same function (docs/math.md#log-prob-conventions).
   """
   logits_BV = logits_BV.astype(jnp.float32)
   if temperature != 1.0:
@@ -109,7 +109,7 @@ def gather_logprobs(logits_XV: jax.Array, ids_XK: jax.Array,
                     temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """log softmax(logits / temperature) at `ids`, and the entropy, for any leading shape X.
 
-  SPEC "Log-prob semantics": the trainer's logits are temperature-scaled exactly as the
+  docs/math.md#log-prob-conventions: the trainer's logits are temperature-scaled exactly as the
   sampler's were before its log-softmax. Computed in float32 whatever the logits' dtype.
   A custom VJP keeps the memory at one [X, V] float32 tensor (the gradient): the forward is
   reductions plus a K-wide gather, the backward one fused pass plus a K-wide scatter.

@@ -30,8 +30,8 @@ class Rollout:
       recompute them from `valid_BS`.
     - `logq_BT`, `topk_ids_BTK`, `topk_logq_BTK`, `head_mass_BT`: for response token t
       (slot P + t): `log q(y_t)` and the top-k of `log q(. | y_<t)`, where q is the
-      log-softmax of the temperature-scaled full-vocabulary logits (SPEC "Log-prob
-      semantics"; never renormalized over a top-p / top-k set). `head_mass = sum_H q_v` over
+      log-softmax of the temperature-scaled full-vocabulary logits (docs/math.md#log-prob-conventions;
+      never renormalized over a top-p / top-k set). `head_mass = sum_H q_v` over
       the recorded top-k H, or over the top-1 token when `record_topk = 0` (a floor on any
       head mass, recorded so the diagnostic exists in every config). Zero where
       `response_mask` is False.

@@ -1,4 +1,4 @@
-"""RL loss: every weight rule against SPEC's table, on-policy == PG, aggregation, jit, chunking, errors."""
+"""RL loss: every weight rule (docs/math.md#correction-methods), on-policy == PG, aggregation, jit, errors."""
 import dataclasses
 
 import jax
@@ -13,11 +13,11 @@ from rl_jax.rl.losses import (gather_logprobs, rl_loss, rl_loss_from_hidden,
                               rl_loss_from_logprobs)
 from rl_jax.rl.methods import METHOD_REGISTRY
 
-# Every list is derived from the registry; SPEC's table pins the 11 methods it defines.
+# Every list is derived from the registry; docs/math.md#correction-methods pins the 11 methods it defines.
 SC_METHODS = tuple(sc_composable_methods())
-SPEC_METHODS = ("pg", "naive_is", "tis", "cispo", "mis", "ppo", "dapo", "gspo", "topr", "dppo",
+TABLE_METHODS = ("pg", "naive_is", "tis", "cispo", "mis", "ppo", "dapo", "gspo", "topr", "dppo",
                 "minirl")
-SPEC_SC_METHODS = ("pg", "naive_is", "tis", "cispo", "mis", "ppo", "dapo")
+TABLE_SC_METHODS = ("pg", "naive_is", "tis", "cispo", "mis", "ppo", "dapo")
 
 
 # Tests batch many configs into one jit: the programs are tiny, compiling dominates.
@@ -63,7 +63,7 @@ def test_config_defaults_are_spec():
   assert (c.minirl_eps_low, c.minirl_eps_high, c.minirl_tis_c) == (0.2, 0.27, 5.0)
   assert c.minirl_train_infer_is and c.minirl_clip
   assert (c.topk, c.sc_eps, c.temperature, c.chunk_size) == (128, 1e-6, 1.0, 0)
-  assert tuple(METHOD_REGISTRY) == METHODS and METHODS[:11] == SPEC_METHODS
+  assert tuple(METHOD_REGISTRY) == METHODS and METHODS[:11] == TABLE_METHODS
   assert hash(c) == hash(LossConfig())  # static jit argument: equal configs share a compile
 
 
@@ -93,8 +93,8 @@ def test_sc_composability_matches_registry():
   for m in METHODS:
     composable = METHOD_REGISTRY[m].weight_fn is not None
     assert composable == (m in SC_METHODS)
-    if m in SPEC_METHODS:
-      assert composable == (m in SPEC_SC_METHODS)
+    if m in TABLE_METHODS:
+      assert composable == (m in TABLE_SC_METHODS)
     if composable:
       LossConfig(method=m, score_centering="topk")
     else:
@@ -240,7 +240,7 @@ def test_vanilla_sc_equals_pg_exactly_when_p_equals_q():
   np.testing.assert_array_equal(g_sc, g_pg)
 
 
-# --- Weight rules on hand-built ratios (SPEC table) -----------------------------------------
+# --- Weight rules on hand-built ratios (docs/math.md#correction-methods) ------------------
 
 RATIOS = np.array([0.3, 0.6, 0.85, 1.0, 1.1, 1.25, 1.5, 2.5, 4.0, 6.0], np.float32)
 ADVS = np.array([1.0, -0.5], np.float32)
@@ -381,7 +381,7 @@ def test_dppo_total_variation_band():
   np.testing.assert_allclose(m["frac_dropped"], 4 / 10)
 
 
-# --- MiniRL (000, Eq. 7) ---------------------------------------------------------------------
+# --- MiniRL ([MiniRL], Eq. 7) ---------------------------------------------------------------------
 
 def test_minirl_mask_weight_and_ablations():
   s_stale = np.array([1.3, 1.25, 0.75, 0.85, 0.5, 1.5], np.float32)  # p / p_old

@@ -9,6 +9,7 @@ from flax import nnx
 
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.transformer import Transformer
+from rl_jax import rollout as rollout_lib
 from rl_jax.quant.config import KVSpec, QuantConfig, WeightSpec
 from rl_jax.sampler import generate as gen
 from rl_jax.sampler import weights as W
@@ -41,7 +42,8 @@ def _kl_to_trainer(graphdef, state, r):
   teacher-forced on the same tokens, both at temperature 1.
   """
   model = nnx.merge(graphdef, state)
-  logp_BTV = gen.response_slice(jax.nn.log_softmax(model(r.tokens_BS, r.positions_BS, r.valid_BS).logits_BSV), r)
+  logits_BSV = model(r.tokens_BS, r.positions_BS, r.valid_BS).logits_BSV
+  logp_BTV = rollout_lib.response_slice(jax.nn.log_softmax(logits_BSV), r)
   logp_at = jnp.take_along_axis(logp_BTV, r.topk_ids_BTK, axis=-1)
   kl_BT = jnp.sum(jnp.exp(r.topk_logq_BTK) * (r.topk_logq_BTK - logp_at), axis=-1)
   mask = r.response_mask_BT
@@ -76,7 +78,7 @@ def test_kl_grows_with_coarser_formats(setup):
 
 @pytest.mark.slow
 def test_every_quantization_preset_runs(setup):
-  """Each SPEC / 001 regime (and a bf16 sampler) samples finite logprobs with a small, positive KL."""
+  """Each [SC] regime (and a bf16 sampler) samples finite logprobs with a small, positive KL."""
   kl = {name: _measure(setup, name) for name in QuantConfig.PRESETS}
   kl["bf16_sampler"] = _measure(setup, "none", dtype="bfloat16")
   print("D_KL(q || p):", {k: f"{v:.3g}" for k, v in kl.items()})

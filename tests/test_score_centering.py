@@ -1,4 +1,4 @@
-"""Score centering by exact enumeration: drift of PG under q != p, zero expected SC update (001, Eqs. 3-12)."""
+"""Score centering by exact enumeration: drift of PG under q != p, zero expected SC update ([SC], Eqs. 3-12)."""
 import itertools
 
 import jax
@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_jax.rl.loss_config import LossConfig
+from rl_jax.rl.loss_config import LossConfig, sc_composable_methods
 from rl_jax.rl.losses import rl_loss, score_centering_coeffs
 
 V, T, K = 4, 3, 2            # vocabulary, response length, top-k head size
-SC_METHODS = ("pg", "naive_is", "tis", "cispo", "mis", "ppo", "dapo")
+SC_METHODS = tuple(sc_composable_methods())   # every method centering composes with
 
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -36,7 +36,7 @@ class TinyModel:
     self.theta = rng.normal(size=(self.n_rows, V)).astype(np.float32)
     self.p = _softmax(self.theta.astype(np.float64))
     q0 = _softmax(self.theta + mismatch * rng.normal(size=self.theta.shape))
-    # The recorded head H = top-K of q0; q = q-hat of 001 Eq. 7: q0 on H, rho * p on the tail.
+    # The recorded head H = top-K of q0; q = q-hat of [SC] Eq. 7: q0 on H, rho * p on the tail.
     # Sampling from q-hat makes "expected update under the reconstructed sampler" the true
     # expectation over this sampler's rollouts.
     self.head = np.argsort(-q0, -1, kind="stable")[:, :K]
@@ -120,11 +120,12 @@ def test_drift_and_score_centering_by_enumeration():
   for reward, gs in zip(rewards, _per_sequence_grads(model, variants, rewards)):
     grads = dict(zip([(c.method, c.score_centering) for c, _ in variants], gs))
     e = {key: _expect(model, g) for key, g in grads.items()}
-    # Drift (001, Eq. 3): E_q[-R grad log p(y_t)] / T at row h = -(R/T) P_q(h) (q_h - p_h).
+    # Drift ([SC], Eq. 3; docs/math.md#drift): E_q[-R grad log p(y_t)] / T at row h
+    # = -(R/T) P_q(h) (q_h - p_h).
     drift = -(reward / T) * reach * (model.q - model.p)
     np.testing.assert_allclose(e[("pg", "none")], drift, rtol=1e-5, atol=1e-8)
     assert np.abs(drift).max() > 1e-2
-    # Exact IS has no drift; clipped / masked IS reintroduces it (001, Sec. 4).
+    # Exact IS has no drift; clipped / masked IS reintroduces it ([SC], Sec. 4).
     np.testing.assert_allclose(e[("naive_is", "none")], 0.0, atol=1e-6)
     assert np.abs(e[("tis", "none")]).max() > 1e-3
     assert np.abs(e[("mis", "none")]).max() > 1e-3
@@ -154,7 +155,7 @@ def test_identity_weight_centering_term_vanishes():
       LossConfig(method="naive_is", score_centering="topk", topk=K))
   np.testing.assert_allclose(c, 0.0, atol=1e-6)
   assert np.abs(np.exp(tlq_NTK) - np.exp(head_logp)).max() > 1e-2  # q != p on the head
-  # ... and rho is the tail-mass ratio of 001, Eq. 7.
+  # ... and rho is the tail-mass ratio of [SC], Eq. 7.
   q_head = np.exp(tlq_NTK).sum(-1)
   np.testing.assert_allclose(stats["sc_rho_mean"], (1 - q_head) / (1 - np.exp(head_logp).sum(-1)),
                              rtol=1e-4)
@@ -167,7 +168,7 @@ def test_identity_weight_centering_term_vanishes():
 
 
 def test_sc_expected_update_is_covariance_under_q():
-  """One step (T = 1), reward R_y: E_q[R (w_y s_y - E_q[w s])] in closed form (001, Eqs. 5, 9).
+  """One step (T = 1), reward R_y: E_q[R (w_y s_y - E_q[w s])] in closed form ([SC], Eqs. 5, 9).
 
   With u = q * w (u = q for vanilla SC) and d loss / d z = -(that), the expectation is
   sum_y q_y R_y w_y (e_y - p) - E_q[R] (u - sum(u) p) = R*u - (R.u) p - (q.R)(u - sum(u) p).

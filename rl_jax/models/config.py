@@ -67,7 +67,7 @@ class ModelConfig:
 
   @property
   def moe_index(self) -> dict[int, int]:
-    """Explicit map layer index -> MoE-layer index (SPEC "Routing replay": interleaving)."""
+    """Explicit map layer index -> MoE-layer index (docs/math.md#routing-replay: interleaving)."""
     return {layer: j for j, layer in enumerate(self.moe_layers)}
 
   @property

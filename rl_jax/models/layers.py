@@ -10,11 +10,9 @@ from flax import nnx
 from rl_jax.models.config import ModelConfig
 from rl_jax.quant.ops import linear
 
-# Dimension letters in array names, across rl_jax.models: B rows, S tokens of this forward
-# (the whole token buffer; the prompt P + response T slots in the rollout), C key slots
-# attention reads (= S without a cache, the cache length with one), H query heads, G kv heads,
-# R query heads per kv head (H = G * R), D hidden or head dim, F feed-forward width, V vocab,
-# E experts, K experts per token, L MoE layers, N flattened B * S tokens.
+# Dimension letters in array names (S tokens of this forward, C cache slots attention reads,
+# R query heads per kv head, F ffn width, N flattened B * S tokens, ...): the one list is
+# docs/architecture.md#dimension-letters.
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Finite "minus infinity": a fully masked row (padding query) stays NaN-free.

@@ -12,7 +12,7 @@ from rl_jax.quant.ops import ragged_linear
 
 def route(router_logits_NE: jax.Array, k: int, norm_topk_prob: bool,
           replay_ids_NK: jax.Array | None = None, replay_mask_N: jax.Array | None = None):
-  """Top-k routing with optional replay (SPEC "Routing replay"; paper 000, R2/R3).
+  """Top-k routing with optional replay (docs/math.md#routing-replay; [MiniRL], R2/R3).
 
   Gate weights are always gathered from the dense softmax over *all* experts at the
   chosen ids and then renormalized as the model normally does, so under replay the

@@ -88,7 +88,7 @@ class Transformer(nnx.Module):
       kv_valid_BC: which cache slots hold real tokens after this write (default:
         slots < cache_index + S).
       replay_ids_BSLK / replay_mask_BS: experts to replay per MoE layer and where
-        (SPEC "Routing replay"); unmasked positions use the natural top-k.
+        (docs/math.md#routing-replay); unmasked positions use the natural top-k.
     """
     cfg = self.cfg
     dtype = dtype_of(cfg.dtype)

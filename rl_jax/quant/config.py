@@ -104,7 +104,7 @@ def _w(fmt, **kw):
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
-  """Sampler quantization (SPEC "Off-policiness and mismatch sources"), each role independent.
+  """Sampler quantization (docs/math.md#mismatch-sources), each role independent.
 
   Defaults quantize nothing (fp32 everywhere: the zero-mismatch setting).
   `backend`: 'auto' runs the Pallas kernels on GPU/TPU and the jnp/XLA path on
@@ -142,7 +142,7 @@ class QuantConfig:
 
   @classmethod
   def preset(cls, name: str, backend: str = "auto") -> "QuantConfig":
-    """Named regimes: 001's W/A + KV settings, weight-only int4/fp4, 'bf16' and 'none'."""
+    """Named regimes: [SC]'s W/A + KV settings, weight-only int4/fp4, 'bf16' and 'none'."""
     presets = {
         "none": dict(),
         "bf16": dict(weights=_w("bf16"), kv=KVSpec("bf16")),

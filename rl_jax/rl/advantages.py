@@ -27,7 +27,7 @@ def _rewards_pm1(rewards_B):
 
 @register_advantage("group_centered")
 def _group_centered(r_NG, cfg):
-  """R_i - mean_{j in group} R_j   (000, MiniRL; 001, Eq. 13)."""
+  """R_i - mean_{j in group} R_j   ([MiniRL]; [SC], Eq. 13)."""
   del cfg
   return r_NG - r_NG.mean(axis=1, keepdims=True)
 
@@ -46,7 +46,7 @@ def _grpo(r_NG, cfg):
 
 @register_advantage("raw")
 def _raw(r_NG, cfg):
-  """A = R (for 001's reward-mode study, Fig. 2)."""
+  """A = R (for [SC]'s reward-mode study, Fig. 2)."""
   del cfg
   return r_NG
 
@@ -54,11 +54,11 @@ def _raw(r_NG, cfg):
 @dataclasses.dataclass(frozen=True)
 @add_registry_params(ADVANTAGE_REGISTRY)
 class AdvantageConfig:
-  """How rewards become per-response advantages (SPEC "Advantages").
+  """How rewards become per-response advantages (docs/math.md#advantages).
 
   Fields:
-    mode: a registered estimator: 'group_centered' (R - group mean; default, MiniRL, 001),
-      'grpo' (z-score within the group) or 'raw' (A = R, for 001's reward-mode study, Fig. 2).
+    mode: a registered estimator: 'group_centered' (R - group mean; default, [MiniRL], [SC]),
+      'grpo' (z-score within the group) or 'raw' (A = R, for [SC]'s reward-mode study, Fig. 2).
     reward_mode: a registered reward mode: '01' keeps task rewards in [0, 1]; 'pm1' maps
       them affinely to [-1, +1] (2R - 1), so a binary reward becomes {-1, +1}.
     Estimator-owned fields are added from the registry (`params=`): grpo's std_eps (added
@@ -77,7 +77,7 @@ class AdvantageConfig:
 def apply_reward_mode(rewards_B: jax.Array, reward_mode: str) -> jax.Array:
   """Maps task rewards in [0, 1] to the configured mode: '01' as is, 'pm1' to 2R - 1.
 
-  A binary {0, 1} reward becomes {-1, +1} under 'pm1' (001, Sec. 3 / Fig. 2). The map is
+  A binary {0, 1} reward becomes {-1, +1} under 'pm1' ([SC], Sec. 3 / Fig. 2). The map is
   affine, so group-centered advantages only scale by 2; `raw` advantages change sign.
   """
   if reward_mode not in REWARD_MODE_REGISTRY:
@@ -86,7 +86,7 @@ def apply_reward_mode(rewards_B: jax.Array, reward_mode: str) -> jax.Array:
 
 
 def compute_advantages(rewards_B: jax.Array, group_size: int, cfg: AdvantageConfig) -> jax.Array:
-  """Advantage A_i of every response, the same for all of its tokens (SPEC "Advantages").
+  """Advantage A_i of every response, the same for all of its tokens (docs/math.md#advantages).
 
   Args:
     rewards_B: task rewards in [0, 1], grouped contiguously: responses

@@ -1,4 +1,4 @@
-"""Frozen, validated config of the RL loss (SPEC "Correction methods"); methods come from the registry."""
+"""Frozen, validated config of the RL loss (docs/math.md#correction-methods); methods come from the registry."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +18,10 @@ METHODS: tuple[str, ...] = tuple(METHOD_REGISTRY)
 
 
 def sc_composable_methods() -> list[str]:
-  """Methods whose per-token ratio weight score centering composes with (001, Eq. 9-10)."""
+  """Methods whose per-token ratio weight score centering composes with.
+
+  [SC], Eq. 9-10; docs/math.md#composing-with-an-is-weight.
+  """
   return [m for m, spec in METHOD_REGISTRY.items() if spec.weight_fn is not None]
 
 
@@ -28,31 +31,33 @@ class LossConfig:
   """The RL loss: correction method, score centering, aggregation and every threshold.
 
   Built with `config_utils.from_dict(LossConfig, config.loss, prefix="loss")`. Defaults
-  are SPEC's (Table 1 of 001; MiniRL of 000, Eq. 7). Hashable, so jitted code takes it as
-  a static argument.
+  are those of docs/math.md#correction-methods ([SC] Table 1; [MiniRL] Eq. 7). Hashable, so
+  jitted code takes it as a static argument.
 
   Fields:
-    method: a registered correction rule (METHODS: SPEC's table, registered in
+    method: a registered correction rule (METHODS: docs/math.md#correction-methods, registered in
       methods.py); `pg` is plain REINFORCE. Validated against the registry, so the error
       lists the valid names.
     score_centering: 'none', 'full' (sampler's full distribution, logged with k = V) or
-      'topk' (001, Eq. 7-12: head = sampler's recorded top-k, tail modelled by rho * p).
+      'topk' ([SC], Eq. 7-12, docs/math.md#top-k-score-centering: head = sampler's recorded
+      top-k, tail modelled by rho * p).
     topk: k of top-k score centering; the sampler's recorded top-k (sorted descending,
       as `lax.top_k` returns it) may be longer, and then its first `topk` entries are used.
     aggregation: 'batch_tokens' (sum / total tokens), 'constant' (sum / (B * L_max), with
       L_max the padded response length T of the arrays passed in) or 'seq_mean' (length
       normalization: mean over responses of the per-response token mean).
     dual_clip: verl's dual clip of the PPO family (ppo, dapo, gspo), shared by them.
-    sc_eps: floor of the tail masses in rho (001, Eq. 12).
+    sc_eps: floor of the tail masses in rho ([SC], Eq. 12).
     temperature: the trainer's logits are divided by it before log-softmax, as the
-      sampler did (SPEC "Log-prob semantics").
+      sampler did (docs/math.md#log-prob-conventions).
     chunk_size: 0 = unchunked; else `rl_loss_from_hidden` computes logits over the
       sequence in chunks of this many positions.
     Method-owned fields (each method's thresholds: tis_high, cispo_low / cispo_high,
       mis_low / mis_high, ppo_*, dapo_*, gspo_*, topr_high, dppo_tv, minirl_eps_low /
       minirl_eps_high / minirl_tis_c and MiniRL's ablation switches minirl_train_infer_is /
       minirl_clip) are declared where the method registers (methods.py, `params=`) and
-      appended to this class by `add_registry_params`, with SPEC's defaults and checks.
+      appended to this class by `add_registry_params`, with the defaults and checks of
+      docs/math.md#correction-methods.
   """
   method: str = "pg"
   score_centering: ScoreCentering = "none"

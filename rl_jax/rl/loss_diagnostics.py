@@ -1,4 +1,4 @@
-"""Diagnostics returned with the RL loss (SPEC "Diagnostics"), masked by the response mask, stop-gradient."""
+"""Diagnostics returned with the RL loss (docs/metrics.md), masked by the response mask, stop-gradient."""
 from __future__ import annotations
 
 from typing import Optional
@@ -25,7 +25,7 @@ def loss_diagnostics(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Opt
     num_tokens, response_len_mean: sum_i L_i and mean_i L_i.
     entropy: mean token entropy of p_theta (when the vocabulary axis was seen).
     kl_k1, kl_k3: D_KL(q || p_old) estimators mean(log q - log p_old) and
-      mean(x - 1 - log x), x = p_old / q (SPEC; p_old falls back to the current trainer,
+      mean(x - 1 - log x), x = p_old / q (docs/metrics.md; p_old falls back to the current trainer,
       which equals it on the first mini-batch).
     is_ratio_mean / _max / _min: r_t = p_theta / q on sampled tokens.
     is_ess: normalized effective sample size (sum r)^2 / (n sum r^2) of those ratios, in (0, 1].

@@ -1,4 +1,4 @@
-"""The jitted RL loss of every SPEC method, score centering, aggregation and diagnostics."""
+"""The jitted RL loss of every method in docs/math.md, score centering, aggregation and diagnostics."""
 from __future__ import annotations
 
 import functools
@@ -18,11 +18,11 @@ sg = jax.lax.stop_gradient
 Metrics = dict[str, jax.Array]
 
 
-# --- Score centering (001, Eqs. 6-12) -------------------------------------------------------
+# --- Score centering ([SC], Eqs. 6-12; docs/math.md#top-k-score-centering) ---------------
 
 def score_centering_coeffs(head_logp_BTK: jax.Array, topk_logq_BTK: jax.Array,
                            adv_BT: jax.Array, cfg: LossConfig) -> tuple[jax.Array, dict]:
-  """Coefficients c_v of the centering term sum_{v in H} sg(c_v) log p_v (001, Eq. 12).
+  """Coefficients c_v of the centering term sum_{v in H} sg(c_v) log p_v ([SC], Eq. 12).
 
   w_v = f(p_v / q_v) with f the method's weight function (f = 1 for PG);
     full (k = V, no tail): c_v = q_v w_v                                    (Eq. 11 / 9)
@@ -55,12 +55,12 @@ def score_centering_coeffs(head_logp_BTK: jax.Array, topk_logq_BTK: jax.Array,
   return sg(c), stats
 
 
-# --- Aggregation (SPEC "Loss aggregation") --------------------------------------------------
+# --- Aggregation (docs/math.md#aggregation) --------------------------------------------------
 
 def aggregate(ell_BT: jax.Array, mask_BT: jax.Array, aggregation: str) -> jax.Array:
   """Reduces masked per-token losses ell_it to the scalar loss.
 
-  batch_tokens: sum_it ell / sum_i L_i                  (001's shared objective, Eq. 13)
+  batch_tokens: sum_it ell / sum_i L_i                  ([SC]'s shared objective, Eq. 13)
   constant:     sum_it ell / (B * L_max)                (MiniRL; L_max = T, the padded
                 response length of the arrays: pad to the configured maximum response
                 length, not to the batch's longest response, or the scale drifts per batch)
@@ -157,7 +157,7 @@ def _loss_core(logp_BT, head_logp_BTK, entropy_BT, mask_BT, adv_B, logq_BT, cfg,
   if cfg.score_centering != "none":
     c_BTK, sc_stats = score_centering_coeffs(head_logp_BTK, topk_logq_BTK, adv_BT, cfg)
     c_BTK = jnp.where(on[..., None], c_BTK, 0.0)
-    # J_t = [rule term] - A sum_H sg(c_v) log p_v  (001, Eq. 12; loss = -J).
+    # J_t = [rule term] - A sum_H sg(c_v) log p_v  ([SC], Eq. 12; loss = -J).
     objective_BT = objective_BT - adv_BT * jnp.sum(c_BTK * head_logp_BTK, axis=-1)
     if y_in_head_BTK is None:
       y_in_head_BTK = jnp.zeros(c_BTK.shape, jnp.float32)
@@ -245,11 +245,11 @@ def rl_loss(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array, ad
             logq_BT: jax.Array, cfg: LossConfig, *, logp_old_BT: Optional[jax.Array] = None,
             topk_ids_BTK: Optional[jax.Array] = None,
             topk_logq_BTK: Optional[jax.Array] = None) -> tuple[jax.Array, Metrics]:
-  """RL loss (minus objective) and diagnostics for `cfg.method` (SPEC "Correction methods").
+  """RL loss (minus objective) and diagnostics for `cfg.method` (docs/math.md#correction-methods).
 
   Per token, with A_i the response's advantage and r_t = p(y_t)/q(y_t):
-    ell_t = -J_t(rule)                                          (Table 1 of 001; 000 Eq. 7)
-            + A * sum_{v in H} sg(c_v) log p_v   if score centering (001, Eq. 6 / 11 / 12)
+    ell_t = -J_t(rule)                                          ([SC] Table 1; [MiniRL] Eq. 7)
+            + A * sum_{v in H} sg(c_v) log p_v   if score centering ([SC], Eq. 6 / 11 / 12)
   then masked and reduced by `cfg.aggregation` (see `aggregate`).
 
   Args:

@@ -1,4 +1,4 @@
-"""Registry of correction rules: per-token weights, clips, drops and masks of SPEC's method table."""
+"""Registry of correction rules: per-token weights, clips, drops and masks of docs/math.md#correction-methods."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
@@ -80,7 +80,8 @@ def _sg_weight_rule(x: TokenInputs, w_BT: jax.Array, *, clipped=None, dropped=No
 
 # --- Token-level weight functions f(r, A) of the ratio r = p/q ------------------------------
 # They define the gradient weight of each token-level rule and are also what score centering
-# composes with (001, Eq. 9-10: w_v = f(p_v / q_v), alpha = rho f(1/rho)). `adv` only enters
+# composes with ([SC], Eq. 9-10, docs/math.md#composing-with-an-is-weight:
+# w_v = f(p_v / q_v), alpha = rho f(1/rho)). `adv` only enters
 # through its sign (PPO's pessimistic clip), which is fixed along a response, so f is still a
 # fixed function of the ratio at every prefix and the centered update keeps zero mean.
 
@@ -177,7 +178,7 @@ def _tis_rule(x, cfg):
   return _sg_weight_rule(x, _tis_weight(r, x.adv_BT, cfg), clipped=r > cfg.tis_high)
 
 
-# cispo_high: 1.28 is verl's / Trinity's 1 + 0.28 (SPEC leaves it configurable).
+# cispo_high: 1.28 is verl's / Trinity's 1 + 0.28 (docs/math.md#cispo leaves it configurable).
 @register_method("cispo", level="token", statistic="ratio", weight_fn=_cispo_weight,
                  params={"cispo_low": Param(0.0), "cispo_high": Param(1.28)},
                  check=_ordered("cispo"))
@@ -236,7 +237,7 @@ def _seq_log_ratio(x: TokenInputs) -> tuple[jax.Array, jax.Array]:
     "gspo", level="sequence", statistic="ratio", params=_band_params("gspo", 0.9997, 1.0004),
     sc_incompatible="its statistic is the sequence-level geometric-mean ratio, not a per-token ratio")
 def _gspo_rule(x, cfg):
-  """GSPO-token (Zheng et al. 2025) as in 001's Table 1: per-token ratio sg(s_i) p_t / sg(p_t).
+  """GSPO-token (Zheng et al. 2025) as in [SC]'s Table 1: per-token ratio sg(s_i) p_t / sg(p_t).
 
   s_i = exp(mean_t(log p - log q)) is the geometric-mean ratio; every token of response i
   shares its value, so the PPO band (0.9997, 1.0004) and the dual clip act on the whole
@@ -295,7 +296,7 @@ def _dppo_rule(x, cfg):
             "minirl_train_infer_is": Param(True, owner_only=True),
             "minirl_clip": Param(True, owner_only=True)})
 def _minirl_rule(x, cfg):
-  """MiniRL (000, Eq. 7): J_t = M_t sg(min(p/q, C)) A log p.
+  """MiniRL ([MiniRL], Eq. 7): J_t = M_t sg(min(p/q, C)) A log p.
 
   M_t = 0 iff (A > 0 and s_t > 1 + eps_high) or (A < 0 and s_t < 1 - eps_low), with
   s_t = p/p_old the staleness ratio. Ablations: `minirl_train_infer_is=False` uses

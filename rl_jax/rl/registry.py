@@ -32,10 +32,11 @@ class MethodSpec:
   """One loss method.
 
   rule: (TokenInputs, LossConfig) -> RuleOutput (methods.py).
-  level: 'token' or 'sequence' (the level of the statistic, Table 1 of 001).
+  level: 'token' or 'sequence' (the level of the statistic, Table 1 of [SC]).
   statistic: 'none', 'ratio' (p/q), 'tv' (|p - q|) or 'ratio+staleness' (MiniRL).
   weight_fn: f(r, A, cfg), the per-token ratio weight score centering composes with
-    (001, Eq. 10), or None: then `sc_incompatible` says why centering cannot compose.
+    ([SC], Eq. 10; docs/math.md#composing-with-an-is-weight), or None: then `sc_incompatible`
+    says why centering cannot compose.
   needs_logp_old: cfg -> whether the rule reads p_old (the forward at theta_old).
   params: the config fields this method owns (name -> Param); LossConfig grows them.
   check: cfg -> None, raising ConfigError, for cross-field checks of those params (run on

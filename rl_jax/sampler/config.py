@@ -17,7 +17,7 @@ def _default_quant() -> QuantConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
-  """The sampler `q` of SPEC "Notation"; build with `from_dict(SamplerConfig, d, prefix="sampler")`.
+  """The sampler `q` of docs/math.md#notation; build with `from_dict(SamplerConfig, d, prefix="sampler")`.
 
   Prompts are re-laid out left-padded into a `max_prompt_len`-wide buffer, so one
   compiled program serves every batch of the same size. `record_topk = 0` turns the
@@ -31,7 +31,7 @@ class SamplerConfig:
   top_p: float = 1.0
   top_k: int = 0               # 0 = no top-k truncation when sampling
   greedy: bool = False
-  record_topk: int = 128       # 0 = off; SPEC default 128, `vocab` = full distribution
+  record_topk: int = 128       # 0 = off; default 128 as in [SC], `vocab` = full distribution
   record_experts: bool = True
   dtype: SamplerDType = "float32"
   noise: NoiseMode = "none"

@@ -14,9 +14,8 @@ from rl_jax.logprobs import next_token_logq
 from rl_jax.models.kv_cache import LayerKV, init_cache
 from rl_jax.models.layers import dtype_of
 from rl_jax.models.transformer import default_positions
-# The contract (layout, alignment) lives in rl_jax.rollout; `response_slice` stays importable
-# from here for callers not yet moved.
-from rl_jax.rollout import Rollout, response_slice  # noqa: F401
+# The contract (layout, alignment) lives in rl_jax.rollout.
+from rl_jax.rollout import Rollout
 from rl_jax.sampler.config import SamplerConfig
 from rl_jax.sharding import BATCH_AXES, batch_divisor, shard_batch
 

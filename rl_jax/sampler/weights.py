@@ -24,7 +24,7 @@ def _is_float(x) -> bool:
 
 
 def make_noise(params_state: Any, mode: str, sigma: float, key: jax.Array) -> Any | None:
-  """The fixed sampler offset `Delta` of paper 001 Sec. 5.2 (SPEC "Off-policiness"), drawn once.
+  """The fixed sampler offset `Delta` of [SC] Sec. 5.2 (docs/math.md#mismatch-sources), drawn once.
 
   `theta_sampler = theta_trainer + Delta` with
     - 'relative': `Delta = sigma * eps * w0`, `w0` = `params_state` (pass the *initial*

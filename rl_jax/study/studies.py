@@ -20,17 +20,17 @@ Overrides = dict[str, Any]
 
 # -- regimes (placeholders: calibrate by PG's behaviour, issue 14) ------------------------------
 FP32 = {"sampler.quant": "none"}
-# 001 Fig. 3: relative weight noise. sigma = 0.1 (KL ~0.03/token) does not bite in 160 steps.
+# [SC] Fig. 3: relative weight noise. sigma = 0.1 (KL ~0.03/token) does not bite in 160 steps.
 NOISE_SIGMAS = (0.1, 0.2, 0.4)
-# 001 Fig. 4: a severe quantized sampler (FP4 KV with FP8 W/A, sections that fit the tiny model).
+# [SC] Fig. 4: a severe quantized sampler (FP4 KV with FP8 W/A, sections that fit the tiny model).
 SEVERE_QUANT = "fp8_wa_fp4_kv"
-# 001 Fig. 4: sampler refreshed every K steps.
+# [SC] Fig. 4: sampler refreshed every K steps.
 STALENESS = 8
-# 001 Fig. 2: offline = the sampler is never refreshed (staleness beyond any run's steps).
+# [SC] Fig. 2: offline = the sampler is never refreshed (staleness beyond any run's steps).
 OFFLINE_STALENESS = 10**9
-# 000 Figs. 2-4: a mismatch that moves routing (the base INT8 W/A + INT4 KV sampler).
+# [MiniRL] Figs. 2-4: a mismatch that moves routing (the base INT8 W/A + INT4 KV sampler).
 ROUTING_MISMATCH = {"sampler.quant": "int8_wa_int4_kv"}
-# 001 finds {+1/0} the least stable reward online.
+# [SC] finds {+1/0} the least stable reward online.
 REWARD_01_RAW = {"advantage.reward_mode": "01", "advantage.mode": "raw"}
 
 # -- budgets (placeholders: ~1 hour per study on 2 cores) ----------------------------------------
@@ -56,7 +56,7 @@ def _m(method: str, sc: str = "none") -> Overrides:
   return {"loss.method": method, "loss.score_centering": sc}
 
 
-# 001's comparison: PG and the IS-based corrections, with and without (top-k) score centering.
+# [SC]'s comparison: PG and the IS-based corrections, with and without (top-k) score centering.
 METHODS_001: dict[str, Overrides] = {
     "pg": _m("pg"), "tis": _m("tis"), "mis": _m("mis"), "ppo": _m("ppo"), "dppo": _m("dppo"),
     "sc": _m("pg", "topk"), "sc_tis": _m("tis", "topk"), "sc_mis": _m("mis", "topk"),
@@ -137,21 +137,21 @@ MICRO = _add(Study(
 
 _add(Study(
     name="fig3_weight_noise",
-    description="001 Fig. 3: relative weight noise at three scales x PG / TIS / MIS / PPO / DPPO / SC / SC+TIS / "
+    description="[SC] Fig. 3: relative weight noise at three scales x PG / TIS / MIS / PPO / DPPO / SC / SC+TIS / "
                 "SC+MIS, {+1/0} rewards, small batch.",
     panels=tuple((f"noise_{s:g}", noise(s)) for s in NOISE_SIGMAS), lines=_t(METHODS_001),
     common=dict(SMALL_BATCH, **REWARD_01_RAW)))
 
 _add(Study(
     name="fig4_quant_stale",
-    description=f"001 Fig. 4: a severe quantized sampler ({SEVERE_QUANT}) and staleness K={STALENESS} x the "
+    description=f"[SC] Fig. 4: a severe quantized sampler ({SEVERE_QUANT}) and staleness K={STALENESS} x the "
                 "methods of Fig. 3, {+1/0} rewards, small batch.",
     panels=((SEVERE_QUANT, quant(SEVERE_QUANT)), (f"stale_{STALENESS}", stale(STALENESS))),
     lines=_t(METHODS_001), common=dict(SMALL_BATCH, **REWARD_01_RAW)))
 
 _add(Study(
     name="fig2_online_offline",
-    description="001 Fig. 2: online vs offline (sampler never refreshed) x reward modes {+1/0, +-1, "
+    description="[SC] Fig. 2: online vs offline (sampler never refreshed) x reward modes {+1/0, +-1, "
                 "group-centered}, plain PG under the middle weight-noise regime.",
     panels=(("online", noise(NOISE_SIGMAS[1])),
             ("offline", dict(noise(NOISE_SIGMAS[1]), **{"rl.staleness": OFFLINE_STALENESS}))),
@@ -159,7 +159,7 @@ _add(Study(
 
 _add(Study(
     name="fig5_topk_sc",
-    description="001 Fig. 5: top-k score centering with k in {4, 16, full} (and PG without) in the regimes "
+    description="[SC] Fig. 5: top-k score centering with k in {4, 16, full} (and PG without) in the regimes "
                 "of Figs. 3-4.",
     panels=((f"noise_{NOISE_SIGMAS[1]:g}", noise(NOISE_SIGMAS[1])), (SEVERE_QUANT, quant(SEVERE_QUANT)),
             (f"stale_{STALENESS}", stale(STALENESS))),
@@ -167,7 +167,7 @@ _add(Study(
 
 _add(Study(
     name="minirl_on_policy",
-    description="000 Fig. 1: on-policy (N=1) MiniRL vs without the train/inference IS weight, with length "
+    description="[MiniRL] Fig. 1: on-policy (N=1) MiniRL vs without the train/inference IS weight, with length "
                 "normalization, with R3 routing replay; base INT8/INT4 sampler.",
     panels=(("on_policy", dict(ROUTING_MISMATCH, **{"rl.n_minibatches": 1})),),
     lines=(("minirl", dict(MINIRL, **{"rl.routing_replay": "none"})),
@@ -178,7 +178,7 @@ _add(Study(
 
 _add(Study(
     name="minirl_off_policy",
-    description="000 Figs. 2-4: off-policy N in {2, 4, 8} mini-batches x MiniRL with / without clipping x "
+    description="[MiniRL] Figs. 2-4: off-policy N in {2, 4, 8} mini-batches x MiniRL with / without clipping x "
                 "routing replay none / R2 / R3, under a mismatch that moves routing.",
     panels=tuple((f"n{n}", dict(ROUTING_MISMATCH, **{"rl.n_minibatches": n})) for n in (2, 4, 8)),
     lines=tuple((f"{clip}_{r}", dict(MINIRL, **{"loss.minirl_clip": clip == "clip", "rl.routing_replay": r}))
