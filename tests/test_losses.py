@@ -466,19 +466,19 @@ def test_diagnostics_closed_forms():
                                LossConfig(method="tis"), logp_old_BT=logp_old,
                                topk_logq_BTK=topk_logq)
   on = mask > 0
-  x = np.exp(logp_old - logq)[on]
   r = np.exp(logp - logq)[on]
   want = {
       "num_tokens": 5.0, "response_len_mean": 2.5,
-      "kl_k1": np.mean((logq - logp_old)[on]),
-      "kl_k3": np.mean(x - 1 - np.log(x)),
+      # Against the current p_theta (the sampler vs theta_old is the trainer's mismatch/*).
+      "kl_k1_vs_current": np.mean((logq - logp)[on]),
+      "kl_k3_vs_current": np.mean(r - 1 - np.log(r)),
       "is_ratio_mean": r.mean(), "is_ratio_max": r.max(), "is_ratio_min": r.min(),
       "is_ess": r.sum() ** 2 / (r.size * np.sum(r ** 2)),
       "staleness_ratio_max": np.exp(logp - logp_old)[on].max(),
       "head_mass_mean": 0.7, "head_mass_min": 0.7,
-      "prob_diff_mean": np.abs(np.exp(logp_old) - np.exp(logq))[on].mean(),
-      "prob_diff_max": np.abs(np.exp(logp_old) - np.exp(logq))[on].max(),
-      "log_ppl_diff": np.mean([np.mean((logp_old - logq)[0]), np.mean((logp_old - logq)[1, :2])]),
+      "prob_diff_vs_current_mean": np.abs(np.exp(logp) - np.exp(logq))[on].mean(),
+      "prob_diff_vs_current_max": np.abs(np.exp(logp) - np.exp(logq))[on].max(),
+      "log_ppl_diff_vs_current": np.mean([np.mean((logp - logq)[0]), np.mean((logp - logq)[1, :2])]),
       "weight_mean": np.minimum(r, 2.0).mean(),
   }
   for k, v in want.items():
@@ -495,11 +495,11 @@ def test_entropy_and_temperature_semantics():
                             rl_loss(*a, LossConfig(temperature=1.0))[1]))
   m, m1 = run(*args)
   np.testing.assert_allclose(m["is_ratio_mean"], 1.0, rtol=1e-5)
-  np.testing.assert_allclose(m["kl_k1"], 0.0, atol=1e-6)
+  np.testing.assert_allclose(m["kl_k1_vs_current"], 0.0, atol=1e-6)
   lp = _log_softmax(r["logits"] / tau)
   ent = -np.sum(np.exp(lp) * lp, -1)
   np.testing.assert_allclose(m["entropy"], np.sum(ent * r["mask"]) / r["mask"].sum(), rtol=1e-5)
-  assert abs(float(m1["kl_k1"])) > 1e-2  # forgetting the temperature: a bookkeeping mismatch
+  assert abs(float(m1["kl_k1_vs_current"])) > 1e-2  # forgetting the temperature: a bookkeeping mismatch
 
 
 def test_padding_garbage_is_harmless():

@@ -24,9 +24,10 @@ def loss_diagnostics(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Opt
   Keys (fixed for a given set of inputs, so logs stack across steps):
     num_tokens, response_len_mean: sum_i L_i and mean_i L_i.
     entropy: mean token entropy of p_theta (when the vocabulary axis was seen).
-    kl_k1, kl_k3: D_KL(q || p_old) estimators mean(log q - log p_old) and
-      mean(x - 1 - log x), x = p_old / q (docs/metrics.md; p_old falls back to the current trainer,
-      which equals it on the first mini-batch).
+    kl_k1_vs_current, kl_k3_vs_current: D_KL(q || p_theta) estimators mean(log q - log p_theta)
+      and mean(r - 1 - log r), r = p_theta / q: the sampler against the CURRENT trainer, which
+      grows over the N mini-batches with staleness. (The sampler against theta_old is the
+      trainer's p_old forward's `mismatch/*`; docs/metrics.md.)
     is_ratio_mean / _max / _min: r_t = p_theta / q on sampled tokens.
     is_ess: normalized effective sample size (sum r)^2 / (n sum r^2) of those ratios, in (0, 1].
     staleness_ratio_mean / _max: s_t = p_theta / p_old (only when p_old is given).
@@ -36,9 +37,9 @@ def loss_diagnostics(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Opt
       MiniRL's M_t = 0.
     head_mass_mean, head_mass_min: sampler head mass sum_H q_v (when top-k is given).
     sc_rho_mean, sc_trainer_head_mass_mean: rho and sum_H p_v of top-k score centering.
-    prob_diff_mean, prob_diff_max: |p_old(y_t) - q(y_t)|.
-    log_ppl_diff: mean over responses of log ppl_q - log ppl_p_old
-      = mean_i (1/L_i) sum_t (log p_old - log q).
+    prob_diff_vs_current_mean / _max: |p_theta(y_t) - q(y_t)|.
+    log_ppl_diff_vs_current: mean over responses of log ppl_q - log ppl_p_theta
+      = mean_i (1/L_i) sum_t (log p_theta - log q).
     drift/tv_mean, drift/tv_max: per-token total variation between the sampler's q and the
       current trainer's p (meters.topk_tv; exact when the head is the whole vocabulary,
       else a lower bound), when the sampler's top-k was given.
@@ -47,8 +48,6 @@ def loss_diagnostics(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Opt
   """
   logp_BT, logq_BT, mask_BT = sg(logp_BT), sg(logq_BT), sg(mask_BT)
   on = mask_BT > 0
-  have_old = logp_old_BT is not None
-  logp_old_BT = logp_BT if logp_old_BT is None else sg(logp_old_BT)
   len_B = jnp.sum(mask_BT, axis=1)
   n = jnp.sum(len_B)
   # Per-token quantities are stacked and reduced together: one masked sum, one masked max
@@ -57,16 +56,14 @@ def loss_diagnostics(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Opt
   if entropy_BT is not None:
     means["entropy"] = sg(entropy_BT)
 
-  log_x = jnp.clip(logp_old_BT - logq_BT, -MAX_LOG_RATIO, MAX_LOG_RATIO)
-  means["kl_k1"] = -log_x
-  means["kl_k3"] = jnp.exp(log_x) - 1.0 - log_x
-
   log_r = jnp.clip(logp_BT - logq_BT, -MAX_LOG_RATIO, MAX_LOG_RATIO)
   r = jnp.exp(log_r)
+  means["kl_k1_vs_current"] = -log_r
+  means["kl_k3_vs_current"] = r - 1.0 - log_r
   means["is_ratio_mean"] = maxes["is_ratio_max"] = mins["is_ratio_min"] = r
   maxes["_log_r_max"] = log_r
-  if have_old:
-    s = jnp.exp(jnp.clip(logp_BT - logp_old_BT, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+  if logp_old_BT is not None:
+    s = jnp.exp(jnp.clip(logp_BT - sg(logp_old_BT), -MAX_LOG_RATIO, MAX_LOG_RATIO))
     means["staleness_ratio_mean"] = maxes["staleness_ratio_max"] = s
 
   w = sg(rule_out.weight_BT)
@@ -83,8 +80,8 @@ def loss_diagnostics(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Opt
   if drift_tv_BT is not None:
     means["drift/tv_mean"] = maxes["drift/tv_max"] = sg(drift_tv_BT)
 
-  diff = jnp.abs(jnp.exp(logp_old_BT) - jnp.exp(logq_BT))
-  means["prob_diff_mean"] = maxes["prob_diff_max"] = diff
+  diff = jnp.abs(jnp.exp(logp_BT) - jnp.exp(logq_BT))
+  means["prob_diff_vs_current_mean"] = maxes["prob_diff_vs_current_max"] = diff
 
   def reduce(d, op, fill):
     if not d:
@@ -105,7 +102,7 @@ def loss_diagnostics(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Opt
   r_scaled = jnp.where(on, jnp.exp(log_r - m.pop("_log_r_max")), 0.0)
   m["is_ess"] = jnp.square(jnp.sum(r_scaled)) / jnp.maximum(
       n * jnp.sum(jnp.square(r_scaled)), 1e-30)
-  per_seq_B = jnp.sum(jnp.where(on, log_x, 0.0), axis=1) / jnp.maximum(len_B, 1.0)
+  per_seq_B = jnp.sum(jnp.where(on, log_r, 0.0), axis=1) / jnp.maximum(len_B, 1.0)
   n_seq = jnp.sum(len_B > 0)
-  m["log_ppl_diff"] = jnp.sum(jnp.where(len_B > 0, per_seq_B, 0.0)) / jnp.maximum(n_seq, 1)
+  m["log_ppl_diff_vs_current"] = jnp.sum(jnp.where(len_B > 0, per_seq_B, 0.0)) / jnp.maximum(n_seq, 1)
   return {k: sg(jnp.asarray(v, jnp.float32)) for k, v in m.items()}
