@@ -46,4 +46,8 @@ def check_fit(program: str, contributors: dict[str, int], acc: Accelerator) -> i
 
 
 def gib(n: float) -> str:
-  return f"{n / 2**30:.2f} GiB"
+  """Bytes in GiB, or in MiB / KiB / B when smaller (a tiny model's figures stay readable)."""
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(n) >= size:
+      return f"{n / size:.2f} {unit}"
+  return f"{int(n)} B"
