@@ -104,6 +104,22 @@ def abstract_opt_state(optimizer, params, mesh):
   return jax.tree.map(place, shapes, out_sh)
 
 
+def opt_state_like_params(opt_state, params):
+  """The optimizer state with every leaf that mirrors a parameter (same path suffix, same shape)
+  sharded like that parameter: the layout `experiment.init_opt_state` should produce."""
+  import jax  # pylint: disable=g-import-not-at-top
+  by_path = {tuple(path): x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+  def one(path, x):
+    path = tuple(path)
+    for i in range(len(path)):
+      p = by_path.get(path[i:])
+      if p is not None and p.shape == x.shape:
+        return _sds(x, p.sharding)
+    return x
+  return jax.tree_util.tree_map_with_path(one, opt_state)
+
+
 def kv_cache_bytes(model_cfg, sampler_cfg, batch: int, kv_spec, mesh) -> int:
   """Per-device bytes of generate's KV cache (batch over the batch axes, heads over 'tensor')."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -219,6 +235,7 @@ def plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramPl
   """Lowers and compiles `programs` (default: sync, generate, old_forward, update) for `job` on `mesh`."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from rl_jax import plan_hw  # pylint: disable=g-import-not-at-top
   from rl_jax import sharding as sh  # pylint: disable=g-import-not-at-top
   from rl_jax.optim import make_optimizer  # pylint: disable=g-import-not-at-top
   from rl_jax.rl import step as step_lib  # pylint: disable=g-import-not-at-top
@@ -238,6 +255,11 @@ def plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramPl
   p, t = scfg.max_prompt_len, scfg.max_new_tokens
   s = p + t
   n_params, n_opt = device_bytes(params), device_bytes(opt_state)
+  n_opt_like = device_bytes(opt_state_like_params(opt_state, params))
+  if n_opt > n_opt_like:
+    print(f"[plan] warning: the optimizer state takes {plan_hw.gib(n_opt)} per device as "
+          f"experiment.init_opt_state lays it out (moments not sharded like their params); sharded like "
+          f"the params it would take {plan_hw.gib(n_opt_like)}. The figures below are today's layout.")
   trainer_extra = {}
   delta = None
   if scfg.noise != "none":

@@ -35,6 +35,12 @@ def test_abstract_bytes_equal_real_init(fast_compile):
   full = sum(x.nbytes for x in jax.tree.leaves(params))
   assert plan.device_bytes(params_sds) == _device0_bytes(params, d0) < full
   assert plan.device_bytes(opt_sds) == _device0_bytes(opt_state, d0) > 0
+  # init_opt_state lets jit lay the moments out (replicated today); sharded like the params
+  # they mirror, mu and nu would take exactly 2x the params (+ the int32 step counts).
+  like = plan.opt_state_like_params(opt_sds, params_sds)
+  counts = [x for x in jax.tree.leaves(opt_sds) if x.ndim == 0]
+  assert counts and all(x.dtype == "int32" for x in counts)
+  assert plan.device_bytes(like) == 2 * plan.device_bytes(params_sds) + 4 * len(counts)
   # The shardings themselves agree leaf by leaf.
   same = jax.tree.map(lambda a, b: a.sharding.is_equivalent_to(b.sharding, len(a.shape)), params_sds, params)
   assert all(jax.tree.leaves(same))
