@@ -71,7 +71,7 @@ def test_check_fit_and_roofline_closed_forms():
   assert plan_hw.roofline_s(1000.0, 10.0, acc) == 10.0   # compute-bound
   assert plan_hw.roofline_s(10.0, 1000.0, acc) == 100.0  # memory-bound
   assert plan_hw.check_fit("p", {"a": 2**29, "b": 2**29}, acc) == 2**30
-  with pytest.raises(plan_hw.DoesNotFit, match=r"needs 1\.00 GiB .* largest: b 0\.75 GiB, a 0\.25 GiB"):
+  with pytest.raises(plan_hw.DoesNotFit, match=r"needs 1\.00 GiB .* largest: b 768\.00 MiB, a 256\.00 MiB"):
     plan_hw.check_fit("p", {"a": 2**28, "b": 3 * 2**28 + 1}, acc)
 
 
