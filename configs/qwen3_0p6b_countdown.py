@@ -20,7 +20,7 @@ schedule despite remat, so the planner says it does NOT fit 80 GB (one layer's w
 set would; the f32 [64 rows, 16 heads, 768, 768] attention scores, 2.4 GB per layer, are
 its bulk; XLA:GPU's schedule is not verified), 4.8 s. Model FLOPs per device: generate
 65 TFLOP, p_old 63, update 252. Roofline 6.6 s per global step, from XLA:CPU's unfused
-bytes accessed (a lower bound, not a measurement). Compile (XLA:CPU, 4 layers): 100 s,
+bytes accessed (an estimate, not a measurement). Compile (XLA:CPU, 4 layers): 100 s,
 24 s, 86 s.
 
 Setting ([SC] Sec. 5 and App. B): paper Countdown (4 numbers in 1..100, target up to
