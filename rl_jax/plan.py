@@ -376,6 +376,9 @@ def extrapolate(a: ProgramPlan, b: ProgramPlan, la: int, lb: int, l: int) -> Pro
   return out
 
 
+_LABEL, _COL = 40, 16  # table column widths
+
+
 def _gib(n: float) -> str:
   return f"{n / 2**30:9.3f}"
 
@@ -388,10 +391,10 @@ def _row_order(name: str):
 
 
 def render(plans: list[ProgramPlan], acc, title: str) -> str:
-  lines = [title, f"{'per device':<30}" + "".join(f"{p.name:>13}" for p in plans)]
+  lines = [title, f"{'per device':<{_LABEL}}" + "".join(f"{p.name:>{_COL}}" for p in plans)]
   names = sorted({k for p in plans for k in p.contributors()}, key=_row_order)
   for k in names:
-    lines.append(f"{k + ' GiB':<30}" + "".join(f"{_gib(p.contributors().get(k, 0)):>13}" for p in plans))
+    lines.append(f"{k + ' GiB':<{_LABEL}}" + "".join(f"{_gib(p.contributors().get(k, 0)):>{_COL}}" for p in plans))
   rows = [("peak GiB", lambda p: _gib(p.peak)),
           (f"  of {acc.hbm_bytes / 1e9:.0f} GB", lambda p: f"{100 * p.peak / acc.hbm_bytes:8.1f}%"),
           ("XLA argument GiB", lambda p: _gib(p.argument)),
@@ -404,7 +407,7 @@ def render(plans: list[ProgramPlan], acc, title: str) -> str:
           (f"roofline s ({acc.name})", lambda p: f"{p.time_s:9.3f}"),
           ("compile s (XLA:CPU)", lambda p: f"{p.compile_s:9.1f}")]
   for label, fn in rows:
-    lines.append(f"{label:<30}" + "".join(f"{fn(p):>13}" for p in plans))
+    lines.append(f"{label:<{_LABEL}}" + "".join(f"{fn(p):>{_COL}}" for p in plans))
   return "\n".join(lines)
 
 
