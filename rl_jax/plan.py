@@ -450,7 +450,8 @@ def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=No
            f"mini-batch update(s), S = {job.sampler.max_prompt_len} + {job.sampler.max_new_tokens}")
   out(render(plans, acc, title))
   total = sum(p.time_s * (job.rl.n_minibatches if p.name == "update" else 1) for p in plans)
-  out(f"roofline per global step (sync + generate + old_forward + {job.rl.n_minibatches} x update): "
+  terms = " + ".join(f"{job.rl.n_minibatches} x update" if p.name == "update" else p.name for p in plans)
+  out(f"roofline per global step ({terms}): "
       f"{total:.2f} s on {acc.name}")
   return plans, fits
 
