@@ -11,8 +11,8 @@ Hardware: one host with 8 x H100 80GB (mesh fsdp=8). Runtime: about 2 hours for 
 per run, with vLLM as sampler; this JAX sampler's speed at this scale is not measured).
 
 Plan (`python -m rl_jax.plan --config=configs/qwen3_0p6b_countdown.py --layers 2`: XLA:CPU
-on 8 simulated devices, compiled at 2 and 4 of 28 layers and extrapolated linearly; per
-device, H100 roofline): sync 0.37 GiB; generate 9.6 GiB (FP8 KV cache 2.7 GiB, sampler
+on 8 simulated devices, compiled at 2 and 4 of 28 layers and extrapolated linearly, the
+same figures as from 4 and 8; per device, H100 roofline): sync 0.37 GiB; generate 9.6 GiB (FP8 KV cache 2.7 GiB, sampler
 weights 0.09, other temporaries 6.5, resident f32 params 0.28; SGD keeps no optimizer
 state), 0.45 s memory-bound; p_old forward 37.7 GiB (temporaries), 1.3 s; update: 539
 GiB of temporaries, i.e. ~19 GiB per layer for all 28 layers live at once in XLA:CPU's
