@@ -1,4 +1,4 @@
-"""Score centering on Countdown with Qwen3-0.6B and an FP8 sampler: 001's 0.6B setting, one 8-GPU host.
+"""Score centering on Countdown with Qwen3-0.6B and an FP8 sampler: [SC]'s 0.6B setting, one 8-GPU host.
 
 Command (arg = a local Hugging Face checkpoint directory of Qwen3-0.6B, i.e. config.json,
 model.safetensors and tokenizer.json; `--config.warm_start.path=DIR` does the same):
@@ -7,17 +7,30 @@ model.safetensors and tokenizer.json; `--config.warm_start.path=DIR` does the sa
   sbatch --nodes=1 launch/slurm_gpu.sbatch --config=configs/qwen3_0p6b_countdown.py:/ckpt/Qwen3-0.6B \
     --workdir=/shared/runs/qwen3_0p6b_sc_fp8
 Hardware: one host with 8 x H100 80GB (mesh fsdp=8). Runtime: about 2 hours for the
-1200 steps (001, Table 2: 1,120 H100-hours for the 72 runs of Fig. 4, ~15 H100-hours
+1200 steps ([SC], Table 2: 1,120 H100-hours for the 72 runs of Fig. 4, ~15 H100-hours
 per run, with vLLM as sampler; this JAX sampler's speed at this scale is not measured).
 
-Setting (001 Sec. 5 and App. B): paper Countdown (4 numbers in 1..100, target up to
+Plan (`python -m rl_jax.plan --config=configs/qwen3_0p6b_countdown.py --layers 2`: XLA:CPU
+on 8 simulated devices, compiled at 2 and 4 of 28 layers and extrapolated linearly, the
+same figures as from 4 and 8; per device, H100 roofline): sync 0.37 GiB; generate 9.6 GiB (FP8 KV cache 2.7 GiB, sampler
+weights 0.09, other temporaries 6.5, resident f32 params 0.28; SGD keeps no optimizer
+state), 0.45 s memory-bound; p_old forward 37.7 GiB (temporaries), 1.3 s; update: 539
+GiB of temporaries, i.e. ~19 GiB per layer for all 28 layers live at once in XLA:CPU's
+schedule despite remat, so the planner says it does NOT fit 80 GB (one layer's working
+set would; the f32 [64 rows, 16 heads, 768, 768] attention scores, 2.4 GB per layer, are
+its bulk; XLA:GPU's schedule is not verified), 4.8 s. Model FLOPs per device: generate
+65 TFLOP, p_old 63, update 252. Roofline 6.6 s per global step, from XLA:CPU's unfused
+bytes accessed (an estimate, not a measurement). Compile (XLA:CPU, 4 layers): 100 s,
+24 s, 86 s.
+
+Setting ([SC] Sec. 5 and App. B): paper Countdown (4 numbers in 1..100, target up to
 1000, `<answer>` tags), REINFORCE with group-centered {-1,+1} rewards, 64 prompts x 8
 completions, responses up to 512 tokens, SGD lr 1e-2 constant, one optimizer step per
 batch (N=1), sampling at temperature 1.0. Trainer: bf16 compute on fp32 master weights.
 Sampler: FP8 (e4m3) weights/activations + FP8 KV cache in bf16, recording its top-128
-logprobs; loss: top-k score centering with k=128 (001, Eqs. 7-12).
+logprobs; loss: top-k score centering with k=128 ([SC], Eqs. 7-12).
 
-Expected (001, read off Figs. 1 and 4): a mild-mismatch regime, in which SC trains
+Expected ([SC], read off Figs. 1 and 4): a mild-mismatch regime, in which SC trains
 stably for the 1200 steps and training accuracy rises from the instruct model's start
 to roughly 70-80%, while the train/inference KL stays flat. The separating regimes are
 overrides: `--config.sampler.quant=int8_wa_int8_kv` is Fig. 4 left (PG, naive IS, TIS

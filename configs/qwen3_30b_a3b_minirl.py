@@ -1,4 +1,4 @@
-"""MiniRL (000) on Qwen3-30B-A3B: FP8 sampler, bf16 trainer, N mini-batches per global step, 4 x 8 GPUs.
+"""MiniRL ([MiniRL]) on Qwen3-30B-A3B: FP8 sampler, bf16 trainer, N mini-batches per global step, 4 x 8 GPUs.
 
 Command (arg `nN`, N in {1, 2, 4, 8}, default n1; the checkpoint is a local Hugging Face
 directory of a cold-started Qwen3-30B-A3B, read on every host):
@@ -6,33 +6,49 @@ directory of a cold-started Qwen3-30B-A3B, read on every host):
     --workdir=/shared/runs/minirl_n4 --config.warm_start.path=/shared/ckpt/Qwen3-30B-A3B
 Hardware: 4 hosts x 8 x H100/H200 80GB+ (32 devices; mesh data=1, fsdp=4, expert=8,
 tensor=1). On one 8-GPU host: --config.mesh.fsdp=1 (expert=8).
-Runtime: not measured with this code. A scale estimate from 001 (Table 2: ~0.1
+Runtime: not measured on GPUs with this code. A scale estimate from [SC] (Table 2: ~0.1
 H100-hour per step of 128 x 1024-token responses on this model) is ~1 H100-hour per
 1024-response gradient step, i.e. ~2-3 minutes per mini-batch update on 32 GPUs and
-about 1-2 days for the 1000 global steps at N=1 (N times that at N > 1). 000's own
+about 1-2 days for the 1000 global steps at N=1 (N times that at N > 1). [MiniRL]'s own
 5-6 GPU-hours per step are for 32K-token math responses.
+Plan (`python -m rl_jax.plan --config=configs/qwen3_30b_a3b_minirl.py:n4 --layers 1
+--device h200`: XLA:CPU on 32 simulated devices, compiled at 1 and 2 of 48 layers and
+extrapolated linearly; per device): it does NOT fit, for two reasons the planner names.
+(1) AdamW's moments take 227 GiB per device: `experiment.init_opt_state` leaves their
+layout to jit, which replicates them (sharded like the params they would take 9.6 GiB,
+next to 4.8 GiB of f32 params and 1.4 GiB of FP8 sampler weights). (2) GSPMD cannot
+partition the expert-sorted `ragged_dot` with experts split over 'expert' and tokens
+over the batch axes ("involuntary full rematerialization": every device gathers all
+tokens), and XLA:CPU expands it densely, so temporaries reach 24,000 GiB (generate),
+6,700 GiB (p_old forward) and 64,000 GiB (update) and XLA counts 70x the model's FLOPs;
+an expert-parallel dispatch is what makes this config plannable. Model FLOPs per device:
+generate 1,131 TFLOP (KV cache 7.6 GiB FP8), p_old forward 1,079, one update 1,079
+(with remat). Roofline on H200 from the model figures: generate 2.1 s (memory-bound:
+1025 reads of weights + cache), p_old 1.1 s, 4 updates 4.4 s, ~7.5 s per global step at
+N=4 as a lower bound (the planner's own total, 893 s, uses XLA:CPU's inflated counts).
+Compile (XLA:CPU, 2 layers): generate 90 s, p_old 31 s, update 142 s.
 
-Setting (000, Sec. 4.2): each mini-batch is 64 prompts x 16 responses = 1024
+Setting ([MiniRL], Sec. 4.2): each mini-batch is 64 prompts x 16 responses = 1024
 responses; a global step samples N mini-batches (64*N prompts) from the sampler at
-theta_old and takes N gradient steps. Loss: MiniRL (000, Eq. 7) = REINFORCE with
+theta_old and takes N gradient steps. Loss: MiniRL ([MiniRL], Eq. 7) = REINFORCE with
 group-centered rewards (no std), token-level IS weight min(p/q, 5) against the
 sampler's logprobs, the staleness mask M_t with eps_low 0.2 / eps_high 0.27, and no
-length normalization (aggregation 'constant'). Routing replay as 000 recommends:
+length normalization (aggregation 'constant'). Routing replay as [MiniRL] recommends:
 none at N=1, R2 at N=2, R3 at N>=4. FP8 (e4m3) sampler weights/activations/KV cache
 in bf16; bf16 trainer compute on fp32 master weights, per-layer remat.
-Task: Countdown (the paper preset) stands in for 000's math data (AIME-style problems
+Task: Countdown (the paper preset) stands in for [MiniRL]'s math data (AIME-style problems
 with a verifier), which this repository does not ship; any verifiable task with a
 {0,1} reward plugs into the same `task` section.
-Optimizer: 000 does not state it; AdamW 1e-6 constant is the usual setting for RL of
-Qwen3 models. 001's choice is `--config.optim.name=sgd --config.optim.lr=1e-2`.
+Optimizer: [MiniRL] does not state it; AdamW 1e-6 constant is the usual setting for RL of
+Qwen3 models. [SC]'s choice is `--config.optim.name=sgd --config.optim.lr=1e-2`.
 
-Expected (000, Figs. 1-4, qualitative on this stand-in task): at N=1 MiniRL trains
+Expected ([MiniRL], Figs. 1-4, qualitative on this stand-in task): at N=1 MiniRL trains
 stably (no entropy crash, train/inference KL flat around 1e-3) and its accuracy rises
 then plateaus; `--config.loss.minirl_train_infer_is=False` collapses within ~200-400
 steps; `--config.loss.aggregation=seq_mean` (length normalization) is stable but ends
 lower. Off-policy (N=2, 4, 8) converges faster per step when clipping and replay are
 on: R2 is the better replay at N=2, R3 at N>=4 (at N=8 only R3 + clipping stays stable
-in 000); `--config.rl.routing_replay=none` or `--config.loss.minirl_clip=False` at
+in [MiniRL]); `--config.rl.routing_replay=none` or `--config.loss.minirl_clip=False` at
 N>=4 collapses.
 """
 import ml_collections

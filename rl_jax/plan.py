@@ -1,0 +1,508 @@
+"""Dry-run planner: compiles one RL step's real jitted programs on a simulated CPU mesh and reports cost.
+
+  python -m rl_jax.plan --config=configs/X.py[:arg] [--device h100|h200|tpu_v5p] [--json OUT]
+      [--devices N] [--layers N] [--programs sync,generate,old_forward,update]
+
+Everything is abstract (shapes + shardings, no parameter memory): the trainer's params and
+optimizer state, the sampler's (quantized) weights, the rollout and the train batch. The
+programs are the ones the trainer jits: the sampler-weight sync, the sampler's generate, the
+theta_old forward and the update, lowered with the config's mesh and batch shapes and compiled
+by XLA:CPU on `mesh size` simulated devices. Per program it prints per-device bytes (arguments
+by kind, outputs, temporaries, the other programs' state that stays resident meanwhile), FLOPs
+and bytes accessed, and a roofline time on the named accelerator; it exits 1 naming the
+largest contributors when a program does not fit that accelerator's memory.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+_ENV_DEVICES = "RL_JAX_PLAN_DEVICES"
+
+HEADER = ("Estimate from XLA:CPU ({n} simulated devices): memory_analysis / cost_analysis are what "
+          "XLA:CPU would allocate and compute per device; GPU/TPU fusion and layouts differ. XLA counts a "
+          "loop body once, so generate's decode loop and the chunked-logits scan are also costed "
+          "analytically ('model' columns); the roofline takes the larger of the two.")
+
+
+# ----------------------------------------------------------------------------------------
+# Config and mesh size (no jax backend needed).
+
+
+def load_config(spec: str):
+  """`path.py[:arg]` -> the ConfigDict its `get_config(arg)` returns."""
+  path, _, arg = spec.partition(":")
+  if not os.path.exists(path):
+    raise SystemExit(f"--config: no file {path!r}")
+  mod_spec = importlib.util.spec_from_file_location("_plan_config", path)
+  mod = importlib.util.module_from_spec(mod_spec)
+  mod_spec.loader.exec_module(mod)
+  return mod.get_config(arg or None)
+
+
+def mesh_size(mesh_section: Any, devices: int) -> int:
+  """Devices the config's mesh needs; an axis of -1 takes `devices` (or `mesh.num_devices`)."""
+  sizes = [int(mesh_section.get(a, 1)) for a in ("data", "fsdp", "expert", "tensor")]
+  if -1 not in sizes:
+    return math.prod(sizes)
+  n = int(mesh_section.get("num_devices", 0)) or devices
+  return n
+
+
+# ----------------------------------------------------------------------------------------
+# Abstract state.
+
+
+def _sds(shape_dtype, sharding):
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.ShapeDtypeStruct(shape_dtype.shape, shape_dtype.dtype, sharding=sharding)
+
+
+def device_bytes(tree: Any) -> int:
+  """Per-device bytes of a tree of sharded ShapeDtypeStructs or arrays (the largest shard)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  total = 0
+  for x in jax.tree.leaves(tree):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      itemsize = 8  # a threefry key: two uint32
+    else:
+      itemsize = np.dtype(x.dtype).itemsize
+    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+    total += int(np.prod(shape, dtype=np.int64)) * itemsize
+  return total
+
+
+def abstract_params(model_cfg, mesh):
+  """(graphdef, params as sharded ShapeDtypeStructs): what `experiment.init_params` would place."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from rl_jax import experiment as ex  # pylint: disable=g-import-not-at-top
+  from rl_jax import sharding as sh  # pylint: disable=g-import-not-at-top
+  graphdef, abstract = ex.abstract_state(model_cfg)
+  return graphdef, jax.tree.map(_sds, nnx.to_pure_dict(abstract), sh.param_shardings(abstract, mesh))
+
+
+def abstract_opt_state(optimizer, params, mesh):
+  """Optimizer state with the shardings `experiment.init_opt_state` gives it (compiled, not run)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from rl_jax import sharding as sh  # pylint: disable=g-import-not-at-top
+  shapes = jax.eval_shape(optimizer.init, params)
+  out_sh = jax.jit(optimizer.init).lower(params).compile().output_shardings
+
+  def place(s, shd):
+    keep = isinstance(shd, jax.sharding.NamedSharding) and shd.mesh == mesh
+    return _sds(s, shd if keep else sh.replicated(mesh))
+  return jax.tree.map(place, shapes, out_sh)
+
+
+def opt_state_like_params(opt_state, params):
+  """The optimizer state with every leaf that mirrors a parameter (same path suffix, same shape)
+  sharded like that parameter: the layout `experiment.init_opt_state` should produce."""
+  import jax  # pylint: disable=g-import-not-at-top
+  by_path = {tuple(path): x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+  def one(path, x):
+    path = tuple(path)
+    for i in range(len(path)):
+      p = by_path.get(path[i:])
+      if p is not None and p.shape == x.shape:
+        return _sds(x, p.sharding)
+    return x
+  return jax.tree_util.tree_map_with_path(one, opt_state)
+
+
+def kv_cache_bytes(model_cfg, sampler_cfg, batch: int, kv_spec, mesh) -> int:
+  """Per-device bytes of generate's KV cache (batch over the batch axes, heads over 'tensor')."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from rl_jax import sharding as sh  # pylint: disable=g-import-not-at-top
+  from rl_jax.models.kv_cache import init_cache  # pylint: disable=g-import-not-at-top
+  from rl_jax.models.layers import dtype_of  # pylint: disable=g-import-not-at-top
+  cache = jax.eval_shape(lambda: init_cache(model_cfg, batch, sampler_cfg.max_len, dtype_of(sampler_cfg.dtype),
+                                            kv_spec, backend=getattr(sampler_cfg.quant, "backend", "auto")))
+  div, tp = sh.batch_divisor(mesh), mesh.shape["tensor"]
+  total = 0
+  for x in jax.tree.leaves(cache):
+    shape = list(x.shape)
+    shape[0] = -(-shape[0] // div)
+    if len(shape) >= 3 and model_cfg.n_kv_heads % tp == 0 and shape[2] == model_cfg.n_kv_heads:
+      shape[2] //= tp
+    total += int(np.prod(shape)) * np.dtype(x.dtype).itemsize
+  return total
+
+
+# ----------------------------------------------------------------------------------------
+# Analytic FLOPs (XLA's cost analysis counts a loop body once).
+
+
+def matmul_params(model_cfg) -> float:
+  """Parameters one token multiplies through (MoE: the k routed experts of E), incl. the unembedding."""
+  m = model_cfg
+  attn = m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
+  dense_mlp = 3 * m.d_model * m.d_ff
+  moe = 3 * m.d_model * m.moe_d_ff * m.n_experts_per_tok + m.d_model * m.n_experts if m.n_experts else 0
+  n_moe = m.n_moe_layers
+  return m.n_layers * attn + (m.n_layers - n_moe) * dense_mlp + n_moe * moe + m.vocab_size * m.d_model
+
+
+def attn_flops(model_cfg, q_tokens: float, kv_len: float) -> float:
+  """QK^T and AV flops of `q_tokens` queries each over `kv_len` keys, all layers."""
+  return 4.0 * q_tokens * kv_len * model_cfg.n_heads * model_cfg.head_dim * model_cfg.n_layers
+
+
+# ----------------------------------------------------------------------------------------
+# One program.
+
+
+@dataclasses.dataclass
+class ProgramPlan:
+  """Per-device figures of one compiled program (bytes unless named otherwise)."""
+  name: str
+  args: dict[str, int]          # arguments by kind
+  resident: dict[str, int]      # other state live on the device while this program runs
+  argument: int = 0             # XLA memory_analysis
+  output: int = 0
+  alias: int = 0
+  temp: int = 0
+  code: int = 0
+  kv_cache: int = 0             # part of `temp` (generate builds its cache inside)
+  flops_xla: float = 0.0
+  bytes_xla: float = 0.0
+  flops_model: float = 0.0
+  bytes_model: float = 0.0
+  time_s: float = 0.0           # roofline on the named accelerator
+  compile_s: float = 0.0
+
+  def contributors(self) -> dict[str, int]:
+    """Per-device bytes live at this program's peak, by name (the fit check's terms)."""
+    out = {f"arg {k}": v for k, v in self.args.items()}
+    other = self.argument - sum(self.args.values())
+    if other > 0:
+      out["arg other"] = other
+    out["outputs (not aliased)"] = max(self.output - self.alias, 0)
+    if self.kv_cache:
+      out["temporaries: KV cache"] = self.kv_cache
+      out["temporaries: other"] = max(self.temp - self.kv_cache, 0)
+    else:
+      out["temporaries"] = self.temp
+    out.update({f"resident {k}": v for k, v in self.resident.items()})
+    return out
+
+  @property
+  def peak(self) -> int:
+    return sum(self.contributors().values())
+
+
+def _cost(compiled) -> tuple[float, float]:
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older jax: one dict per partition
+    cost = cost[0] if cost else {}
+  cost = cost or {}
+  return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+
+
+def compile_program(plan: ProgramPlan, lowered) -> Any:
+  t0 = time.perf_counter()
+  compiled = lowered.compile()
+  plan.compile_s = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  plan.argument = int(mem.argument_size_in_bytes)
+  plan.output = int(mem.output_size_in_bytes)
+  plan.alias = int(mem.alias_size_in_bytes)
+  plan.temp = int(mem.temp_size_in_bytes)
+  plan.code = int(mem.generated_code_size_in_bytes)
+  plan.flops_xla, plan.bytes_xla = _cost(compiled)
+  return compiled
+
+
+# ----------------------------------------------------------------------------------------
+# The step.
+
+
+PROGRAMS = ("sync", "generate", "old_forward", "update")
+
+
+def plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramPlan]:
+  """Lowers and compiles `programs` (default: sync, generate, old_forward, update) for `job` on `mesh`."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from rl_jax import plan_hw  # pylint: disable=g-import-not-at-top
+  from rl_jax import sharding as sh  # pylint: disable=g-import-not-at-top
+  from rl_jax.optim import make_optimizer  # pylint: disable=g-import-not-at-top
+  from rl_jax.rl import step as step_lib  # pylint: disable=g-import-not-at-top
+  from rl_jax.sampler import generate as gen  # pylint: disable=g-import-not-at-top
+  from rl_jax.sampler import weights as sampler_weights  # pylint: disable=g-import-not-at-top
+
+  mcfg, scfg, rl = job.model, job.sampler, job.rl
+  graphdef, params = abstract_params(mcfg, mesh)
+  optimizer = make_optimizer(job.optim)
+  opt_state = abstract_opt_state(optimizer, params, mesh)
+  b_global = rl.prompts_per_step * rl.group_size
+  div = sh.batch_divisor(mesh)
+  if b_global % div or (b_global // rl.n_minibatches) % div:
+    raise SystemExit(f"config key 'rl.prompts_per_step': {b_global} responses ({b_global // rl.n_minibatches} "
+                     f"per mini-batch) do not split over the mesh's batch axes ({div})")
+  b_dev = b_global / div
+  p, t = scfg.max_prompt_len, scfg.max_new_tokens
+  s = p + t
+  n_params, n_opt = device_bytes(params), device_bytes(opt_state)
+  n_opt_like = device_bytes(opt_state_like_params(opt_state, params))
+  if n_opt > n_opt_like:
+    print(f"[plan] warning: the optimizer state takes {plan_hw.gib(n_opt)} per device as "
+          f"experiment.init_opt_state lays it out (moments not sharded like their params); sharded like "
+          f"the params it would take {plan_hw.gib(n_opt_like)}. The figures below are today's layout.")
+  trainer_extra = {}
+  delta = None
+  if scfg.noise != "none":
+    delta = jax.tree.map(lambda x: _sds(jax.ShapeDtypeStruct(x.shape, jnp.float32), x.sharding), params)
+    trainer_extra["sampler noise"] = device_bytes(delta)
+  if rl.staleness > 1:
+    trainer_extra["sampler_src copy"] = n_params
+  plans = []
+
+  # Sampler weights: cast(quantize(params + Delta)), the trainer's sync program.
+  sync = ProgramPlan("sync", args={"params": n_params, **({"noise": trainer_extra["sampler noise"]}
+                                                          if delta is not None else {})},
+                     resident={"optimizer state": n_opt})
+  lowered = sampler_weights._sync.lower(params, delta, qcfg=scfg.quant, dtype=scfg.dtype)  # pylint: disable=protected-access
+  compiled = compile_program(sync, lowered)
+  sampler_state = jax.tree.map(_sds, lowered.out_info, compiled.output_shardings)
+  n_sampler = device_bytes(sampler_state)
+  sync.bytes_model = n_params + n_sampler
+  plans.append(sync)
+  mm = matmul_params(mcfg)
+
+  # Generate: prefill + decode loop over the sampler's weights and a static KV cache.
+  sgraph = sampler_weights.sampler_graphdef(mcfg, scfg.dtype)
+  kv_spec = gen._resolve_kv_spec(None, scfg)  # pylint: disable=protected-access
+  prompts = _sds(jax.ShapeDtypeStruct((b_global, p), jnp.int32), sh.batch_sharding(mesh, 2))
+  pvalid = _sds(jax.ShapeDtypeStruct((b_global, p), jnp.bool_), sh.batch_sharding(mesh, 2))
+  key = _sds(jax.eval_shape(lambda: jax.random.key(0)), sh.replicated(mesh))
+  g = ProgramPlan("generate", args={"sampler weights": n_sampler,
+                                    "batch": device_bytes((prompts, pvalid, key))},
+                  resident={"params": n_params, "optimizer state": n_opt, **trainer_extra})
+  g.kv_cache = kv_cache_bytes(mcfg, scfg, b_global, kv_spec, mesh)
+  if "generate" in programs:
+    compile_program(g, gen._generate.lower(sgraph, sampler_state, prompts, pvalid, key, cfg=scfg,  # pylint: disable=protected-access
+                                           kv_spec=kv_spec, mesh=mesh))
+    g.flops_model = (2 * mm * b_dev * (p - 1) + attn_flops(mcfg, b_dev * (p - 1), p / 2)
+                     + t * (2 * mm * b_dev + attn_flops(mcfg, b_dev, s)))
+    # Every decode step reads the sampler's weights and the whole static cache.
+    g.bytes_model = (t + 1) * (n_sampler + g.kv_cache)
+    plans.append(g)
+
+  # The train batch, laid out like the rollout (rows over the batch axes).
+  def batch_for(rows: int, with_logp_old: bool):
+    def arr(shape, dtype):
+      return _sds(jax.ShapeDtypeStruct(shape, dtype), sh.batch_sharding(mesh, len(shape)))
+    f = dict(prompt_len=p, tokens_BS=arr((rows, s), jnp.int32), positions_BS=arr((rows, s), jnp.int32),
+             valid_BS=arr((rows, s), jnp.bool_), response_BT=arr((rows, t), jnp.int32),
+             response_mask_BT=arr((rows, t), jnp.bool_), logq_BT=arr((rows, t), jnp.float32),
+             adv_B=arr((rows,), jnp.float32))
+    if with_logp_old:
+      f["logp_old_BT"] = arr((rows, t), jnp.float32)
+      if rl.routing_replay != "none":
+        f["replay_ids_BSLK"] = arr((rows, s, mcfg.n_moe_layers, mcfg.n_experts_per_tok), jnp.int32)
+        f["replay_mask_BS"] = arr((rows, s), jnp.bool_)
+    if job.loss.needs_topk and scfg.record_topk:
+      f["topk_ids_BTK"] = arr((rows, t, scfg.record_topk), jnp.int32)
+      f["topk_logq_BTK"] = arr((rows, t, scfg.record_topk), jnp.float32)
+    return step_lib.TrainBatch(**f), arr
+
+  batch, arr = batch_for(b_global, with_logp_old=False)
+  sampler_ids = sampler_valid = None
+  if mcfg.is_moe and scfg.record_experts:
+    sampler_ids = arr((b_global, s, mcfg.n_moe_layers, mcfg.n_experts_per_tok), jnp.int32)
+    sampler_valid = arr((b_global, s), jnp.bool_)
+  cfg = dict(graphdef=graphdef, loss_cfg=job.loss)
+  old = ProgramPlan("old_forward", args={"params": n_params,
+                                         "batch": device_bytes((batch, sampler_ids, sampler_valid))},
+                    resident={"optimizer state": n_opt, "sampler weights": n_sampler, **trainer_extra})
+  if "old_forward" in programs:
+    fwd = jax.jit(functools.partial(step_lib.old_forward, **cfg, replay=rl.routing_replay))
+    compile_program(old, fwd.lower(params, batch, sampler_ids, sampler_valid))
+    old.flops_model = 2 * mm * b_dev * s + attn_flops(mcfg, b_dev * s, s / 2)
+    plans.append(old)
+
+  rows = b_global // rl.n_minibatches
+  full, _ = batch_for(b_global, with_logp_old=True)
+  mb, _ = batch_for(rows, with_logp_old=True)
+  n_mb, n_full = device_bytes(mb), device_bytes(full)
+  upd = ProgramPlan("update", args={"params": n_params, "optimizer state": n_opt, "batch": n_mb},
+                    resident={"sampler weights": n_sampler, **trainer_extra,
+                              **({"rest of the global batch": n_full - n_mb} if n_full > n_mb else {})})
+  param_sh = jax.tree.map(lambda x: x.sharding, params)
+  opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
+  aux = dict(aux_coef=mcfg.router_aux_loss_coef)
+  update = jax.jit(functools.partial(step_lib.update, **cfg, **aux, optimizer=optimizer), donate_argnums=(0, 1),
+                   out_shardings=(param_sh, opt_sh, sh.replicated(mesh)))
+  if "update" in programs:
+    compile_program(upd, update.lower(params, opt_state, mb))
+    fwd_flops = 2 * mm * (rows / div) * s + attn_flops(mcfg, (rows / div) * s, s / 2)
+    upd.flops_model = fwd_flops * (4 if mcfg.remat else 3)  # forward + 2x backward (+ the remat forward)
+    plans.append(upd)
+  return [q for q in plans if q.name in programs]
+
+
+# ----------------------------------------------------------------------------------------
+# Layer extrapolation, report, CLI.
+
+
+def extrapolate(a: ProgramPlan, b: ProgramPlan, la: int, lb: int, l: int) -> ProgramPlan:
+  """Figures at `l` layers from plans at `la` and `lb` layers, linear in the layer count."""
+  f = (l - la) / (lb - la)
+  lin = lambda x, y: x + (y - x) * f
+  out = dataclasses.replace(a)
+  for fld in dataclasses.fields(ProgramPlan):
+    x, y = getattr(a, fld.name), getattr(b, fld.name)
+    if fld.name in ("name", "compile_s"):
+      continue
+    if isinstance(x, dict):
+      setattr(out, fld.name, {k: int(round(lin(x.get(k, 0), y.get(k, 0)))) for k in {**x, **y}})
+    elif isinstance(x, int):
+      setattr(out, fld.name, int(round(lin(x, y))))
+    else:
+      setattr(out, fld.name, lin(x, y))
+  out.compile_s = b.compile_s
+  return out
+
+
+_LABEL, _COL = 40, 16  # table column widths
+
+
+def _gib(n: float) -> str:
+  return f"{n / 2**30:9.3f}"
+
+
+def _row_order(name: str):
+  kinds = ("params", "optimizer state", "noise", "sampler weights", "batch", "other")
+  group = next(i for i, g in enumerate(("arg", "outputs", "temporaries", "resident")) if name.startswith(g))
+  kind = next((i for i, k in enumerate(kinds) if k in name), len(kinds))
+  return group, kind, name
+
+
+def render(plans: list[ProgramPlan], acc, title: str) -> str:
+  lines = [title, f"{'per device':<{_LABEL}}" + "".join(f"{p.name:>{_COL}}" for p in plans)]
+  names = sorted({k for p in plans for k in p.contributors()}, key=_row_order)
+  for k in names:
+    lines.append(f"{k + ' GiB':<{_LABEL}}" + "".join(f"{_gib(p.contributors().get(k, 0)):>{_COL}}" for p in plans))
+  rows = [("peak GiB", lambda p: _gib(p.peak)),
+          (f"  of {acc.hbm_bytes / 1e9:.0f} GB", lambda p: f"{100 * p.peak / acc.hbm_bytes:8.1f}%"),
+          ("XLA argument GiB", lambda p: _gib(p.argument)),
+          ("XLA output GiB (aliased)", lambda p: f"{_gib(p.output).strip()} ({_gib(p.alias).strip()})"),
+          ("XLA temporaries GiB", lambda p: _gib(p.temp)),
+          ("XLA TFLOP", lambda p: f"{p.flops_xla / 1e12:9.3f}"),
+          ("model TFLOP", lambda p: f"{p.flops_model / 1e12:9.3f}"),
+          ("XLA GB accessed", lambda p: f"{p.bytes_xla / 1e9:9.2f}"),
+          ("model GB accessed", lambda p: f"{p.bytes_model / 1e9:9.2f}"),
+          (f"roofline s ({acc.name})", lambda p: f"{p.time_s:9.3f}"),
+          ("compile s (XLA:CPU)", lambda p: f"{p.compile_s:9.1f}")]
+  for label, fn in rows:
+    lines.append(f"{label:<{_LABEL}}" + "".join(f"{fn(p):>{_COL}}" for p in plans))
+  return "\n".join(lines)
+
+
+def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=None, out=print,
+        programs: tuple[str, ...] = PROGRAMS):
+  """Plans `config`'s RL step; returns (plans, fits: dict program -> error message or None)."""
+  from rl_jax import plan_hw  # pylint: disable=g-import-not-at-top
+  from rl_jax import sharding as sh  # pylint: disable=g-import-not-at-top
+  from rl_jax.rl.job import RLJob  # pylint: disable=g-import-not-at-top
+  if device not in plan_hw.DEVICES:
+    raise SystemExit(f"--device {device!r}: not one of {sorted(plan_hw.DEVICES)}")
+  acc = plan_hw.DEVICES[device]
+  job = RLJob.from_config(config)
+  mesh = mesh if mesh is not None else sh.make_mesh(job.mesh, _first_devices(mesh_size(config.mesh, devices)))
+  full_l = job.model.n_layers
+  if layers and layers < full_l:
+    la, lb = layers, 2 * layers
+    if lb > full_l:
+      raise SystemExit(f"--layers {layers}: needs 2 x {layers} <= model.n_layers={full_l}")
+    pa = plan_step(_with_layers(job, la), mesh, programs)
+    pb = plan_step(_with_layers(job, lb), mesh, programs)
+    plans = [extrapolate(a, b, la, lb, full_l) for a, b in zip(pa, pb)]
+    note = (f"figures compiled at {la} and {lb} of {full_l} layers and extrapolated linearly in the "
+            f"layer count; compile s is the {lb}-layer compile")
+  else:
+    plans = plan_step(job, mesh, programs)
+    note = f"all {full_l} layers compiled"
+  for p in plans:
+    p.time_s = plan_hw.roofline_s(max(p.flops_xla, p.flops_model), max(p.bytes_xla, p.bytes_model), acc)
+  fits = {}
+  for p in plans:
+    try:
+      plan_hw.check_fit(p.name, p.contributors(), acc)
+      fits[p.name] = None
+    except plan_hw.DoesNotFit as e:
+      fits[p.name] = str(e)
+  mesh_desc = ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
+  title = (HEADER.format(n=mesh.size) + f"\nmesh {mesh_desc}; {note}; "
+           f"step = {job.rl.prompts_per_step} prompts x {job.rl.group_size}, {job.rl.n_minibatches} "
+           f"mini-batch update(s), S = {job.sampler.max_prompt_len} + {job.sampler.max_new_tokens}")
+  out(render(plans, acc, title))
+  total = sum(p.time_s * (job.rl.n_minibatches if p.name == "update" else 1) for p in plans)
+  terms = " + ".join(f"{job.rl.n_minibatches} x update" if p.name == "update" else p.name for p in plans)
+  out(f"roofline per global step ({terms}): "
+      f"{total:.2f} s on {acc.name}")
+  return plans, fits
+
+
+def _first_devices(n: int):
+  import jax  # pylint: disable=g-import-not-at-top
+  have = jax.devices()
+  if len(have) < n:
+    raise SystemExit(f"the mesh needs {n} devices, jax has {len(have)} (set XLA_FLAGS="
+                     f"--xla_force_host_platform_device_count={n} before jax starts)")
+  return have[:n]
+
+
+def _with_layers(job, n: int):
+  m = dataclasses.replace(job.model, n_layers=n, mlp_only_layers=tuple(i for i in job.model.mlp_only_layers if i < n))
+  return dataclasses.replace(job, model=m)
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  ap = argparse.ArgumentParser(prog="python -m rl_jax.plan", description=__doc__.splitlines()[0])
+  ap.add_argument("--config", required=True, help="configs/X.py[:arg]")
+  ap.add_argument("--device", default="h100", help="accelerator: h100 | h200 | tpu_v5p")
+  ap.add_argument("--devices", type=int, default=1, help="mesh size when a mesh axis is -1")
+  ap.add_argument("--layers", type=int, default=0, help="compile N and 2N layers, extrapolate to all")
+  ap.add_argument("--programs", default=",".join(PROGRAMS), help="comma-separated subset of " + ",".join(PROGRAMS))
+  ap.add_argument("--json", default="", help="write the figures here")
+  args = ap.parse_args(argv)
+  config = load_config(args.config)
+  n = mesh_size(config.mesh, args.devices)
+  if os.environ.get(_ENV_DEVICES) != str(n):
+    # The simulated device count is read when jax's CPU backend starts: start a fresh process.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **{_ENV_DEVICES: str(n)})
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "rl_jax.plan", *argv], env)
+  programs = tuple(x for x in args.programs.split(",") if x)
+  unknown = sorted(set(programs) - set(PROGRAMS))
+  if unknown:
+    raise SystemExit(f"--programs: unknown {unknown}; valid: {','.join(PROGRAMS)}")
+  plans, fits = run(config, args.device, args.devices, args.layers, programs=programs)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"config": args.config, "device": args.device, "layers": args.layers,
+                 "programs": [dict(dataclasses.asdict(p), peak=p.peak) for p in plans], "fits": fits}, f, indent=1)
+  bad = [m for m in fits.values() if m]
+  for m in bad:
+    print(f"DOES NOT FIT: {m}", file=sys.stderr)
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
