@@ -36,6 +36,9 @@ class ModelConfig:
   dtype: DType = "float32"        # compute dtype
   param_dtype: DType = "float32"  # storage dtype of the trainer's parameters
   remat: bool = False             # per-layer rematerialization
+  # MoE expert communication: "gspmd" lets XLA partition it; "shard_map" is the explicit
+  # expert-parallel dispatch of models/expert_parallel.py (needs `jax.set_mesh(mesh)`).
+  moe_dispatch: Literal["gspmd", "shard_map"] = "gspmd"
   init_std: float = 0.02
 
   def __post_init__(self):
@@ -45,6 +48,8 @@ class ModelConfig:
             f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
     require(self.head_dim % 2 == 0, "model.head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
     require(self.n_experts >= 0, "model.n_experts", "must be >= 0")
+    require(self.moe_dispatch in ("gspmd", "shard_map"), "model.moe_dispatch",
+            f"must be 'gspmd' or 'shard_map', got {self.moe_dispatch!r}")
     if self.n_experts:
       require(0 < self.n_experts_per_tok <= self.n_experts, "model.n_experts_per_tok",
               f"must be in [1, n_experts={self.n_experts}], got {self.n_experts_per_tok}")
@@ -67,7 +72,7 @@ class ModelConfig:
 
   @property
   def moe_index(self) -> dict[int, int]:
-    """Explicit map layer index -> MoE-layer index (SPEC "Routing replay": interleaving)."""
+    """Explicit map layer index -> MoE-layer index (docs/math.md#routing-replay: interleaving)."""
     return {layer: j for j, layer in enumerate(self.moe_layers)}
 
   @property
