@@ -110,8 +110,8 @@ def shard_map_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: i
     # Rows past the local groups are not defined by ragged_dot's contract: zero them explicitly.
     y_MD = jnp.where(jnp.sort(key_M)[:, None] < n_local, y_MD, 0)
     y_GKD = jnp.zeros_like(y_MD).at[order_M].set(y_MD).reshape(g, k, -1)
-    local_gates_GK = jnp.where(mine_GK, gates_GK, 0).astype(y_GKD.dtype)
-    y_GD = jnp.einsum("gkd,gk->gd", y_GKD, local_gates_GK)
+    # Other devices' pairs are zero rows here, so only local experts add to this partial sum.
+    y_GD = jnp.einsum("gkd,gk->gd", y_GKD, gates_GK.astype(y_GKD.dtype))
     if split_tokens and ep > 1:
       y_nD = jax.lax.psum_scatter(y_GD, EXPERT_AXIS, scatter_dimension=0, tiled=True)
     else:
@@ -125,22 +125,25 @@ def shard_map_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: i
 
 
 def dispatch_comm_bytes(dispatch: str, *, tokens: int, d_model: int, n_experts: int, top_k: int,
-                        expert_axis: int, moe_d_ff: int | None = None, act_bytes: int = 2,
-                        weight_bytes: float = 2.0) -> dict[str, float]:
+                        expert_axis: int, batch_shards: int | None = None,
+                        act_bytes: int = 2) -> dict[str, float]:
   """Per-device bytes RECEIVED by one MoE layer's forward dispatch (the backward moves the same).
 
-  `tokens` is the tokens each device owns (global tokens / product of the batch axes),
-  `expert_axis` the mesh's expert-axis size (ep), `act_bytes` the activation dtype's size.
-  Ring collectives: an all-gather or reduce-scatter over ep devices moves (ep - 1) / ep of the
-  full gathered array into each device.
+  `tokens` is the tokens each device owns (global tokens / `batch_shards`, the product of the
+  batch axes data x fsdp x expert; default `expert_axis`), `expert_axis` the mesh's expert-axis
+  size (ep), `act_bytes` the activation dtype's size. Ring collectives: an all-gather or
+  reduce-scatter over p devices brings (p - 1) / p of the full array into each device, an
+  all-reduce twice that.
 
   - "shard_map" (this module): all-gather of tokens (D act_bytes), ids (4 B x k) and gates
     (4 B x k), reduce-scatter of the outputs (D act_bytes): (ep - 1) n (2 D b + 8 k).
     Independent of routing skew.
-  - "gspmd": XLA's SPMD partitioner does not split `ragged_dot` over its group (expert)
-    dimension, so it all-gathers the expert-sharded weights (3 E D F weight_bytes, needs
-    `moe_d_ff`) to every device: (ep - 1) / ep of them per layer. Estimated, not measured: the
-    compiled program decides (read the planner's HLO figures for the real number).
+  - "gspmd": read off the compiled HLO (jax 0.10, XLA:CPU, fsdp=2 x expert=4): the SPMD
+    partitioner does not split `ragged_dot`'s rows by expert; it all-reduces the expert-sorted
+    (token, slot) rows of the WHOLE batch, N_global k rows of D, over all batch shards, so every
+    device holds and receives them: 2 (P - 1)/P N_global k D b. Only this dominant term is
+    modelled (smaller all-reduces of [N_global k, F] partial sums are left out); the compiled
+    program decides, so take the planner's HLO figures as the measurement.
   Both also report, for comparison, a dropless ragged all-to-all (each (token, slot) pair sent
   to its expert's device and back, with its 4-byte id): "all_to_all_balanced" under uniform
   routing, and "all_to_all_skewed" for the device holding the one expert every token picks.
@@ -148,8 +151,10 @@ def dispatch_comm_bytes(dispatch: str, *, tokens: int, d_model: int, n_experts: 
   if dispatch not in DISPATCHES:
     raise ConfigError(f"config key 'model.moe_dispatch': {dispatch!r} is not one of {list(DISPATCHES)}")
   ep, n, d, k = expert_axis, tokens, d_model, top_k
-  if n_experts % ep:
-    raise ConfigError(f"n_experts={n_experts} is not divisible by the expert axis ({ep})")
+  shards = ep if batch_shards is None else batch_shards
+  if n_experts % ep or shards % ep:
+    raise ConfigError(f"n_experts={n_experts} and batch_shards={shards} must be divisible by the "
+                      f"expert axis ({ep})")
   pair = d * act_bytes
   out = {
       "all_to_all_balanced": 2 * n * k * (ep - 1) / ep * pair + n * k * (ep - 1) / ep * 4,
@@ -161,8 +166,6 @@ def dispatch_comm_bytes(dispatch: str, *, tokens: int, d_model: int, n_experts: 
     out["reduce_scatter"] = (ep - 1) * n * pair
     out["total"] = out["all_gather"] + out["reduce_scatter"]
   else:
-    if moe_d_ff is None:
-      raise ValueError("dispatch_comm_bytes('gspmd', ...) needs moe_d_ff (the expert weights move)")
-    out["weight_all_gather"] = (ep - 1) / ep * 3 * n_experts * d * moe_d_ff * weight_bytes
-    out["total"] = out["weight_all_gather"]
+    out["rows_all_reduce"] = 2 * (shards - 1) / shards * n * shards * k * pair
+    out["total"] = out["rows_all_reduce"]
   return out
