@@ -30,15 +30,15 @@ class ModelConfig:
   decoder_sparse_step: int = 1
   mlp_only_layers: tuple[int, ...] = ()
   router_aux_loss_coef: float = 0.0  # Switch load-balancing loss weight (0 = off)
+  # MoE expert communication: "gspmd" lets XLA partition it; "shard_map" is the explicit
+  # expert-parallel dispatch of models/expert_parallel.py (needs `jax.set_mesh(mesh)`).
+  moe_dispatch: Literal["gspmd", "shard_map"] = "gspmd"
   rope_theta: float = 1_000_000.0
   rms_eps: float = 1e-6
   tie_embeddings: bool = True
   dtype: DType = "float32"        # compute dtype
   param_dtype: DType = "float32"  # storage dtype of the trainer's parameters
   remat: bool = False             # per-layer rematerialization
-  # MoE expert communication: "gspmd" lets XLA partition it; "shard_map" is the explicit
-  # expert-parallel dispatch of models/expert_parallel.py (needs `jax.set_mesh(mesh)`).
-  moe_dispatch: Literal["gspmd", "shard_map"] = "gspmd"
   init_std: float = 0.02
 
   def __post_init__(self):

@@ -62,7 +62,9 @@ def shard_map_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: i
   whatever the routing skew (no capacity factor). Bytes per device and layer are in
   `dispatch_comm_bytes`: about 2 (ep - 1) n D activation bytes, against about 2 k (ep - 1)/ep n D
   for a balanced all-to-all (n = local tokens, k = top-k); the gather wins when k > ep, loses
-  otherwise, and unlike all-to-all its cost does not depend on the routing.
+  otherwise, and unlike all-to-all its cost does not depend on the routing. Memory: each device
+  holds the gathered ep n tokens and ep n k expert-sorted rows (the buffer a dropless all-to-all
+  would also need for the worst-case skew); `ragged_dot` gets only the local groups' rows.
 
   Expert hidden dims (F) split over the `tensor` axis are summed with a `psum` over it; quantized
   (QTensor) experts are split over `expert` only. Tokens are split over the batch axes when their
