@@ -30,6 +30,9 @@ class ModelConfig:
   decoder_sparse_step: int = 1
   mlp_only_layers: tuple[int, ...] = ()
   router_aux_loss_coef: float = 0.0  # Switch load-balancing loss weight (0 = off)
+  # MoE expert communication: "gspmd" lets XLA partition it; "shard_map" is the explicit
+  # expert-parallel dispatch of models/expert_parallel.py (needs `jax.set_mesh(mesh)`).
+  moe_dispatch: Literal["gspmd", "shard_map"] = "gspmd"
   rope_theta: float = 1_000_000.0
   rms_eps: float = 1e-6
   tie_embeddings: bool = True
@@ -45,6 +48,8 @@ class ModelConfig:
             f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
     require(self.head_dim % 2 == 0, "model.head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
     require(self.n_experts >= 0, "model.n_experts", "must be >= 0")
+    require(self.moe_dispatch in ("gspmd", "shard_map"), "model.moe_dispatch",
+            f"must be 'gspmd' or 'shard_map', got {self.moe_dispatch!r}")
     if self.n_experts:
       require(0 < self.n_experts_per_tok <= self.n_experts, "model.n_experts_per_tok",
               f"must be in [1, n_experts={self.n_experts}], got {self.n_experts_per_tok}")

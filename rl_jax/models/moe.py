@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rl_jax.models.config import ModelConfig
+from rl_jax.models.expert_parallel import shard_map_experts
 from rl_jax.models.layers import param
 from rl_jax.quant.ops import ragged_linear
 
@@ -84,8 +85,10 @@ class MoE(nnx.Module):
     rmask_N = None if replay_mask_BS is None else replay_mask_BS.reshape(b * s)
     ids_NK, gates_NK, natural_NK, probs_NE = route(logits_NE, cfg.n_experts_per_tok,
                                                    cfg.norm_topk_prob, rid_NK, rmask_N)
-    y_ND = dropless_experts(x_ND, ids_NK, gates_NK, self.w_gate.get_value(),
-                            self.w_up.get_value(), self.w_down.get_value(), cfg.n_experts)
+    # Same math either way; "shard_map" makes the expert-parallel communication explicit.
+    experts = shard_map_experts if cfg.moe_dispatch == "shard_map" else dropless_experts
+    y_ND = experts(x_ND, ids_NK, gates_NK, self.w_gate.get_value(),
+                   self.w_up.get_value(), self.w_down.get_value(), cfg.n_experts)
     aux = load_balancing_loss(probs_NE, natural_NK, valid_BS.reshape(-1), cfg.n_experts)
     k = cfg.n_experts_per_tok
     return (y_ND.reshape(b, s, d).astype(x_BSD.dtype), ids_NK.reshape(b, s, k),
