@@ -26,6 +26,9 @@ LOGICAL_RULES: dict[str | None, str | None] = {
     "kv_heads": "tensor",
     "mlp": "tensor",
     "expert": "expert",
+    # The leading axis of scanned (stacked) layer parameters: every device holds every
+    # layer's shard, since the scan walks the layers in sequence.
+    "layers": None,
     None: None,
 }
 

@@ -39,6 +39,10 @@ class ModelConfig:
   dtype: DType = "float32"        # compute dtype
   param_dtype: DType = "float32"  # storage dtype of the trainer's parameters
   remat: bool = False             # per-layer rematerialization
+  # Layers as one `lax.scan` per run of same-kind layers (params stacked on a leading
+  # 'layers' axis): compile time flat in depth. Not interchangeable with the unrolled
+  # layout in orbax checkpoints; convert with transformer.stack_layers / unstack_layers.
+  scan_layers: bool = False
   init_std: float = 0.02
 
   def __post_init__(self):
@@ -78,3 +82,20 @@ class ModelConfig:
   @property
   def n_moe_layers(self) -> int:
     return len(self.moe_layers)
+
+  @property
+  def layer_groups(self) -> tuple[tuple[int, int, bool], ...]:
+    """Maximal runs of consecutive same-kind layers as (first layer, count, is_moe).
+
+    The scanned layout scans each run: one run for an all-dense or all-MoE model,
+    alternating runs for `decoder_sparse_step` / `mlp_only_layers` interleavings.
+    """
+    moe = set(self.moe_layers)
+    groups: list[tuple[int, int, bool]] = []
+    for i in range(self.n_layers):
+      if groups and groups[-1][2] == (i in moe):
+        start, count, kind = groups[-1]
+        groups[-1] = (start, count + 1, kind)
+      else:
+        groups.append((i, 1, i in moe))
+    return tuple(groups)

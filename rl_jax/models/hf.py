@@ -212,12 +212,31 @@ def model_config_to_hf(cfg: ModelConfig, *, dtype: str | None = None,
 class _Entry:
   """One rl_jax parameter and the HF tensor(s) it comes from.
 
-  kind: 'plain' (same layout), 'transpose' (HF Linear [out, in] -> [in, out]) or
-  'experts' (per-expert [out, in] tensors -> stacked [E, in, out]).
+  kind: 'plain' (same layout), 'transpose' (HF Linear [out, in] -> [in, out]),
+  'experts' (per-expert [out, in] tensors -> stacked [E, in, out]) or, in the scanned
+  layout, 'stacked' (`layers`: one per-layer entry per index of the leading layer axis).
   """
   path: tuple
   kind: str
   names: tuple[str, ...]
+  layers: tuple["_Entry", ...] = ()
+
+
+def _stack_plan(plan: list[_Entry], cfg: ModelConfig) -> list[_Entry]:
+  """The unrolled plan regrouped for the scanned layout: `layers.{i}.X` of each layer group
+  becomes one 'stacked' entry `layer_groups.{g}.X` (see transformer.stack_layers)."""
+  by_path = {e.path: e for e in plan}
+  out = [e for e in plan if e.path[0] != "layers"]
+  tail = out[1:]  # final norm (and untied head) stay after the layers, as in HF order
+  out = out[:1]
+  for g, (start, n, _) in enumerate(cfg.layer_groups):
+    for e in plan:
+      if e.path[:2] != ("layers", start):
+        continue
+      sub = [by_path[("layers", start + j) + e.path[2:]] for j in range(n)]
+      out.append(_Entry(("layer_groups", g) + e.path[2:], "stacked",
+                        tuple(name for x in sub for name in x.names), tuple(sub)))
+  return out + tail
 
 
 def _plan(cfg: ModelConfig) -> list[_Entry]:
@@ -245,7 +264,7 @@ def _plan(cfg: ModelConfig) -> list[_Entry]:
   out.append(_Entry(("final_norm", "scale"), "plain", ("model.norm.weight",)))
   if not cfg.tie_embeddings:
     out.append(_Entry(("w_unembed",), "transpose", ("lm_head.weight",)))
-  return out
+  return _stack_plan(out, cfg) if cfg.scan_layers else out
 
 
 def _hf_shape(kind: str, shape: Sequence[int]) -> tuple[int, ...]:
@@ -289,8 +308,9 @@ def _resolve(plan: list[_Entry], shapes: Mapping[tuple, tuple], refs: Mapping[st
                           f"{'/'.join(map(str, param_path))}); files: "
                           f"{sorted({fname(r) for r in refs.values()})}")
 
-  for entry in plan:
-    shape = shapes[entry.path]
+  def resolve(entry: _Entry, shape: tuple):
+    if entry.kind == "stacked":  # scanned layout: resolve each layer against its slice's shape
+      return entry, "stacked", tuple(resolve(sub, shape[1:]) for sub in entry.layers)
     if entry.kind == "experts" and entry.names[0] not in refs:
       prefix = entry.names[0].split("mlp.experts.")[0]
       gate_up, down = _fused_names(prefix)
@@ -303,8 +323,7 @@ def _resolve(plan: list[_Entry], shapes: Mapping[tuple, tuple], refs: Mapping[st
         check(refs[name], expected, entry.path)
         used.add(name)
         kind = {"w_gate": "fused_gate", "w_up": "fused_up", "w_down": "fused_down"}[ours]
-        out.append((entry, kind, (refs[name],)))
-        continue
+        return entry, kind, (refs[name],)
     expected = _hf_shape(entry.kind, shape)
     entry_refs = []
     for name in entry.names:
@@ -313,7 +332,10 @@ def _resolve(plan: list[_Entry], shapes: Mapping[tuple, tuple], refs: Mapping[st
       check(refs[name], expected, entry.path)
       used.add(name)
       entry_refs.append(refs[name])
-    out.append((entry, entry.kind, tuple(entry_refs)))
+    return entry, entry.kind, tuple(entry_refs)
+
+  for entry in plan:
+    out.append(resolve(entry, shapes[entry.path]))
   for name, ref in refs.items():
     if name in used:
       continue
@@ -327,7 +349,14 @@ def _resolve(plan: list[_Entry], shapes: Mapping[tuple, tuple], refs: Mapping[st
 
 def _read_slice(reader: Reader, kind: str, refs: Sequence[TensorRef], index: tuple[slice, ...],
                 f_dim: int) -> np.ndarray:
-  """The rl_jax-layout block `param[index]`, reading only the bytes it needs."""
+  """The rl_jax-layout block `param[index]`, reading only the bytes it needs.
+
+  'stacked' (scanned layout): `refs` holds each layer's resolved (entry, kind, refs);
+  only the layers in the block's leading slice are read.
+  """
+  if kind == "stacked":
+    return np.stack([_read_slice(reader, sub_kind, sub_refs, index[1:], f_dim)
+                     for _, sub_kind, sub_refs in refs[index[0]]])
   if kind == "plain":
     return reader.view(refs[0])[index]
   if kind == "transpose":
@@ -395,7 +424,8 @@ def load_hf_model(path: str, *, mesh: jax.sharding.Mesh | None = None, dtype: st
       model-*.safetensors (+ model.safetensors.index.json).
     mesh: optional device mesh.
     dtype / param_dtype: compute / storage dtype (default: the checkpoint's).
-    **overrides: further ModelConfig fields (remat, router_aux_loss_coef, ...).
+    **overrides: further ModelConfig fields (remat, router_aux_loss_coef, scan_layers, ...);
+      with scan_layers=True each device block of a stacked parameter reads only its layers.
   """
   cfg = load_hf_config(path, dtype=dtype, param_dtype=param_dtype, **overrides)
   refs = index_tensors(path)
@@ -484,27 +514,35 @@ def save_hf_checkpoint(model: Transformer, path: str, *, max_shard_bytes: int = 
 
   # (name, HF shape) in checkpoint order; a parameter's tensors are contiguous so
   # only one gathered parameter is alive at a time.
+  # A scanned layer group's stacked parameter is gathered one layer at a time (layer j
+  # below; None for an unstacked parameter), keeping the same host-memory bound.
   tensors, owner = [], {}
   for entry in plan:
     shape = tuple(variables[entry.path].get_value().shape)
-    for e, name in enumerate(entry.names):
-      tensors.append((name, _hf_shape(entry.kind, shape), st_dtype))
-      owner[name] = (entry, e)
+    subs = entry.layers if entry.kind == "stacked" else (entry,)
+    for j, sub in enumerate(subs):
+      layer = j if entry.kind == "stacked" else None
+      sub_shape = shape[1:] if layer is not None else shape
+      for e, name in enumerate(sub.names):
+        tensors.append((name, _hf_shape(sub.kind, sub_shape), st_dtype))
+        owner[name] = (entry.path, layer, sub.kind, e)
   names, shards = plan_shards(tensors, max_shard_bytes)
   n = len(shards)
 
-  current: dict[str, Any] = {"path": None, "array": None}
+  current: dict[str, Any] = {"key": None, "array": None}
 
   def produce(name: str) -> np.ndarray:
-    entry, e = owner[name]
-    if current["path"] != entry.path:
+    param_path, layer, kind, e = owner[name]
+    if current["key"] != (param_path, layer):
       current["array"] = None  # release the previous parameter before gathering the next
-      current["array"] = _to_host(variables[entry.path].get_value()).astype(np_dtype, copy=False)
-      current["path"] = entry.path
+      value = variables[param_path].get_value()
+      value = value if layer is None else value[layer]
+      current["array"] = _to_host(value).astype(np_dtype, copy=False)
+      current["key"] = (param_path, layer)
     arr = current["array"]
-    if entry.kind == "plain":
+    if kind == "plain":
       return arr
-    if entry.kind == "transpose":
+    if kind == "transpose":
       return arr.T
     return arr[e].T
 

@@ -13,7 +13,11 @@ from rl_jax.models.config import ModelConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerKV:
-  """One layer's cache: k/v `[B, C, G, D]` (C slots, G kv heads), low-bit when `spec` quantizes."""
+  """One layer's cache: k/v `[B, C, G, D]` (C slots, G kv heads), low-bit when `spec` quantizes.
+
+  `stacked`: every array has a leading layer axis (one scanned layer group, see
+  `ModelConfig.scan_layers`); the scan hands each layer its `[B, C, G, D]` slice.
+  """
   k: jax.Array
   v: jax.Array
   k_scale: jax.Array | None = None
@@ -21,6 +25,7 @@ class LayerKV:
   spec: Any = dataclasses.field(default=None, metadata=dict(static=True))
   # Quant kernels for the write/read path: 'auto' | 'pallas' | 'xla' (QuantConfig.backend).
   backend: str = dataclasses.field(default="auto", metadata=dict(static=True))
+  stacked: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @property
   def quantized(self) -> bool:
@@ -56,12 +61,17 @@ class LayerKV:
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, kv_spec=None,
                backend: str = "auto") -> list[LayerKV]:
   """Zero cache for every layer; `kv_spec` (a quant FormatSpec) selects low-bit storage and
-  `backend` the kernels that write and read it."""
+  `backend` the kernels that write and read it.
+
+  Unrolled layout: one LayerKV per layer. Scanned (`cfg.scan_layers`): one stacked
+  LayerKV per `cfg.layer_groups` entry, arrays `[n_layers_in_group, B, C, G, D]`.
+  """
   shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
   fmt = getattr(kv_spec, "format", None)
   if kv_spec is None or fmt in ("fp32", "bf16"):
     cdt = {"fp32": jnp.float32, "bf16": jnp.bfloat16}.get(fmt, dtype)
-    return [LayerKV(jnp.zeros(shape, cdt), jnp.zeros(shape, cdt)) for _ in range(cfg.n_layers)]
+    layers = [LayerKV(jnp.zeros(shape, cdt), jnp.zeros(shape, cdt)) for _ in range(cfg.n_layers)]
+    return stack_cache(cfg, layers) if cfg.scan_layers else layers
   from rl_jax.quant import kv as qkv  # pylint: disable=g-import-not-at-top
   # Quantizing a zero slab gives the stored layout (packing, dtypes, scale shape).
   vals, scales = jax.eval_shape(lambda x: qkv.kv_quantize(x, kv_spec, "xla"),
@@ -70,5 +80,30 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, kv
   # Unit scales in unwritten slots: an e8m0 scale has no zero (0 casts to NaN), and masked
   # attention still computes 0 * value there, so a NaN would poison every row.
   ones = lambda s: jnp.ones(s.shape, s.dtype)
-  return [LayerKV(zeros(vals), zeros(vals), ones(scales), ones(scales), spec=kv_spec, backend=backend)
-          for _ in range(cfg.n_layers)]
+  layers = [LayerKV(zeros(vals), zeros(vals), ones(scales), ones(scales), spec=kv_spec, backend=backend)
+            for _ in range(cfg.n_layers)]
+  return stack_cache(cfg, layers) if cfg.scan_layers else layers
+
+
+def stack_cache(cfg: ModelConfig, layers: list[LayerKV]) -> list[LayerKV]:
+  """Per-layer caches -> one stacked LayerKV per scanned layer group (`cfg.layer_groups`)."""
+  if len(layers) != cfg.n_layers:
+    raise ValueError(f"stack_cache: {len(layers)} layer caches for model.n_layers={cfg.n_layers}")
+  out = []
+  for start, n, _ in cfg.layer_groups:
+    group = layers[start:start + n]
+    kv = jax.tree.map(lambda *xs: jnp.stack(xs), *group)
+    out.append(dataclasses.replace(kv, stacked=True))
+  return out
+
+
+def unstack_cache(cfg: ModelConfig, groups: list[LayerKV]) -> list[LayerKV]:
+  """Stacked per-group caches -> one LayerKV per layer (inverse of `stack_cache`)."""
+  if len(groups) != len(cfg.layer_groups):
+    raise ValueError(f"unstack_cache: {len(groups)} group caches for {len(cfg.layer_groups)} "
+                     "layer groups (model.scan_layers)")
+  out = []
+  for kv, (_, n, _) in zip(groups, cfg.layer_groups):
+    kv = dataclasses.replace(kv, stacked=False)
+    out += [jax.tree.map(lambda x, j=j: x[j], kv) for j in range(n)]
+  return out

@@ -1,4 +1,10 @@
-"""Decoder-only transformer implementing Qwen3 (dense) and Qwen3-MoE, with KV cache and replay."""
+"""Decoder-only transformer implementing Qwen3 (dense) and Qwen3-MoE, with KV cache and replay.
+
+Two parameter layouts: unrolled (`layers.{i}`, one Block per layer) and scanned
+(`ModelConfig.scan_layers`: `layer_groups.{g}`, one Block per run of same-kind layers
+with every parameter stacked on a leading 'layers' axis, run by `lax.scan`).
+`stack_layers` / `unstack_layers` convert parameter trees between them.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -49,6 +55,51 @@ class Block(nnx.Module):
     return x_BSD + y_BSD, cache, ids_BSK, router_BSE, aux
 
 
+def _stack_blocks(blocks: list[Block]) -> Block:
+  """One Block whose parameters stack `blocks`' on a leading 'layers' axis (same graph)."""
+  graphdef, _ = nnx.split(blocks[0])
+  states = [nnx.state(b) for b in blocks]
+
+  def stack(*vs):
+    meta = vs[0].get_metadata()
+    axes = meta.get("axes")
+    meta["axes"] = None if axes is None else ("layers",) + tuple(axes)
+    return type(vs[0])(jnp.stack([v.get_value() for v in vs]), **meta)
+
+  return nnx.merge(graphdef, jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def stack_layers(params: dict, cfg: ModelConfig) -> dict:
+  """Unrolled parameter tree (`nnx.to_pure_dict` of the state) -> scanned layout of `cfg`.
+
+  Pure: works on arrays, QTensors or ShapeDtypeStructs (any leaf jnp.stack takes).
+  """
+  if "layers" not in params:
+    raise ValueError("stack_layers: the tree has no 'layers' (already scanned?)")
+  layers = params["layers"]
+  out = {k: v for k, v in params.items() if k != "layers"}
+  out["layer_groups"] = {
+      g: jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[i] for i in range(start, start + n)])
+      for g, (start, n, _) in enumerate(cfg.layer_groups)}
+  return out
+
+
+def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
+  """Scanned parameter tree -> unrolled layout (inverse of `stack_layers`)."""
+  if "layer_groups" not in params:
+    raise ValueError("unstack_layers: the tree has no 'layer_groups' (already unrolled?)")
+  groups = params["layer_groups"]
+  if len(groups) != len(cfg.layer_groups):
+    raise ValueError(f"unstack_layers: {len(groups)} groups in the tree, model.layer_groups has "
+                     f"{len(cfg.layer_groups)}")
+  out = {k: v for k, v in params.items() if k != "layer_groups"}
+  out["layers"] = {}
+  for g, (start, n, _) in enumerate(cfg.layer_groups):
+    for j in range(n):
+      out["layers"][start + j] = jax.tree.map(lambda x, j=j: x[j], groups[g])
+  return out
+
+
 def default_positions(valid_BS: jax.Array) -> jax.Array:
   """Positions counting only valid tokens, so left-padded rows start at position 0."""
   return jnp.maximum(jnp.cumsum(valid_BS.astype(jnp.int32), axis=1) - 1, 0)
@@ -61,7 +112,13 @@ class Transformer(nnx.Module):
     self.cfg = cfg
     self.embedding = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg)
     moe_layers = set(cfg.moe_layers)
-    self.layers = nnx.List([Block(cfg, i in moe_layers, rngs=rngs) for i in range(cfg.n_layers)])
+    # Built per layer in both layouts, so one seed gives the same weights either way.
+    blocks = [Block(cfg, i in moe_layers, rngs=rngs) for i in range(cfg.n_layers)]
+    if cfg.scan_layers:
+      self.layer_groups = nnx.List([_stack_blocks(blocks[start:start + n])
+                                    for start, n, _ in cfg.layer_groups])
+    else:
+      self.layers = nnx.List(blocks)
     self.final_norm = RMSNorm(cfg.d_model, cfg)
     if not cfg.tie_embeddings:
       self.w_unembed = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg)
@@ -83,8 +140,9 @@ class Transformer(nnx.Module):
       positions_BS: RoPE positions; default counts valid tokens (left padding safe),
         or, with a cache, `cache_index + arange(S)`.
       valid_BS: True for real tokens (keys at padding are masked). Default all True.
-      cache / cache_index: a `kv_cache.init_cache` list and the slot where these S
-        tokens are written; attention then runs over all C cache slots.
+      cache / cache_index: a `kv_cache.init_cache` list (per layer, or per layer group
+        when scanned) and the slot where these S tokens are written; attention then
+        runs over all C cache slots.
       kv_valid_BC: which cache slots hold real tokens after this write (default:
         slots < cache_index + S).
       replay_ids_BSLK / replay_mask_BS: experts to replay per MoE layer and where
@@ -101,7 +159,11 @@ class Transformer(nnx.Module):
     if cache is None:
       mask_BSC = jnp.tril(jnp.ones((s, s), bool))[None] & valid_BS[:, None, :]
     else:
-      c = cache[0].k.shape[1]
+      n_entries = len(cfg.layer_groups) if cfg.scan_layers else cfg.n_layers
+      if len(cache) != n_entries:
+        raise ValueError(f"cache has {len(cache)} entries; model.scan_layers={cfg.scan_layers} needs "
+                         f"{n_entries} (build it with kv_cache.init_cache for this config)")
+      c = cache[0].k.shape[-3]  # [(layers,) B, C, G, D]
       slots_C = jnp.arange(c)
       q_slots_S = cache_index + jnp.arange(s)
       kv_valid_BC = (jnp.broadcast_to(slots_C[None] < cache_index + s, (b, c))
@@ -112,6 +174,35 @@ class Transformer(nnx.Module):
 
     # The embedding is never quantized (quant.params leaves it a plain array).
     x_BSD = jnp.take(self.embedding.get_value(), tokens_BS, axis=0).astype(dtype)
+    args = (positions_BS, mask_BSC, valid_BS, cache_index, replay_ids_BSLK, replay_mask_BS)
+    if cfg.scan_layers:
+      x_BSD, new_cache, ids_all, router_all, aux_total = self._run_scanned(x_BSD, cache, *args)
+    else:
+      x_BSD, new_cache, ids_all, router_all, aux_total = self._run_unrolled(x_BSD, cache, *args)
+    h_BSD = self.final_norm(x_BSD)
+    k = cfg.n_experts_per_tok
+    expert_ids_BSLK = (jnp.stack(ids_all, axis=2).astype(jnp.int32) if ids_all
+                       else jnp.zeros((b, s, 0, k), jnp.int32))
+    router_logits_BSLE = None
+    if return_router_logits and router_all:
+      router_logits_BSLE = jnp.stack(router_all, axis=2)
+    logits_BSV = None
+    if compute_logits:
+      if cfg.tie_embeddings:
+        logits_BSV = jnp.einsum("bsd,vd->bsv", h_BSD, self.embedding.get_value().astype(dtype),
+                                preferred_element_type=jnp.float32)
+      else:
+        logits_BSV = linear(h_BSD, self.w_unembed.get_value()).astype(jnp.float32)
+    if cfg.n_moe_layers:
+      aux_total = aux_total / cfg.n_moe_layers
+    return ModelOutput(logits_BSV=logits_BSV, hidden_BSD=h_BSD if return_hidden else None,
+                       expert_ids_BSLK=expert_ids_BSLK, router_logits_BSLE=router_logits_BSLE,
+                       aux_loss=aux_total, cache=new_cache)
+
+  def _run_unrolled(self, x_BSD, cache, positions_BS, mask_BSC, valid_BS, cache_index,
+                    replay_ids_BSLK, replay_mask_BS):
+    """One Python-level call per layer; returns (x, cache', ids per MoE layer, router logits, aux sum)."""
+    cfg = self.cfg
     ids_all, router_all, aux_total = [], [], jnp.zeros((), jnp.float32)
     new_cache = [] if cache is not None else None
     moe_index = cfg.moe_index
@@ -136,22 +227,43 @@ class Transformer(nnx.Module):
         ids_all.append(ids_BSK)
         router_all.append(rl_BSE)
         aux_total = aux_total + aux
-    h_BSD = self.final_norm(x_BSD)
-    k = cfg.n_experts_per_tok
-    expert_ids_BSLK = (jnp.stack(ids_all, axis=2).astype(jnp.int32) if ids_all
-                       else jnp.zeros((b, s, 0, k), jnp.int32))
-    router_logits_BSLE = None
-    if return_router_logits and router_all:
-      router_logits_BSLE = jnp.stack(router_all, axis=2)
-    logits_BSV = None
-    if compute_logits:
-      if cfg.tie_embeddings:
-        logits_BSV = jnp.einsum("bsd,vd->bsv", h_BSD, self.embedding.get_value().astype(dtype),
-                                preferred_element_type=jnp.float32)
-      else:
-        logits_BSV = linear(h_BSD, self.w_unembed.get_value()).astype(jnp.float32)
-    if cfg.n_moe_layers:
-      aux_total = aux_total / cfg.n_moe_layers
-    return ModelOutput(logits_BSV=logits_BSV, hidden_BSD=h_BSD if return_hidden else None,
-                       expert_ids_BSLK=expert_ids_BSLK, router_logits_BSLE=router_logits_BSLE,
-                       aux_loss=aux_total, cache=new_cache)
+    return x_BSD, new_cache, ids_all, router_all, aux_total
+
+  def _run_scanned(self, x_BSD, cache, positions_BS, mask_BSC, valid_BS, cache_index,
+                   replay_ids_BSLK, replay_mask_BS):
+    """One `lax.scan` per layer group (same results as `_run_unrolled`, per-MoE-layer lists).
+
+    The residual stream is the carry; the stacked parameters, the group's stacked
+    cache and its MoE layers' replay ids are scanned over (leading layer axis).
+    """
+    cfg = self.cfg
+    ids_all, router_all, aux_total = [], [], jnp.zeros((), jnp.float32)
+    new_cache = [] if cache is not None else None
+    moe_index = cfg.moe_index
+    for g, (start, n, is_moe) in enumerate(cfg.layer_groups):
+      graphdef, state = nnx.split(self.layer_groups[g])
+      r_ids_nBSK = None
+      if is_moe and replay_ids_BSLK is not None:
+        j0 = moe_index[start]  # a run of consecutive MoE layers has consecutive MoE indices
+        r_ids_nBSK = jnp.moveaxis(replay_ids_BSLK[:, :, j0:j0 + n], 2, 0)
+      group_cache = None if cache is None else cache[g]
+
+      def body(x_BSD, xs, _graphdef=graphdef):
+        layer_state, layer_cache, r_ids_BSK = xs
+        x_BSD, layer_cache, ids_BSK, rl_BSE, aux = nnx.merge(_graphdef, layer_state)(
+            x_BSD, positions_BS, mask_BSC, valid_BS, layer_cache, cache_index, r_ids_BSK,
+            replay_mask_BS)
+        return x_BSD, (layer_cache, ids_BSK, rl_BSE, aux)
+
+      if cfg.remat and cache is None:
+        # prevent_cse=False: inside a scan the loop already keeps XLA from merging recomputes.
+        body = jax.checkpoint(body, prevent_cse=False)
+      x_BSD, (group_cache, ids_nBSK, rl_nBSE, aux_n) = jax.lax.scan(
+          body, x_BSD, (state, group_cache, r_ids_nBSK))
+      if new_cache is not None:
+        new_cache.append(group_cache)
+      if is_moe:
+        ids_all += list(ids_nBSK)
+        router_all += list(rl_nBSE)
+        aux_total = aux_total + jnp.sum(aux_n)
+    return x_BSD, new_cache, ids_all, router_all, aux_total

@@ -115,18 +115,19 @@ def _constrainer(mesh: Mesh | None, n_kv_heads: int):
     return lambda tree: tree
   heads = "tensor" if n_kv_heads % mesh.shape["tensor"] == 0 else None
 
-  def one(x, cache=False):
+  def one(x, cache=False, stacked=False):
     if not hasattr(x, "ndim") or x.ndim == 0:
       return x
-    rest = [None] * (x.ndim - 1)
+    lead = [None] if stacked else []  # a scanned layer group's leading layer axis
+    rest = [None] * (x.ndim - 1 - len(lead))
     if cache:  # [B, S, H, D] values and [B, S, H, n] scales
       rest[1] = heads
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(BATCH_AXES, *rest)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*lead, BATCH_AXES, *rest)))
 
   def constrain(tree):
     is_kv = lambda x: isinstance(x, LayerKV)
-    return jax.tree.map(lambda x: jax.tree.map(functools.partial(one, cache=True), x) if is_kv(x) else one(x),
-                        tree, is_leaf=is_kv)
+    kv = lambda x: jax.tree.map(functools.partial(one, cache=True, stacked=x.stacked), x)
+    return jax.tree.map(lambda x: kv(x) if is_kv(x) else one(x), tree, is_leaf=is_kv)
   return constrain
 
 
