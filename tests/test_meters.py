@@ -6,6 +6,7 @@ import pytest
 
 from rl_jax.rl import meters
 from rl_jax.rl.loss_config import LossConfig
+from rl_jax.rl import step as step_lib
 from rl_jax.rl.losses import rl_loss
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -217,38 +218,39 @@ def tiny_policy():
 
 
 def _train_batch(rng, lengths, prompt_len=3, t=5, v=32):
-  from rl_jax.rl.step import TrainBatch  # pylint: disable=g-import-not-at-top
   b = len(lengths)
   tokens = rng.integers(0, v, size=(b, prompt_len + t)).astype(np.int32)
   resp_mask = (np.arange(t)[None] < np.asarray(lengths)[:, None])
   valid = np.concatenate([np.ones((b, prompt_len), bool), resp_mask], axis=1)
   pos = np.broadcast_to(np.arange(prompt_len + t, dtype=np.int32), tokens.shape)
-  return TrainBatch(prompt_len=prompt_len, tokens_BS=jnp.asarray(tokens), positions_BS=jnp.asarray(pos),
+  return step_lib.TrainBatch(prompt_len=prompt_len, tokens_BS=jnp.asarray(tokens), positions_BS=jnp.asarray(pos),
                     valid_BS=jnp.asarray(valid), response_BT=jnp.asarray(tokens[:, prompt_len:]),
                     response_mask_BT=jnp.asarray(resp_mask), logq_BT=jnp.zeros((b, t), jnp.float32),
                     adv_B=jnp.asarray([1.0, -0.6, 0.3, -0.7][:b], jnp.float32))
 
 
-def _on_policy(graphdef, params, batch, cfg):
-  from rl_jax.rl import step  # pylint: disable=g-import-not-at-top
-  logp, _, _ = step.old_forward(params, batch, graphdef=graphdef, loss_cfg=cfg)
+_OLD_FORWARD = jax.jit(step_lib.old_forward, static_argnames=("graphdef", "loss_cfg"))
+
+
+def _on_policy(graphdef, params, batch):
+  """q := the trainer's own p (zero mismatch); one compiled forward for every test."""
+  logp, _, _ = _OLD_FORWARD(params, batch, graphdef=graphdef, loss_cfg=LossConfig())
   return batch.replace(logq_BT=logp, logp_old_BT=logp)
 
 
-@pytest.mark.parametrize("aggregation", ["batch_tokens", "constant"])
-def test_first_order_on_policy_identity_and_its_breaking(tiny_policy, aggregation):
+def test_first_order_on_policy_identity_and_its_breaking(tiny_policy):
   """On-policy, zero mismatch, PG: g_tok = g_seq (cos 1, ratio 1); mismatch breaks the identity."""
-  from rl_jax.rl import step  # pylint: disable=g-import-not-at-top
   graphdef, params = tiny_policy
-  cfg = LossConfig(method="pg", aggregation=aggregation)
-  batch = _on_policy(graphdef, params, _train_batch(np.random.default_rng(0), [5, 3, 4, 2]), cfg)
-  fo = step.first_order_jit(params, batch, graphdef=graphdef, loss_cfg=cfg)
+  # 'batch_tokens' divides by sum_i L_i, the sequence objective's Z (meters.seq_normalizer).
+  cfg = LossConfig(method="pg", aggregation="batch_tokens")
+  batch = _on_policy(graphdef, params, _train_batch(np.random.default_rng(0), [5, 3, 4, 2]))
+  fo = step_lib.first_order_jit(params, batch, graphdef=graphdef, loss_cfg=cfg)
   np.testing.assert_allclose(float(fo["cosine"]), 1.0, atol=1e-5)
   np.testing.assert_allclose(float(fo["norm_ratio"]), 1.0, atol=1e-5)
   # Mismatch: q != p makes the sequence weights w_i differ from 1 (and from each other).
   noise = jnp.asarray(np.random.default_rng(1).normal(0.0, 0.5, batch.logq_BT.shape), jnp.float32)
   off = batch.replace(logq_BT=batch.logq_BT + noise)
-  fo = step.first_order_jit(params, off, graphdef=graphdef, loss_cfg=cfg)
+  fo = step_lib.first_order_jit(params, off, graphdef=graphdef, loss_cfg=cfg)
   assert float(fo["cosine"]) < 0.999, fo
   assert abs(float(fo["norm_ratio"]) - 1.0) > 1e-3, fo
 
@@ -256,12 +258,11 @@ def test_first_order_on_policy_identity_and_its_breaking(tiny_policy, aggregatio
 def test_first_order_length_normalization_breaks_the_identity(tiny_policy):
   """seq_mean weighs response i by 1/L_i: with unequal lengths the directions differ on-policy;
   with equal lengths it is batch_tokens again (cos 1, ratio 1)."""
-  from rl_jax.rl import step  # pylint: disable=g-import-not-at-top
   graphdef, params = tiny_policy
   cfg = LossConfig(method="pg", aggregation="seq_mean")
-  unequal = _on_policy(graphdef, params, _train_batch(np.random.default_rng(0), [5, 1, 4, 2]), cfg)
-  fo = step.first_order_jit(params, unequal, graphdef=graphdef, loss_cfg=cfg)
+  unequal = _on_policy(graphdef, params, _train_batch(np.random.default_rng(0), [5, 1, 4, 2]))
+  fo = step_lib.first_order_jit(params, unequal, graphdef=graphdef, loss_cfg=cfg)
   assert float(fo["cosine"]) < 0.999, fo
-  equal = _on_policy(graphdef, params, _train_batch(np.random.default_rng(0), [4, 4, 4, 4]), cfg)
-  fo = step.first_order_jit(params, equal, graphdef=graphdef, loss_cfg=cfg)
+  equal = _on_policy(graphdef, params, _train_batch(np.random.default_rng(0), [4, 4, 4, 4]))
+  fo = step_lib.first_order_jit(params, equal, graphdef=graphdef, loss_cfg=cfg)
   np.testing.assert_allclose([float(fo["cosine"]), float(fo["norm_ratio"])], [1.0, 1.0], atol=1e-5)
