@@ -21,9 +21,10 @@ Replay = Literal["none", "R2", "R3"]
 class RLConfig:
   """The loop: B prompts x G completions per global step, split into N mini-batch updates.
 
-  `staleness` is K of 001: the sampler's weights are refreshed only every K steps.
+  `staleness` is K of [SC]: the sampler's weights are refreshed only every K steps.
   `routing_replay`: 'none', 'R2' (replay the trainer's own theta_old experts) or 'R3'
-  (replay the sampler's experts), applied to every update of the global step (000).
+  (replay the sampler's experts), applied to every update of the global step ([MiniRL];
+  docs/math.md#routing-replay).
   Held-out eval every `eval_every` steps on `eval_size` fixed prompts: greedy accuracy, and
   `eval_samples` completions per prompt at `eval_temperature` for the sampled accuracy
   (mean@k: the policy's expected held-out reward) and pass@k.

@@ -15,7 +15,7 @@ def topk_tv(head_logp_XK: jax.Array, head_logq_XK: jax.Array) -> jax.Array:
 
   head_logq_XK: the sampler's log q at its top-k ids; head_logp_XK: the trainer's log p at
   the same ids. The tail is everything outside H, with masses 1 - sum_H q and 1 - sum_H p
-  (001's Eq. 7 reconstructs the sampler's tail as rho * p, which has exactly that mass):
+  ([SC] Eq. 7 reconstructs the sampler's tail as rho * p, which has exactly that mass):
 
     TV_k = 1/2 (sum_{v in H} |q_v - p_v| + |tail_q - tail_p|).
 

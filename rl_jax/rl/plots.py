@@ -54,7 +54,7 @@ def plot_run(rows: list[dict], path: str | os.PathLike) -> str | os.PathLike:
         xs, ys = zip(*pts)
         dense = len(pts) >= 30
         ax.plot(xs, ys, marker=None if dense else "o", ms=3, label=key, alpha=0.4 if dense else 1.0)
-        if dense:  # per-step figures are noisy: overlay a centered moving average (as 001 plots)
+        if dense:  # per-step figures are noisy: overlay a centered moving average (as [SC] plots)
           ax.plot(xs, moving_average(ys, SMOOTH), color=ax.lines[-1].get_color(),
                   label=f"{key} (avg {SMOOTH})")
     ax.set_title(title)
