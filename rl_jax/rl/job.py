@@ -29,7 +29,9 @@ class RLConfig:
   `eval_samples` completions per prompt at `eval_temperature` for the sampled accuracy
   (mean@k: the policy's expected held-out reward) and pass@k.
   `meter_every`: the first-order-approximation meter (`first_order/*`) runs on the first
-  mini-batch of every `meter_every`-th step (0 = off); see `rl_jax.rl.step.first_order`.
+  mini-batch of every `meter_every`-th step (0 = off); see `rl_jax.rl.step.first_order`. One
+  call costs about one step (a forward and two backward passes), hence the default of 40
+  (benchmarks/bench_rl_step.py --compare meters).
   """
   steps: int = 100
   prompts_per_step: int = 16
@@ -44,7 +46,7 @@ class RLConfig:
   checkpoint_every: int = 25
   max_to_keep: int = 2
   plot: bool = True
-  meter_every: int = 10
+  meter_every: int = 40
 
   def __post_init__(self):
     for k in ("steps", "prompts_per_step", "group_size", "n_minibatches", "staleness",
