@@ -1,24 +1,35 @@
-"""Time split of one RL step of configs/countdown_tiny.py and the overhead of top-k score centering."""
+"""Time split of one RL step of configs/countdown_tiny.py and the overhead of score centering and the meters."""
 # Usage:
 #   python benchmarks/bench_rl_step.py                 # the README config (32 x 8, INT8/INT4 sampler)
 #   python benchmarks/bench_rl_step.py --small         # its `:test` variant (4 x 2, 2-layer model)
 #   python benchmarks/bench_rl_step.py --vocab-heavy   # the same with an 8192-token vocabulary
+#   python benchmarks/bench_rl_step.py --compare meters  # first-order meter every M steps vs off
+#   python benchmarks/bench_rl_step.py --compare drift   # top-k carried to the loss (drift meter) vs not
 #
 # Two `RLTrainer`s are built from the config with warm_start.source='none' (random init:
-# timing only), wandb disabled, in a temporary workdir: "sc" with
-# loss.score_centering='topk' (k=16) and "pg" with 'none' (plain policy gradient). The
-# loss config is baked into each trainer's jitted update, hence two trainers; both keep
-# the same sampler settings, prompts and keys (top-k still recorded), so the difference is
-# the loss (the rollouts themselves diverge after step 1, as the two policies do). Step 0 of each is the warm-up (compilation, measured from jax.monitoring's
-# compile events and reported separately); then both run steps 1..n interleaved
-# (sc, pg, then pg, sc, ...), and the split from `train_step` (sample incl. reward /
-# p_old forward incl. advantages / updates / sampler sync) plus the wall time of the
-# whole step are reported as medians. Ratios SC/PG: of the medians, and the median of the
-# per-round (paired) ratios. Any compilation during the timed steps is counted and
-# reported (expected 0). Default: ~3 minutes on 2 busy CPU cores; --small: ~1 minute.
+# timing only), wandb disabled, in a temporary workdir. `--compare sc` (default): "sc" with
+# loss.score_centering='topk' (k=16) and "pg" with 'none' (plain policy gradient), both with
+# the first-order meter off. `--compare meters`: the config's loss with rl.meter_every=M
+# ("on") vs 0 ("off"). `--compare drift`: plain PG, meter off, "drift" carrying the sampler's
+# top-k to the loss (the default: the loss then computes drift/tv_*) vs "nodrift", whose batch
+# drops it (the behaviour before the drift meter was on by default). A loss config is baked into
+# each trainer's jitted update, hence two trainers; both keep the same sampler settings,
+# prompts and keys (top-k still recorded), so the difference is the loss / meter (the rollouts
+# themselves diverge after step 1, as the two policies do). Step 0 of each is the warm-up
+# (compilation, measured from jax.monitoring's compile events and reported separately); then
+# both run steps 1..n interleaved (a, b, then b, a, ...), and the split from `train_step`
+# (sample incl. reward / p_old forward incl. advantages / updates incl. the first-order meter
+# / sampler sync) plus the wall time of the whole step are reported as medians. Ratios A/B: of
+# the medians, and the median of the per-round (paired) ratios. The first-order meter runs
+# only every M-th step, which a median hides: `--compare meters` also reports the ratio of
+# the summed step times over whole multiples of M and the meter's own cost (update time of
+# the steps where it ran minus that of the others) as a share of M median steps. Any
+# compilation during the timed steps is counted and reported (expected 0). Default: ~3
+# minutes on 2 busy CPU cores; --small: ~1 minute.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import collections
 import os
 import statistics
@@ -30,10 +41,29 @@ import jax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import countdown_tiny  # pylint: disable=g-import-not-at-top,wrong-import-position
+from rl_jax.rl.job import RLConfig  # pylint: disable=g-import-not-at-top,wrong-import-position
 from rl_jax.rl.trainer import RLTrainer  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 PHASES = ("sample", "p_old", "update", "sync")
-TARGET = 1.05
+TARGET = 1.05          # score centering's full-step target
+METER_TARGET = 1.03    # the meters' target at the default M
+
+
+class NoDriftTrainer(RLTrainer):
+  """Drops the sampler's top-k from the batch: the loss computes no drift meter."""
+
+  def prepare(self, ro, rewards):
+    batch, m = super().prepare(ro, rewards)
+    return batch.replace(topk_ids_BTK=None, topk_logq_BTK=None), m
+
+
+# name -> (loss.score_centering or None for the config's, rl.meter_every or None for --meter-every,
+#          trainer class)
+PAIRS = {
+    "sc": {"sc": ("topk", 0, RLTrainer), "pg": ("none", 0, RLTrainer)},
+    "meters": {"on": (None, None, RLTrainer), "off": (None, 0, RLTrainer)},
+    "drift": {"drift": ("none", 0, RLTrainer), "nodrift": ("none", 0, NoDriftTrainer)},
+}
 
 
 class CompileMeter:
@@ -54,12 +84,14 @@ class CompileMeter:
     return self.count, self.seconds
 
 
-def make_config(args, centering: str):
+def make_config(args, centering: str | None, meter_every: int | None):
   cfg = countdown_tiny.get_config("test" if args.small else None)
   cfg.warm_start.source = "none"
   cfg.logging.wandb_mode = "disabled"
   cfg.rl.plot = False
-  cfg.loss.score_centering = centering
+  cfg.rl.meter_every = args.meter_every if meter_every is None else meter_every
+  if centering is not None:
+    cfg.loss.score_centering = centering
   cfg.loss.topk = args.k
   cfg.sampler.record_topk = max(cfg.sampler.record_topk, args.k)
   if args.vocab_heavy:
@@ -84,22 +116,32 @@ def main():
   p.add_argument("--vocab-heavy", action="store_true",
                  help="model.vocab_size = --heavy-vocab (ids past the tokenizer's decode to U+FFFD)")
   p.add_argument("--heavy-vocab", type=int, default=8192)
+  p.add_argument("--compare", choices=tuple(PAIRS), default="sc",
+                 help="sc: top-k score centering vs none; meters: first-order meter every "
+                      "--meter-every steps vs off; drift: top-k carried to the loss vs dropped")
+  p.add_argument("--meter-every", type=int, default=RLConfig.meter_every,
+                 help="M of --compare meters (default: rl.meter_every's default)")
   args = p.parse_args()
   steps = args.steps or (30 if args.small else 10)
+  if args.compare == "meters":  # whole multiples of M, at least 3 meter calls
+    m_every = max(args.meter_every, 1)
+    steps = max(m_every * 3, -(-steps // m_every) * m_every)
 
   meter = CompileMeter()
-  names = ("sc", "pg")
-  centering = {"sc": "topk", "pg": "none"}
+  pair = PAIRS[args.compare]
+  names = tuple(pair)
+  a_name, b_name = names
   trainers, build, warm = {}, {}, {}
   with tempfile.TemporaryDirectory(prefix="bench_rl_step_") as root:
     for name in names:
-      cfg = make_config(args, centering[name])
+      centering, meter_every, cls = pair[name]
+      cfg = make_config(args, centering, meter_every)
       c0, s0 = meter.snapshot()
       t0 = time.perf_counter()
-      trainers[name] = RLTrainer(cfg, os.path.join(root, name))
+      trainers[name] = cls(cfg, os.path.join(root, name))
       c1, s1 = meter.snapshot()
       build[name] = (time.perf_counter() - t0, c1 - c0, s1 - s0)
-    job = trainers["sc"].job
+    job = trainers[a_name].job
     m, rl = job.model, job.rl
     print(f"RL step of configs/countdown_tiny.py{':test' if args.small else ''}: "
           f"{rl.prompts_per_step} prompts x {rl.group_size} completions, "
@@ -108,13 +150,20 @@ def main():
           f"model V={m.vocab_size} d={m.d_model} layers={m.n_layers} "
           f"(MoE {m.n_moe_layers}, E={m.n_experts}, K={m.n_experts_per_tok}); random init; "
           f"{jax.devices()[0].platform} x{jax.device_count()}")
-    print(f"sc: loss.score_centering='topk' k={args.k} (sampler.record_topk="
-          f"{job.sampler.record_topk}); pg: 'none'; otherwise the config's loss (method="
-          f"{job.loss.method!r}) and sampler for both; optim={job.optim.name}")
+    for name in names:
+      j = trainers[name].job
+      print(f"{name}: loss.method={j.loss.method!r} score_centering={j.loss.score_centering!r} "
+            f"(k={j.loss.topk}), rl.meter_every={j.rl.meter_every}, {type(trainers[name]).__name__}")
+    print(f"sampler.record_topk={job.sampler.record_topk}; optim={job.optim.name}")
 
-    for name in names:  # warm-up step 0: compiles generate / p_old forward / update
+    for name in names:  # warm-up step 0: compiles generate / p_old forward / update (/ meter)
       c0, s0 = meter.snapshot()
-      warm[name] = timed_step(trainers[name], 0)
+      tr = trainers[name]
+      job = tr.job
+      if job.rl.meter_every:  # the meter runs at step 0 too, so its compilation is a warm-up's
+        tr.job = dataclasses.replace(job, rl=dataclasses.replace(job.rl, meter_every=1))
+      warm[name] = timed_step(tr, 0)
+      tr.job = job
       c1, s1 = meter.snapshot()
       warm[name]["compiles"], warm[name]["compile_s"] = c1 - c0, s1 - s0
 
@@ -137,29 +186,46 @@ def main():
     b, w = build[n], warm[n]
     bc, wc = f"({b[1]}, {b[2]:.1f})", f"({w['compiles']}, {w['compile_s']:.1f})"
     print(f"{n:8} {b[0]:8.2f} {bc:>14} {w['step']:9.2f} {wc:>14} {w['step'] - med[n]['step']:23.2f}")
-  print("(sc is built and stepped first, so it also pays the compilations pg then reuses: "
-        "parameter init, sampler sync, generate)")
+  print(f"({a_name} is built and stepped first, so it also pays the compilations {b_name} then "
+        "reuses: parameter init, sampler sync, generate)")
   print(f"compilations during the {2 * steps} timed steps: {recompiles}"
         + ("" if recompiles == 0 else "  <-- RECOMPILATION (rerun with JAX_LOG_COMPILES=1)"))
 
-  print(f"\nTime split, median of {steps} steps per trainer (seconds), interleaved sc/pg:")
-  print(f"{'phase':8} {'sc':>8} {'pg':>8} {'sc share':>9} {'SC/PG':>7} {'paired':>7}")
+  print(f"\nTime split, median of {steps} steps per trainer (seconds), interleaved {a_name}/{b_name}:")
+  ratio = f"{a_name.upper()}/{b_name.upper()}"
+  print(f"{'phase':8} {a_name:>8} {b_name:>8} {a_name + ' share':>10} {ratio:>9} {'paired':>7}")
   for key in PHASES + ("step",):
-    a, b = times["sc"][key], times["pg"][key]
+    a, b = times[a_name][key], times[b_name][key]
     paired = statistics.median(x / y for x, y in zip(a, b)) if min(b) > 0 else float("nan")
-    share = med["sc"][key] / med["sc"]["step"]
-    print(f"{key:8} {med['sc'][key]:8.4f} {med['pg'][key]:8.4f} {share:9.1%} "
-          f"{med['sc'][key] / med['pg'][key]:7.3f} {paired:7.3f}")
-  full = med["sc"]["step"] / med["pg"]["step"]
-  upd = med["sc"]["update"] / med["pg"]["update"]
-  print(f"\nfull-step ratio SC/PG: {full:.3f} (target <= {TARGET}: "
-        f"{'met' if full <= TARGET else 'MISSED'}); update-only ratio SC/PG: {upd:.3f}")
-  aa = med["sc"]["sample"] / med["pg"]["sample"]
+    share = med[a_name][key] / med[a_name]["step"]
+    print(f"{key:8} {med[a_name][key]:8.4f} {med[b_name][key]:8.4f} {share:10.1%} "
+          f"{med[a_name][key] / med[b_name][key]:9.3f} {paired:7.3f}")
+  full = med[a_name]["step"] / med[b_name]["step"]
+  upd = med[a_name]["update"] / med[b_name]["update"]
+  target = METER_TARGET if args.compare != "sc" else TARGET
+  print(f"\nfull-step ratio {ratio} (medians): {full:.3f}; update-only ratio {ratio}: {upd:.3f}")
+  if args.compare != "meters":
+    print(f"  (target <= {target}: {'met' if full <= target else 'MISSED'})")
+  else:
+    m_every = trainers[a_name].job.rl.meter_every
+    total = sum(times[a_name]["step"]) / sum(times[b_name]["step"])
+    ran = [r for r in range(steps) if (2 + r) % m_every == 0]   # step index 1 + r, done = 2 + r
+    rest = [r for r in range(steps) if (2 + r) % m_every != 0]
+    upd_a = times[a_name]["update"]
+    extra = statistics.median(upd_a[r] for r in ran) - statistics.median(upd_a[r] for r in rest)
+    est = 1.0 + extra / (m_every * med[b_name]["step"])
+    print(f"summed over {steps} steps ({len(ran)} meter calls, M={m_every}): ON/OFF {total:.3f}")
+    default_m = RLConfig.meter_every
+    if m_every != default_m:
+      print(f"at the default M={default_m}: ratio {1.0 + extra / (default_m * med[b_name]['step']):.3f}")
+    print(f"the meter's own cost: {extra:.4f} s per call (update time of the steps it ran in minus "
+          f"the others, medians) = {extra / med[b_name]['step']:.1%} of a median step; every M={m_every} "
+          f"steps: ratio {est:.3f} (target <= {target}: {'met' if est <= target else 'MISSED'})")
+  aa = med[a_name]["sample"] / med[b_name]["sample"]
   print(f"noise control: 'sample' does nearly the same work in both trainers (same sampler "
-        f"settings, prompts and keys; the policies differ), so its SC/PG {aa:.3f} shows this machine's noise floor")
+        f"settings, prompts and keys; the policies differ), so its {ratio} {aa:.3f} shows this machine's noise floor")
   print("('step' = wall time of train_step; the four phases are its own timers, the rest is "
         "host-side metric gathering. 'paired' = median of the per-round ratios.)")
-
 
 if __name__ == "__main__":
   main()

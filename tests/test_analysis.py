@@ -140,3 +140,31 @@ def test_config_value_sources(tmp_path):
   with open(tmp_path / "w" / "run.json", "w") as f:
     json.dump({"identity": {"run_id": "x"}, "config": {"loss": {"method": "mis"}}, "history": []}, f)
   assert runs_lib.load_run(str(tmp_path / "w")).config_value("loss.method") == "mis"
+
+
+def test_meters_are_aliased_drawn_and_tabled(tmp_path, monkeypatch):
+  """drift/tv_mean (also under its earlier name loss/drift/tv_mean) and first_order/cosine
+  (logged every M steps) get their own figure rows and table columns."""
+  old = rows_of([0.1, 0.2, 0.3], [0, 1e-3, 1e-3])
+  new = rows_of([0.1, 0.2, 0.3], [0, 1e-3, 1e-3])
+  for s, (r_old, r_new) in enumerate(zip(old[1:], new[1:]), start=1):
+    r_old["loss/drift/tv_mean"] = 0.01 * s
+    r_new["drift/tv_mean"] = 0.03 * s
+  new[2]["first_order/cosine"] = 0.8
+  write_run(tmp_path / "m" / "seed0", old)
+  write_run(tmp_path / "m" / "seed1", new)
+  groups = analysis.group_runs(analysis.load_runs(str(tmp_path / "m" / "seed*")))
+  c = aggregate.aggregate_curve(groups[0].runs, "drift/tv_mean")
+  np.testing.assert_allclose(c.mean, [0.02, 0.04])
+  labels = []
+  real_close = analysis.figures.plt.close
+
+  def spy_close(fig):
+    labels.extend(ax.get_ylabel() for ax in fig.axes)
+    real_close(fig)
+  monkeypatch.setattr(analysis.figures.plt, "close", spy_close)
+  _, summaries = analysis.compare(groups, str(tmp_path / "out"))
+  assert "Drift TV (mean)" in labels and "First-order cosine" in labels
+  extra = summaries[0].extra
+  assert extra["drift/tv_mean"][0] == pytest.approx(np.mean([0.015, 0.045]))
+  assert extra["first_order/cosine"][:3:2] == (pytest.approx(0.8), 1)

@@ -6,6 +6,7 @@ import pytest
 
 from rl_jax.rl import meters
 from rl_jax.rl.loss_config import LossConfig
+from rl_jax.rl import step as step_lib
 from rl_jax.rl.losses import rl_loss
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -166,3 +167,102 @@ def test_sc_share_matches_the_gradients_it_describes():
                    topk_ids_BTK=ids, topk_logq_BTK=np.take_along_axis(same, ids, -1))[1]
   np.testing.assert_allclose(m_same["drift/sc_share"], 0.0, atol=1e-3)
   np.testing.assert_allclose(m_same["drift/tv_max"], 0.0, atol=1e-6)
+
+
+# --- First-order-approximation meter ------------------------------------------------------
+
+def test_seq_surrogate_has_the_gradient_of_the_sequence_objective():
+  """grad S = grad J_seq, J_seq = (1/Z) sum_i A_i exp(sum_t m (log p - log q)) by autodiff."""
+  rng = np.random.default_rng(1)
+  logp = jnp.asarray(rng.normal(-1.0, 0.3, size=(3, 4)), jnp.float32)
+  logq = jnp.asarray(rng.normal(-1.0, 0.3, size=(3, 4)), jnp.float32)
+  mask = jnp.asarray([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], jnp.float32)
+  adv = jnp.asarray([0.7, -1.2, 0.4], jnp.float32)
+  z = meters.seq_normalizer(mask, "batch_tokens")
+  assert float(z) == 7.0 and float(meters.seq_normalizer(mask, "constant")) == 12.0
+
+  def j_seq(lp):
+    return jnp.sum(adv * jnp.exp(jnp.sum(mask * (lp - logq), axis=1))) / z
+  g_ref = jax.grad(j_seq)(logp)
+  g_sur = jax.grad(lambda lp: meters.seq_objective_surrogate(lp, logq, adv, mask, z)[0])(logp)
+  np.testing.assert_allclose(g_sur, g_ref, rtol=1e-5, atol=1e-7)
+  # Padding may hold anything the sampler wrote: it must not leak into w_i or the gradient.
+  bad_q = jnp.where(mask > 0, logq, -jnp.inf)
+  g_bad = jax.grad(lambda lp: meters.seq_objective_surrogate(lp, bad_q, adv, mask, z)[0])(logp)
+  np.testing.assert_allclose(g_bad, g_ref, rtol=1e-5, atol=1e-7)
+
+
+def test_grad_alignment_closed_forms():
+  g = {"a": jnp.asarray([3.0, 0.0]), "b": jnp.asarray([[4.0]])}
+  same = meters.grad_alignment(g, g)
+  np.testing.assert_allclose([same["cosine"], same["norm_ratio"]], [1.0, 1.0], rtol=1e-6)
+  # Orthogonal halves: cos = 3*0 + 0*... ; here g2 = (0, 5 | 0): <g, g2> = 0, ||g2|| = 5.
+  g2 = {"a": jnp.asarray([0.0, 5.0]), "b": jnp.asarray([[0.0]])}
+  out = meters.grad_alignment(g, g2)
+  np.testing.assert_allclose([out["cosine"], out["norm_ratio"]], [0.0, 1.0], atol=1e-7)
+  # Scaled and flipped: cos = -1, ratio = 1/2.
+  out = meters.grad_alignment(jax.tree.map(lambda x: -0.5 * x, g), g)
+  np.testing.assert_allclose([out["cosine"], out["norm_ratio"]], [-1.0, 0.5], rtol=1e-6)
+  zero = jax.tree.map(jnp.zeros_like, g)
+  out = meters.grad_alignment(zero, g)
+  assert float(out["cosine"]) == 0.0 and float(out["norm_ratio"]) == 0.0
+
+
+@pytest.fixture(scope="module")
+def tiny_policy():
+  from rl_jax import experiment as ex  # pylint: disable=g-import-not-at-top
+  from rl_jax.models import ModelConfig  # pylint: disable=g-import-not-at-top
+  cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
+                    d_ff=32, init_std=0.5)
+  return ex.init_params(cfg, 0)
+
+
+def _train_batch(rng, lengths, prompt_len=3, t=5, v=32):
+  b = len(lengths)
+  tokens = rng.integers(0, v, size=(b, prompt_len + t)).astype(np.int32)
+  resp_mask = (np.arange(t)[None] < np.asarray(lengths)[:, None])
+  valid = np.concatenate([np.ones((b, prompt_len), bool), resp_mask], axis=1)
+  pos = np.broadcast_to(np.arange(prompt_len + t, dtype=np.int32), tokens.shape)
+  return step_lib.TrainBatch(prompt_len=prompt_len, tokens_BS=jnp.asarray(tokens), positions_BS=jnp.asarray(pos),
+                    valid_BS=jnp.asarray(valid), response_BT=jnp.asarray(tokens[:, prompt_len:]),
+                    response_mask_BT=jnp.asarray(resp_mask), logq_BT=jnp.zeros((b, t), jnp.float32),
+                    adv_B=jnp.asarray([1.0, -0.6, 0.3, -0.7][:b], jnp.float32))
+
+
+_OLD_FORWARD = jax.jit(step_lib.old_forward, static_argnames=("graphdef", "loss_cfg"))
+
+
+def _on_policy(graphdef, params, batch):
+  """q := the trainer's own p (zero mismatch); one compiled forward for every test."""
+  logp, _, _ = _OLD_FORWARD(params, batch, graphdef=graphdef, loss_cfg=LossConfig())
+  return batch.replace(logq_BT=logp, logp_old_BT=logp)
+
+
+def test_first_order_on_policy_identity_and_its_breaking(tiny_policy):
+  """On-policy, zero mismatch, PG: g_tok = g_seq (cos 1, ratio 1); mismatch breaks the identity."""
+  graphdef, params = tiny_policy
+  # 'batch_tokens' divides by sum_i L_i, the sequence objective's Z (meters.seq_normalizer).
+  cfg = LossConfig(method="pg", aggregation="batch_tokens")
+  batch = _on_policy(graphdef, params, _train_batch(np.random.default_rng(0), [5, 3, 4, 2]))
+  fo = step_lib.first_order_jit(params, batch, graphdef=graphdef, loss_cfg=cfg)
+  np.testing.assert_allclose(float(fo["cosine"]), 1.0, atol=1e-5)
+  np.testing.assert_allclose(float(fo["norm_ratio"]), 1.0, atol=1e-5)
+  # Mismatch: q != p makes the sequence weights w_i differ from 1 (and from each other).
+  noise = jnp.asarray(np.random.default_rng(1).normal(0.0, 0.5, batch.logq_BT.shape), jnp.float32)
+  off = batch.replace(logq_BT=batch.logq_BT + noise)
+  fo = step_lib.first_order_jit(params, off, graphdef=graphdef, loss_cfg=cfg)
+  assert float(fo["cosine"]) < 0.999, fo
+  assert abs(float(fo["norm_ratio"]) - 1.0) > 1e-3, fo
+
+
+def test_first_order_length_normalization_breaks_the_identity(tiny_policy):
+  """seq_mean weighs response i by 1/L_i: with unequal lengths the directions differ on-policy;
+  with equal lengths it is batch_tokens again (cos 1, ratio 1)."""
+  graphdef, params = tiny_policy
+  cfg = LossConfig(method="pg", aggregation="seq_mean")
+  unequal = _on_policy(graphdef, params, _train_batch(np.random.default_rng(0), [5, 1, 4, 2]))
+  fo = step_lib.first_order_jit(params, unequal, graphdef=graphdef, loss_cfg=cfg)
+  assert float(fo["cosine"]) < 0.999, fo
+  equal = _on_policy(graphdef, params, _train_batch(np.random.default_rng(0), [4, 4, 4, 4]))
+  fo = step_lib.first_order_jit(params, equal, graphdef=graphdef, loss_cfg=cfg)
+  np.testing.assert_allclose([float(fo["cosine"]), float(fo["norm_ratio"])], [1.0, 1.0], atol=1e-5)

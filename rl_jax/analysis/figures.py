@@ -2,7 +2,7 @@
 
 Each line is the mean over seeds with +-1 standard-error shading and the number of seeds in
 the legend; dense per-step curves are drawn faint with their centered moving average on
-top (as 001 plots), sparse evaluation curves with markers.
+top (as [SC] plots), sparse evaluation curves with markers.
 """
 from __future__ import annotations
 

@@ -29,9 +29,9 @@ METRIC_ALIASES: dict[str, tuple[str, ...]] = {
     "mismatch/routing_agreement": ("mismatch/routing_agreement", "routing_agreement"),
     "mismatch/head_mass_mean": ("mismatch/head_mass_mean", "sampler_head_mass_mean"),
     "mismatch/head_mass_min": ("mismatch/head_mass_min", "sampler_head_mass_min"),
-    "drift/tv_mean": ("drift/tv_mean", "loss/drift_tv_mean"),
-    "drift/tv_max": ("drift/tv_max", "loss/drift_tv_max"),
-    "drift/sc_share": ("drift/sc_share", "loss/drift_sc_share"),
+    "drift/tv_mean": ("drift/tv_mean", "loss/drift/tv_mean", "loss/drift_tv_mean"),
+    "drift/tv_max": ("drift/tv_max", "loss/drift/tv_max", "loss/drift_tv_max"),
+    "drift/sc_share": ("drift/sc_share", "loss/drift/sc_share", "loss/drift_sc_share"),
     "first_order/cosine": ("first_order/cosine",),
     "first_order/norm_ratio": ("first_order/norm_ratio",),
 }

@@ -21,12 +21,17 @@ Replay = Literal["none", "R2", "R3"]
 class RLConfig:
   """The loop: B prompts x G completions per global step, split into N mini-batch updates.
 
-  `staleness` is K of 001: the sampler's weights are refreshed only every K steps.
+  `staleness` is K of [SC]: the sampler's weights are refreshed only every K steps.
   `routing_replay`: 'none', 'R2' (replay the trainer's own theta_old experts) or 'R3'
-  (replay the sampler's experts), applied to every update of the global step (000).
+  (replay the sampler's experts), applied to every update of the global step ([MiniRL];
+  docs/math.md#routing-replay).
   Held-out eval every `eval_every` steps on `eval_size` fixed prompts: greedy accuracy, and
   `eval_samples` completions per prompt at `eval_temperature` for the sampled accuracy
   (mean@k: the policy's expected held-out reward) and pass@k.
+  `meter_every`: the first-order-approximation meter (`first_order/*`) runs on the first
+  mini-batch of every `meter_every`-th step (0 = off); see `rl_jax.rl.step.first_order`. One
+  call costs about one step (a forward and two backward passes), hence the default of 40
+  (benchmarks/bench_rl_step.py --compare meters).
   """
   steps: int = 100
   prompts_per_step: int = 16
@@ -41,11 +46,13 @@ class RLConfig:
   checkpoint_every: int = 25
   max_to_keep: int = 2
   plot: bool = True
+  meter_every: int = 40
 
   def __post_init__(self):
     for k in ("steps", "prompts_per_step", "group_size", "n_minibatches", "staleness",
               "eval_every", "eval_size", "eval_samples", "checkpoint_every", "max_to_keep"):
       require(getattr(self, k) >= 1, f"rl.{k}", f"must be >= 1, got {getattr(self, k)}")
+    require(self.meter_every >= 0, "rl.meter_every", f"must be >= 0 (0 = off), got {self.meter_every}")
     require(self.prompts_per_step % self.n_minibatches == 0, "rl.n_minibatches",
             f"prompts_per_step={self.prompts_per_step} must split into {self.n_minibatches} "
             "group-aligned mini-batches")

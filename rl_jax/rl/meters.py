@@ -1,4 +1,4 @@
-"""Meters of the sampler/trainer drift: per-token total variation and score centering's share of the update."""
+"""Meters of the sampler/trainer drift (per-token TV, score centering's share) and of the first-order approximation."""
 from __future__ import annotations
 
 import jax
@@ -15,7 +15,7 @@ def topk_tv(head_logp_XK: jax.Array, head_logq_XK: jax.Array) -> jax.Array:
 
   head_logq_XK: the sampler's log q at its top-k ids; head_logp_XK: the trainer's log p at
   the same ids. The tail is everything outside H, with masses 1 - sum_H q and 1 - sum_H p
-  (001's Eq. 7 reconstructs the sampler's tail as rho * p, which has exactly that mass):
+  ([SC] Eq. 7 reconstructs the sampler's tail as rho * p, which has exactly that mass):
 
     TV_k = 1/2 (sum_{v in H} |q_v - p_v| + |tail_q - tail_p|).
 
@@ -86,3 +86,64 @@ def sc_share(total_sq_X: jax.Array, sc_sq_X: jax.Array, mask_X: jax.Array) -> ja
   num = jnp.sum(m * sc_sq_X)
   den = jnp.sum(m * total_sq_X)
   return jnp.sqrt(num / jnp.maximum(den, 1e-30))
+
+
+# --- First-order approximation ([MiniRL] Sec. 3) ---------------------------------------------
+
+# log w_i is clipped here before exp so float32 cannot overflow (exp(88.7) does); the token
+# rules clip their ratios at the same bound (methods.MAX_LOG_RATIO).
+MAX_LOG_SEQ_RATIO = 80.0
+
+
+def seq_normalizer(mask_BT: jax.Array, aggregation: str) -> jax.Array:
+  """Z of the sequence-level objective: the constant the token loss's aggregation divides by.
+
+  B * T under 'constant'; sum_i L_i under 'batch_tokens' and 'seq_mean' (for 'seq_mean' that
+  is B times the mean length: the two objectives then have the same overall scale and differ
+  only by the per-response 1 / L_i weights). Never below 1.
+  """
+  b, t = mask_BT.shape
+  if aggregation == "constant":
+    return jnp.asarray(float(b * t), jnp.float32)
+  return jnp.maximum(jnp.sum(mask_BT.astype(jnp.float32)), 1.0)
+
+
+def seq_objective_surrogate(logp_BT: jax.Array, logq_BT: jax.Array, adv_B: jax.Array,
+                            mask_BT: jax.Array, z: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A surrogate with the gradient of J_seq = (1/Z) sum_i A_i w_i, w_i = prod_t p(y_it) / q(y_it).
+
+  In log space, w_i = exp(sum_t m_it (log p_it - log q_it)) over response tokens (m the mask).
+  grad J_seq = (1/Z) sum_i A_i w_i sum_t m_it grad log p_it, which is the gradient of
+
+    S = (1/Z) sum_i A_i sg(w_i) sum_t m_it log p_it,
+
+  so S is differentiated instead of J_seq: same gradient, and no exp of a differentiated sum.
+  Padding positions may hold anything (masked before any arithmetic). Returns (S, w_B).
+  """
+  on = mask_BT > 0
+  m = on.astype(jnp.float32)
+  logp_BT = jnp.where(on, logp_BT.astype(jnp.float32), 0.0)
+  logq_BT = jnp.where(on, jax.lax.stop_gradient(logq_BT).astype(jnp.float32), 0.0)
+  log_w_B = jnp.sum(m * jax.lax.stop_gradient(logp_BT - logq_BT), axis=1)
+  w_B = jnp.exp(jnp.clip(log_w_B, -MAX_LOG_SEQ_RATIO, MAX_LOG_SEQ_RATIO))
+  a_B = jax.lax.stop_gradient(adv_B).astype(jnp.float32)
+  s = jnp.sum(a_B * w_B * jnp.sum(m * logp_BT, axis=1)) / z
+  return s, w_B
+
+
+def grad_alignment(g_tok, g_seq) -> dict[str, jax.Array]:
+  """Cosine and norm ratio ||g_tok|| / ||g_seq|| of two gradient pytrees (all leaves flattened).
+
+  Both are 0 when either gradient is exactly 0 (e.g. all advantages 0): no direction to compare.
+  """
+  leaves = lambda g: [x.astype(jnp.float32) for x in jax.tree.leaves(g)]
+  a, b = leaves(g_tok), leaves(g_seq)
+  if len(a) != len(b):
+    raise ValueError(f"grad_alignment: gradients with {len(a)} and {len(b)} leaves")
+  dot = sum(jnp.vdot(x, y) for x, y in zip(a, b))
+  na = jnp.sqrt(sum(jnp.vdot(x, x) for x in a))
+  nb = jnp.sqrt(sum(jnp.vdot(y, y) for y in b))
+  ok = (na > 0) & (nb > 0)
+  cos = jnp.where(ok, dot / jnp.where(ok, na * nb, 1.0), 0.0)
+  ratio = jnp.where(ok, na / jnp.where(ok, nb, 1.0), 0.0)
+  return {"cosine": cos, "norm_ratio": ratio}

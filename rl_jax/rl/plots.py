@@ -1,7 +1,10 @@
-"""End-of-run figure: reward, held-out accuracy, entropy and train/inference KL over steps."""
+"""End-of-run figure: reward, held-out accuracy, entropy, train/inference KL and the two meters over steps."""
 from __future__ import annotations
 
 import math
+import os
+
+from etils import epath
 
 import matplotlib
 
@@ -13,7 +16,14 @@ PANELS = (
     ("Held-out accuracy", ("eval_greedy_accuracy", "eval_sampled_accuracy", "eval_pass_at_k")),
     ("Token entropy of p", ("loss/entropy",)),
     ("Train/inference KL(q || p_old)", ("mismatch/kl_k1", "mismatch/kl_k3")),
+    # Logged only when the sampler records its top-k (sampler.record_topk > 0).
+    ("Drift: TV(q, p) per token", ("drift/tv_mean", "drift/tv_max")),
+    # Logged only under score centering.
+    ("Score centering's share of the update", ("drift/sc_share",)),
+    # Logged every rl.meter_every steps.
+    ("First-order approximation: g_tok vs g_seq", ("first_order/cosine", "first_order/norm_ratio")),
 )
+COLS = 2
 
 
 SMOOTH = 9
@@ -26,9 +36,16 @@ def moving_average(ys, window: int) -> list[float]:
           for i in range(len(ys))]
 
 
-def plot_run(rows: list[dict], path: str) -> str:
-  """Writes a 2x2 PNG of the metrics in `rows` (one dict per logged step) to `path`."""
-  fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+def plot_run(rows: list[dict], path: str | os.PathLike) -> str | os.PathLike:
+  """Writes a PNG of the metrics in `rows` (one dict per logged step, one panel per PANELS entry).
+
+  `path` is a str or an `etils.epath.Path` (a gs:// workdir included): written through
+  `epath.Path(path).open("wb")`. Panels of metrics the run did not log stay empty.
+  """
+  n_rows = math.ceil(len(PANELS) / COLS)
+  fig, axes = plt.subplots(n_rows, COLS, figsize=(5 * COLS, 3.5 * n_rows))
+  for ax in axes.ravel()[len(PANELS):]:
+    ax.axis("off")
   for ax, (title, keys) in zip(axes.ravel(), PANELS):
     for key in keys:
       pts = [(r["step"], r[key]) for r in rows
@@ -37,7 +54,7 @@ def plot_run(rows: list[dict], path: str) -> str:
         xs, ys = zip(*pts)
         dense = len(pts) >= 30
         ax.plot(xs, ys, marker=None if dense else "o", ms=3, label=key, alpha=0.4 if dense else 1.0)
-        if dense:  # per-step figures are noisy: overlay a centered moving average (as 001 plots)
+        if dense:  # per-step figures are noisy: overlay a centered moving average (as [SC] plots)
           ax.plot(xs, moving_average(ys, SMOOTH), color=ax.lines[-1].get_color(),
                   label=f"{key} (avg {SMOOTH})")
     ax.set_title(title)
@@ -46,6 +63,7 @@ def plot_run(rows: list[dict], path: str) -> str:
     if ax.get_legend_handles_labels()[0]:
       ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  with epath.Path(path).open("wb") as f:
+    fig.savefig(f, format="png", dpi=100)
   plt.close(fig)
   return path

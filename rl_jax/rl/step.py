@@ -15,6 +15,7 @@ from flax import nnx
 
 from rl_jax import rollout as rollout_lib
 from rl_jax.logprobs import chunked_logprobs, gather_logprobs
+from rl_jax.rl import meters
 from rl_jax.rl.loss_config import LossConfig
 from rl_jax.rl.losses import rl_loss, rl_loss_from_hidden
 
@@ -28,8 +29,10 @@ class TrainBatch:
   """What one global step trains on, rows = responses (B), laid out as `rl_jax.rollout.Rollout`.
 
   `logp_old_BT` is filled by `old_forward`; `replay_*` only under routing replay (R2: the
-  trainer's own theta_old experts, R3: the sampler's); top-k fields only when the loss uses
-  them (score centering). Optional fields are None when absent (empty pytree nodes).
+  trainer's own theta_old experts, R3: the sampler's); top-k fields whenever the sampler
+  recorded them (`sampler.record_topk` > 0): score centering reads them and the drift meter
+  (`drift/*`) compares them with the trainer's distribution. Optional fields are None when
+  absent (empty pytree nodes).
   """
   prompt_len: int = flax.struct.field(pytree_node=False)
   tokens_BS: jax.Array
@@ -46,7 +49,7 @@ class TrainBatch:
   replay_mask_BS: jax.Array | None = None
 
   @classmethod
-  def from_rollout(cls, ro: rollout_lib.Rollout, adv_B: jax.Array, with_topk: bool) -> "TrainBatch":
+  def from_rollout(cls, ro: rollout_lib.Rollout, adv_B: jax.Array, with_topk: bool = True) -> "TrainBatch":
     topk = with_topk and ro.topk_ids_BTK is not None
     return cls(prompt_len=ro.prompt_len, tokens_BS=ro.tokens_BS, positions_BS=ro.positions_BS,
                valid_BS=ro.valid_BS, response_BT=ro.response_BT, response_mask_BT=ro.response_mask_BT,
@@ -84,6 +87,35 @@ def _forward(model, batch: TrainBatch, chunk_size: int, **kw):
                compute_logits=not chunked, **kw)
 
 
+def _replay_kw(batch: TrainBatch) -> dict:
+  """Routing replay is on iff `batch.replay_ids_BSLK` is set."""
+  if batch.replay_ids_BSLK is None:
+    return {}
+  return dict(replay_ids_BSLK=batch.replay_ids_BSLK, replay_mask_BS=batch.replay_mask_BS)
+
+
+def _sampled_logp(model, out, batch: TrainBatch, loss_cfg: LossConfig) -> jax.Array:
+  """log p of the sampled tokens [B, T] from a forward's output, with the function the loss uses."""
+  targets_BT1 = batch.response_BT[..., None]
+  temp = loss_cfg.temperature
+  if loss_cfg.chunk_size > 0:
+    hidden_BTD = batch.response_slots(out.hidden_BSD)
+    return chunked_logprobs(hidden_BTD, model.unembed_weight(), targets_BT1, temp,
+                            loss_cfg.chunk_size)[0][..., 0]
+  # The function the loss computes log p with (chunked or not): p_old and p agree in form.
+  return gather_logprobs(batch.response_slots(out.logits_BSV), targets_BT1, temp)[0][..., 0]
+
+
+def _rl_loss(model, out, batch: TrainBatch, loss_cfg: LossConfig):
+  """The RL loss (no load-balancing term) of a forward's output and its metrics."""
+  args = (batch.response_BT, batch.response_mask_BT, batch.adv_B, batch.logq_BT, loss_cfg)
+  opt = dict(logp_old_BT=batch.logp_old_BT, topk_ids_BTK=batch.topk_ids_BTK,
+             topk_logq_BTK=batch.topk_logq_BTK)
+  if loss_cfg.chunk_size > 0:
+    return rl_loss_from_hidden(batch.response_slots(out.hidden_BSD), model.unembed_weight(), *args, **opt)
+  return rl_loss(batch.response_slots(out.logits_BSV), *args, **opt)
+
+
 def old_forward(params, batch: TrainBatch, sampler_ids_BSLK=None, sampler_valid_BS=None, *,
                 graphdef: nnx.GraphDef, loss_cfg: LossConfig, replay: Replay = "none"):
   """theta_old's log-probs of the sampled tokens, its own routing and the mismatch metrics.
@@ -104,15 +136,7 @@ def old_forward(params, batch: TrainBatch, sampler_ids_BSLK=None, sampler_valid_
   if r3:
     kw = dict(replay_ids_BSLK=sampler_ids_BSLK, replay_mask_BS=sampler_valid_BS, return_router_logits=True)
   out = _forward(model, batch, loss_cfg.chunk_size, **kw)
-  targets_BT1 = batch.response_BT[..., None]
-  temp = loss_cfg.temperature
-  if loss_cfg.chunk_size > 0:
-    hidden_BTD = batch.response_slots(out.hidden_BSD)
-    logp_old_BT = chunked_logprobs(hidden_BTD, model.unembed_weight(), targets_BT1, temp,
-                                   loss_cfg.chunk_size)[0][..., 0]
-  else:
-    # The function the loss computes log p with (chunked or not): p_old and p agree in form.
-    logp_old_BT = gather_logprobs(batch.response_slots(out.logits_BSV), targets_BT1, temp)[0][..., 0]
+  logp_old_BT = _sampled_logp(model, out, batch, loss_cfg)
   own_ids_BSLK = out.expert_ids_BSLK
   if r3 and own_ids_BSLK is not None:
     # Under replay the model reports the replayed ids, but the agreement diagnostic is about
@@ -138,20 +162,44 @@ def old_forward(params, batch: TrainBatch, sampler_ids_BSLK=None, sampler_valid_
 def loss_fn(params, batch: TrainBatch, *, graphdef: nnx.GraphDef, loss_cfg: LossConfig, aux_coef: float):
   """Loss of one mini-batch and its metrics; routing replay is on iff `batch.replay_ids_BSLK` is set."""
   model = nnx.merge(graphdef, params)
-  kw = {}
-  if batch.replay_ids_BSLK is not None:
-    kw = dict(replay_ids_BSLK=batch.replay_ids_BSLK, replay_mask_BS=batch.replay_mask_BS)
-  out = _forward(model, batch, loss_cfg.chunk_size, **kw)
-  args = (batch.response_BT, batch.response_mask_BT, batch.adv_B, batch.logq_BT, loss_cfg)
-  opt = dict(logp_old_BT=batch.logp_old_BT, topk_ids_BTK=batch.topk_ids_BTK,
-             topk_logq_BTK=batch.topk_logq_BTK)
-  if loss_cfg.chunk_size > 0:
-    loss, metrics = rl_loss_from_hidden(batch.response_slots(out.hidden_BSD), model.unembed_weight(),
-                                        *args, **opt)
-  else:
-    loss, metrics = rl_loss(batch.response_slots(out.logits_BSV), *args, **opt)
+  out = _forward(model, batch, loss_cfg.chunk_size, **_replay_kw(batch))
+  loss, metrics = _rl_loss(model, out, batch, loss_cfg)
   # The load-balancing loss uses the trainer's own routing, also under replay (models/moe.py).
   return loss + aux_coef * out.aux_loss, dict(metrics, aux_loss=out.aux_loss)
+
+
+def first_order(params, batch: TrainBatch, *, graphdef: nnx.GraphDef, loss_cfg: LossConfig
+                ) -> dict[str, jax.Array]:
+  """The first-order-approximation meter ([MiniRL] Sec. 3) on one mini-batch.
+
+  g_tok = grad of J_tok = -(the RL loss of `loss_fn`): the token-level objective the configured
+  method optimizes (its rule, score centering, aggregation), without the load-balancing term,
+  which is no part of either objective. g_seq = grad of the sequence-level objective
+  J_seq = (1/Z) sum_i A_i prod_t pi_theta(y_it) / q(y_it) on the same tokens (q the sampler's
+  logq; Z from `meters.seq_normalizer`, the constant of the loss's aggregation), through its
+  stop-gradient surrogate (`meters.seq_objective_surrogate`). Both from one forward under the
+  update's routing (replay included), two backward passes. Returns {'cosine', 'norm_ratio'}
+  (`meters.grad_alignment`): on-policy (p = q), with PG and 'batch_tokens' or 'constant'
+  aggregation, g_tok = g_seq, so both are 1; they move away under mismatch (the w_i differ from
+  1), clipping / masking rules, and the per-response 1 / L_i of 'seq_mean'.
+  """
+  mask_BT = batch.response_mask_BT
+  z = meters.seq_normalizer(mask_BT, loss_cfg.aggregation)
+
+  def objectives(p):
+    model = nnx.merge(graphdef, p)
+    out = _forward(model, batch, loss_cfg.chunk_size, **_replay_kw(batch))
+    loss, _ = _rl_loss(model, out, batch, loss_cfg)
+    logp_BT = _sampled_logp(model, out, batch, loss_cfg)
+    j_seq, _ = meters.seq_objective_surrogate(logp_BT, batch.logq_BT, batch.adv_B, mask_BT, z)
+    return -loss, j_seq
+
+  (j_tok, j_seq), pullback = jax.vjp(objectives, params)
+  one = lambda x: jnp.ones_like(x)
+  zero = lambda x: jnp.zeros_like(x)
+  g_tok, = pullback((one(j_tok), zero(j_seq)))
+  g_seq, = pullback((zero(j_tok), one(j_seq)))
+  return meters.grad_alignment(g_tok, g_seq)
 
 
 def update(params, opt_state, batch: TrainBatch, *, graphdef: nnx.GraphDef, optimizer: Any,
@@ -170,3 +218,7 @@ def update(params, opt_state, batch: TrainBatch, *, graphdef: nnx.GraphDef, opti
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
   return keep(new_params, params), keep(new_opt, opt_state), dict(metrics, loss=loss, grad_norm=gnorm,
                                                                  finite=ok)
+
+
+# Jitted once per (graphdef, loss_cfg): the trainer calls it every `rl.meter_every` steps.
+first_order_jit = jax.jit(first_order, static_argnames=("graphdef", "loss_cfg"))

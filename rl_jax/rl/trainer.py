@@ -150,7 +150,9 @@ class RLTrainer:
 
   def prepare(self, ro: rollout_lib.Rollout, rewards: np.ndarray) -> tuple[TrainBatch, dict]:
     """Advantages, the theta_old forward and the replay routes of this global step."""
-    batch = TrainBatch.from_rollout(ro, self._advantages(jnp.asarray(rewards)), self.job.loss.needs_topk)
+    # The sampler's top-k rides along whenever it was recorded: the loss's drift meter reads it
+    # (K more gathered ids per token), score centering too.
+    batch = TrainBatch.from_rollout(ro, self._advantages(jnp.asarray(rewards)), with_topk=True)
     sampler_ids = ro.expert_ids_BSLK if self.job.model.is_moe else None
     logp_old, own_ids, m = self._old_forward(self.state["params"], batch, sampler_ids, ro.expert_valid_BS)
     batch = batch.replace(logp_old_BT=logp_old)
@@ -185,7 +187,7 @@ class RLTrainer:
     return out
 
   def train_step(self, step: int) -> dict:
-    """One global step; returns its metrics (SPEC "Diagnostics")."""
+    """One global step; returns its metrics (docs/metrics.md)."""
     t0 = time.perf_counter()
     problems, ro = self.rollout(step)
     rewards = self.score(problems, ro)
@@ -193,6 +195,14 @@ class RLTrainer:
     batch, m_old = self.prepare(ro, rewards)
     m_old = sh.to_host(m_old)
     t2 = time.perf_counter()
+    meter_every = self.job.rl.meter_every
+    m_first = {}
+    if meter_every and (step + 1) % meter_every == 0:
+      # On the first mini-batch at theta_old, before its update (which donates the params):
+      # fetched to the host here, so the meter has finished reading them.
+      fo = step_lib.first_order_jit(self.state["params"], next(self.minibatches(batch)),
+                                    graphdef=self.graphdef, loss_cfg=self.job.loss)
+      m_first = {f"first_order/{k}": float(v) for k, v in sh.to_host(fo).items()}
     m_upd = self.update(batch, step)
     t3 = time.perf_counter()
     done = step + 1
@@ -209,7 +219,9 @@ class RLTrainer:
     row = {"reward": float(rewards.mean()), "accuracy": float((rewards >= 1.0).mean()),
            "response_length": float(lengths.mean()),
            **{k: float(v) for k, v in m_old.items()},
-           **{f"loss/{k}": v for k, v in m_upd.items()},
+           # The drift meters (present when the sampler recorded its top-k) are logged top-level.
+           **{k if k.startswith("drift/") else f"loss/{k}": v for k, v in m_upd.items()},
+           **m_first,
            "time/sample_s": t1 - t0, "time/p_old_s": t2 - t1, "time/update_s": t3 - t2,
            "time/sync_s": t4 - t3}
     if mask.any():  # the sampler's top-k mass (its top-1 mass when record_topk = 0: a floor)
