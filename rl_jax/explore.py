@@ -238,3 +238,20 @@ def replay_trajectory(graphdef: nnx.GraphDef, params: Any, opt_state: Any, ro: r
   out = {k: np.asarray(v) for k, v in rec.items()}
   out["old_forward"] = {k: float(v) for k, v in old_m.items()}
   return out
+
+
+def token_logprobs(graphdef: nnx.GraphDef, params: Any, ro: rollout_lib.Rollout,
+                   temperature: float) -> tuple[np.ndarray, np.ndarray]:
+  """(log q(y_t), log p(y_t)) of every real response token, on the host: the sampler's and the fp32 trainer's."""
+  out = nnx.merge(graphdef, params)(ro.tokens_BS, ro.positions_BS, ro.valid_BS)
+  logp_BT, _ = rollout_lib.trainer_logprobs(out.logits_BSV, ro, temperature)
+  mask = np.asarray(ro.response_mask_BT)
+  return np.asarray(ro.logq_BT)[mask], np.asarray(logp_BT)[mask]
+
+
+def trainer_routing_agreement(graphdef: nnx.GraphDef, params: Any, ro: rollout_lib.Rollout) -> np.ndarray:
+  """[L]: per MoE layer, how often the fp32 trainer's own routing keeps the sampler's experts."""
+  if ro.expert_ids_BSLK is None:
+    raise ValueError("trainer_routing_agreement needs a MoE rollout with sampler.record_experts=True")
+  out = nnx.merge(graphdef, params)(ro.tokens_BS, ro.positions_BS, ro.valid_BS)
+  return np.asarray(routing_agreement_per_layer(out.expert_ids_BSLK, ro.expert_ids_BSLK, ro.expert_valid_BS))
