@@ -100,7 +100,6 @@ def _kernel_env(tmp_path, monkeypatch):
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   monkeypatch.setenv("XLA_FLAGS", " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                                            if "xla_force_host_platform_device_count" not in f))
-  monkeypatch.setenv("MPLBACKEND", "Agg")
   monkeypatch.setenv("WANDB_MODE", "disabled")
 
 
