@@ -107,7 +107,7 @@ def tail_reconstruction(logp_V: jax.Array, logq_V: jax.Array, k: int, eps: float
                                               head=head).items()}
 
 
-# --- Train / inference mismatch of the sampler, per regime (docs/math.md#mismatch) -----------
+# --- Train / inference mismatch of the sampler, per regime (docs/math.md#mismatch-sources) -----------
 
 
 def routing_agreement_per_layer(trainer_ids_BSLK: jax.Array, sampler_ids_BSLK: jax.Array,
