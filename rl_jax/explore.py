@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from rl_jax import rollout as rollout_lib
+from rl_jax.config_utils import ConfigError
 from rl_jax.logprobs import gather_logprobs
 from rl_jax.rl import step as step_lib
 from rl_jax.rl.loss_config import LossConfig
@@ -169,11 +170,22 @@ def regimes(presets: Sequence[str], noise_sigmas: Sequence[float], base: Sampler
 
 def mismatch_by_regime(model_cfg: Any, graphdef: nnx.GraphDef, params: Any, ids_BP: jax.Array,
                        valid_BP: jax.Array, samplers: Mapping[str, SamplerConfig], key: jax.Array,
-                       head_k: int = 8) -> dict[str, dict[str, float]]:
-  """`mismatch_stats` of each named sampler against the fp32 trainer, all from the same prompts and key."""
-  return {name: mismatch_stats(graphdef, params, sample(model_cfg, params, ids_BP, valid_BP, key, cfg),
-                               cfg.temperature, head_k)
-          for name, cfg in samplers.items()}
+                       head_k: int = 8) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
+  """`mismatch_stats` of each named sampler against the fp32 trainer, all from the same prompts and key.
+
+  Returns (stats by regime, skipped): a regime the model's shapes cannot take (e.g. a block size
+  that does not divide head_dim or a contraction dim: a ConfigError naming the key) is skipped,
+  with the error as the reason, instead of ending the sweep.
+  """
+  stats, skipped = {}, {}
+  for name, cfg in samplers.items():
+    try:
+      ro = sample(model_cfg, params, ids_BP, valid_BP, key, cfg)
+    except ConfigError as e:
+      skipped[name] = str(e)
+      continue
+    stats[name] = mismatch_stats(graphdef, params, ro, cfg.temperature, head_k)
+  return stats, skipped
 
 
 # --- Routing replay over N mini-batches (docs/math.md#routing-replay) -----------------------
