@@ -40,22 +40,22 @@ def _workdir(tmp_path, rows):
 def test_diagnose_a_run(tmp_path):
   rows = []
   for s in range(1, 9):
-    rows.append({"step": s, "reward": 0.5, "mismatch/kl_k1": 1e-3 if s != 6 else 1e-2,
-                 "loss/entropy": 3.0 if s < 7 else 1.0, "loss/clip_frac_high": 0.1 * s, "loss/is_ratio_mean": 1.0})
+    rows.append({"step": s, "reward": 0.5, "mismatch/kl_k3": 1e-3 if s != 6 else 1e-2,
+                 "loss/entropy": 3.0 if s < 7 else 1.0, "loss/frac_clipped": 0.1 * s, "loss/is_ratio_mean": 1.0})
   rows[0]["eval_greedy_accuracy"] = 0.4
   rows[7]["eval_greedy_accuracy"] = 0.1
   d = diagnose.diagnose(_workdir(tmp_path, rows))
   assert (d.kl_spike_step, d.entropy_collapse_step, d.aborted_step, d.last_step) == (6, 7, None, 8)
   assert d.accuracy_collapse_step is None   # one low evaluation is under the patience of 2
-  mean, mx, at = d.clip["loss/clip_frac_high"]
+  mean, mx, at = d.clip["loss/frac_clipped"]
   assert at == 8 and mx == pytest.approx(0.8) and mean == pytest.approx(0.45)
-  assert list(d.clip) == ["loss/clip_frac_high"]
+  assert list(d.clip) == ["loss/frac_clipped"]
   assert d.first_problem == ("KL spike", 6)
   table = diagnose.markdown([d])
-  assert "| run | 8 | 6 | 7 | - | - | loss/clip_frac_high 0.8 @ 8 |" in table
+  assert "| run | 8 | 6 | 7 | - | - | loss/frac_clipped 0.8 @ 8 |" in table
 
 
 def test_healthy_run_has_no_problem(tmp_path):
-  rows = [{"step": s, "reward": 0.5, "mismatch/kl_k1": 1e-3, "loss/entropy": 3.0} for s in range(1, 5)]
+  rows = [{"step": s, "reward": 0.5, "mismatch/kl_k3": 1e-3, "loss/entropy": 3.0} for s in range(1, 5)]
   d = diagnose.diagnose(_workdir(tmp_path, rows))
   assert d.first_problem is None and d.clip == {}

@@ -9,7 +9,9 @@ import numpy as np
 from rl_jax.analysis import aggregate
 from rl_jax.analysis.runs import Run
 
-KL = aggregate.KL
+# k3, not k1: k1 averages signed log-ratios, is negative on about half the steps of a small
+# mismatch, and a spike finder on it flags its noise (notebooks/explore_mismatch.ipynb).
+KL = "mismatch/kl_k3"
 ENTROPY = "loss/entropy"
 SPIKE_FACTOR = 3.0   # a value this many times the median of the steps before it is a spike
 SPIKE_WINDOW = 5     # how many earlier steps the median looks at
@@ -53,8 +55,8 @@ def first_below(steps: Sequence[int], values: Sequence[float], fraction: float =
 
 
 def clip_fractions(run: Run) -> dict[str, tuple[float, float, int]]:
-  """Every logged clip / mask fraction (`*clip_frac*`, `*mask_frac*`): (mean, max, step of the max)."""
-  keys = sorted({k for r in run.rows for k in r if "clip_frac" in k or "mask_frac" in k})
+  """Every logged fraction of the loss (`loss/frac_clipped`, `loss/frac_masked`, ...): (mean, max, step of max)."""
+  keys = sorted({k for r in run.rows for k in r if "frac" in k.rsplit("/", 1)[-1]})
   out = {}
   for k in keys:
     steps, vals = run.series(k)
