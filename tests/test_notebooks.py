@@ -62,6 +62,11 @@ def test_notebook_is_valid_stripped_and_compiles(path):
   assert code > 0 and tagged == 1, f"{path}: needs exactly one code cell tagged 'parameters'"
   text = "\n".join(_src(c) for c in nb["cells"] if c["cell_type"] == "markdown")
   assert "## Findings" in text, f"{path}: no written findings"
+  if _name(path) == "explore_mismatch":
+    # The sampler is built and run through the library (sync_weights + generate in explore.sample).
+    code_text = "\n".join(_src(c) for c in nb["cells"] if c["cell_type"] == "code")
+    for call in ("from rl_jax", "explore.sample(", "explore.mismatch_by_regime("):
+      assert call in code_text, call
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
