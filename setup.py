@@ -5,7 +5,8 @@ setup(
     name="rl_jax",
     version="0.1.0",
     description="JAX research codebase for stable RL of (MoE) LMs under training-inference mismatch",
-    packages=find_packages(include=["rl_jax", "rl_jax.*"]),
+    # configs/ ships too: notebooks and the study runner import experiment configs as a package.
+    packages=find_packages(include=["rl_jax", "rl_jax.*", "configs"]),
     python_requires=">=3.11",
     install_requires=[
         # jax 0.10.x resolves on Python 3.11, 0.12.x on 3.12.
@@ -24,11 +25,15 @@ setup(
         "numpy>=1.26",
         "tqdm>=4.66",
         "matplotlib>=3.8",
-        "safetensors>=0.4",
         "tokenizers>=0.20",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],
+        # safetensors: only tests import it (the runtime reads and writes the format itself);
+        # nbclient / ipykernel / nbformat execute the notebooks in tests/test_notebooks.py.
+        "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "safetensors>=0.4",
+                 "nbclient>=0.10", "ipykernel>=6.29", "nbformat>=5.10"],
+        # `pip install -e ".[notebooks]"`, then `jupyter lab notebooks/`.
+        "notebooks": ["jupyterlab>=4", "nbclient>=0.10", "ipykernel>=6.29", "nbformat>=5.10"],
         # torch pinned to the CPU wheel on disk: a looser range pulls a multi-GB CUDA build.
         "hf": ["torch==2.13.0", "transformers>=4.51"],
     },
