@@ -15,9 +15,12 @@ setup(
         "flax>=0.12.0,<0.13",
         "optax>=0.2.4",
         "orbax-checkpoint>=0.11",
+        # Every workdir read/write goes through etils.epath (local, gs://, ...): rl_jax/workdir.py.
+        "etils[epath]>=1.7",
         "chex>=0.1.90",
         "ml-collections>=1.0",
         "einops>=0.8",
+        # orbax's storage layer; rl_jax asks for it by name for the design card's checkpoint stack.
         "tensorstore>=0.1.70",
         "wandb>=0.19",
         "absl-py>=2.1",
