@@ -73,11 +73,27 @@ def check_batch(value: int, key: str, mesh) -> None:
                       f"split {d} (data*fsdp*expert)")
 
 
+def opt_state_shardings(optimizer, params, mesh):
+  """Shardings of `optimizer.init(params)`: each leaf that mirrors a parameter (same path suffix
+  and shape, e.g. AdamW's moments) sharded like that parameter, the rest (step counts) replicated.
+
+  Left to jit, the moments come out replicated: `zeros_like(param)` does not depend on the
+  param's values, so no sharding propagates to it, and every device would hold the full
+  optimizer state (the planner's finding on the pod configs). `params` may be arrays or
+  sharded ShapeDtypeStructs.
+  """
+  by_path = {tuple(path): x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+  def one(path, x):
+    path = tuple(path)
+    for i in range(len(path)):
+      p = by_path.get(path[i:])
+      if p is not None and p.shape == x.shape:
+        return p.sharding
+    return sh.replicated(mesh)
+  return jax.tree_util.tree_map_with_path(one, jax.eval_shape(optimizer.init, params))
+
+
 def init_opt_state(optimizer, params, mesh):
   """Optimizer state laid out like the params it mirrors; scalars (step counts) replicated."""
-  opt_state = jax.jit(optimizer.init)(params)
-  def place(x):
-    if isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh:
-      return x
-    return jax.device_put(x, sh.replicated(mesh))
-  return jax.tree.map(place, opt_state)
+  return jax.jit(optimizer.init, out_shardings=opt_state_shardings(optimizer, params, mesh))(params)

@@ -92,16 +92,11 @@ def abstract_params(model_cfg, mesh):
 
 
 def abstract_opt_state(optimizer, params, mesh):
-  """Optimizer state with the shardings `experiment.init_opt_state` gives it (compiled, not run)."""
+  """Optimizer state with the shardings `experiment.init_opt_state` gives it (no memory)."""
   import jax  # pylint: disable=g-import-not-at-top
-  from rl_jax import sharding as sh  # pylint: disable=g-import-not-at-top
-  shapes = jax.eval_shape(optimizer.init, params)
-  out_sh = jax.jit(optimizer.init).lower(params).compile().output_shardings
-
-  def place(s, shd):
-    keep = isinstance(shd, jax.sharding.NamedSharding) and shd.mesh == mesh
-    return _sds(s, shd if keep else sh.replicated(mesh))
-  return jax.tree.map(place, shapes, out_sh)
+  from rl_jax import experiment as ex  # pylint: disable=g-import-not-at-top
+  return jax.tree.map(_sds, jax.eval_shape(optimizer.init, params),
+                      ex.opt_state_shardings(optimizer, params, mesh))
 
 
 def opt_state_like_params(opt_state, params):

@@ -35,12 +35,12 @@ def test_abstract_bytes_equal_real_init(fast_compile):
   full = sum(x.nbytes for x in jax.tree.leaves(params))
   assert plan.device_bytes(params_sds) == _device0_bytes(params, d0) < full
   assert plan.device_bytes(opt_sds) == _device0_bytes(opt_state, d0) > 0
-  # init_opt_state lets jit lay the moments out (replicated today); sharded like the params
-  # they mirror, mu and nu would take exactly 2x the params (+ the int32 step counts).
-  like = plan.opt_state_like_params(opt_sds, params_sds)
+  # AdamW's mu and nu are sharded like the params they mirror: exactly 2x the params per device
+  # (+ the int32 step counts), not the full moments on every device.
   counts = [x for x in jax.tree.leaves(opt_sds) if x.ndim == 0]
   assert counts and all(x.dtype == "int32" for x in counts)
-  assert plan.device_bytes(like) == 2 * plan.device_bytes(params_sds) + 4 * len(counts)
+  assert plan.device_bytes(opt_sds) == 2 * plan.device_bytes(params_sds) + 4 * len(counts)
+  assert plan.device_bytes(plan.opt_state_like_params(opt_sds, params_sds)) == plan.device_bytes(opt_sds)
   # The shardings themselves agree leaf by leaf.
   same = jax.tree.map(lambda a, b: a.sharding.is_equivalent_to(b.sharding, len(a.shape)), params_sds, params)
   assert all(jax.tree.leaves(same))
@@ -61,7 +61,7 @@ def test_xla_argument_bytes_are_per_device_and_fit_check_names_contributors(monk
   assert plan.main([f"--config={CONFIG}", "--devices=2", "--device=tiny", "--programs=sync"]) == 1
   err = capsys.readouterr().err
   assert "DOES NOT FIT: program 'sync' needs" in err and "tiny's" in err
-  # AdamW's two moments (replicated by today's init_opt_state) are the largest term, named first.
+  # AdamW's two moments (2x the params, sharded alike) are the largest term, named first.
   assert sync.resident["optimizer state"] >= 2 * sync.args["params"]
   assert f"largest: resident optimizer state {plan_hw.gib(sync.resident['optimizer state'])}" in err
 
