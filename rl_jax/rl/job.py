@@ -134,6 +134,3 @@ class RLJob:
     require(self.rl.group_size >= 2 or self.advantage.mode not in GROUP_RELATIVE, "rl.group_size",
             f"1 with advantage.mode={self.advantage.mode!r}: a group of one has zero advantage "
             "everywhere (nothing to learn); use group_size >= 2 or advantage.mode='raw'")
-    ws = self.warm_start
-    require(ws.source not in ("hf", "sft") or bool(ws.path), "warm_start.path",
-            f"empty: warm_start.source={ws.source!r} needs the checkpoint directory to start from")

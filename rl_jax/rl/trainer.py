@@ -66,6 +66,10 @@ class RLTrainer:
                         f"responses do not split over the mesh's batch axes ({div})")
     ex.check_batch(job.rl.eval_size, "rl.eval_size", self.mesh)
     self.task = ex.make_task(job.task)
+    # Checked here, not in RLJob: configs ship with the path left for the command line.
+    require(job.warm_start.source not in ("hf", "sft") or bool(job.warm_start.path), "warm_start.path",
+            f"empty: warm_start.source={job.warm_start.source!r} needs the checkpoint directory "
+            "to start from (--config.warm_start.path=...)")
     if job.warm_start.source == "hf":
       _check_dir(job.warm_start.path, "warm_start.path", "config.json")
       from rl_jax.tasks.hf_tokenizer import HFTokenizer  # pylint: disable=g-import-not-at-top
