@@ -1,6 +1,10 @@
 """Shared config pieces: the tiny CPU models and the sections every job has."""
 import ml_collections
 
+# The `resume` key: "check" (a resumed workdir's stored config must match, except the keys in
+# rl_jax.workdir.SAFE_TO_CHANGE) or "force".
+RESUME = "check"
+
 
 def tiny_moe_model() -> ml_collections.ConfigDict:
   """A ~0.3M-parameter Qwen3-MoE-shaped model that trains on 2 CPU cores."""

@@ -7,7 +7,7 @@ Hardware: 2 CPU cores, no accelerator. Runtime: ~3 minutes on an idle 2-core mac
 <workdir>/warm_start) on first use.
 Setting: score centering (top-k, k=16 of an 80-token vocabulary) + plain REINFORCE on
 group-centered {0,1} rewards, 32 prompts x 8 completions, 160 steps, on-policy (N=1),
-sampler with INT8 weights/activations and an INT4 KV cache (001's "INT8 W/A + INT4 KV").
+sampler with INT8 weights/activations and an INT4 KV cache ([SC]'s "INT8 W/A + INT4 KV").
 Expected result (seed 0): held-out greedy accuracy 0.05 -> 0.27, sampled mean@4 at the
 training temperature 0.03 -> 0.20 (both >= +0.1 over the warm start; figures for more
 seeds in the README); `rl_curves.png` and `summary.json` in the workdir.
@@ -58,6 +58,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       routing_replay="none", eval_every=40, eval_size=256, eval_temperature=1.0, eval_samples=4,
       checkpoint_every=40, max_to_keep=2, plot=True))
   cfg.logging = common.logging()
+  # On a workdir with checkpoints a changed config fails naming the keys; --config.resume=force resumes anyway.
+  cfg.resume = common.RESUME
   if arg == "test":
     cfg.sampler.quant = "none"
     cfg.optim.schedule, cfg.optim.warmup_steps, cfg.optim.total_steps = "constant", 0, 0

@@ -23,6 +23,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                            eval_size=256, eval_max_new_tokens=12, checkpoint_every=250,
                                            max_to_keep=2))
   cfg.logging = common.logging()
+  # On a workdir with checkpoints a changed config fails naming the keys; --config.resume=force resumes anyway.
+  cfg.resume = common.RESUME
   if arg == "test":
     cfg.model.n_layers = 2
     cfg.model.d_model = 32

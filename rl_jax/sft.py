@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import time
 from typing import Any
 
@@ -18,10 +17,11 @@ from flax import nnx
 from rl_jax import data as data_lib
 from rl_jax import experiment as ex
 from rl_jax import sharding as sh
+from rl_jax import workdir as wd
 from rl_jax.checkpoint import Checkpointer
 from rl_jax.config_utils import require
 from rl_jax.logprobs import token_logprobs
-from rl_jax.metrics import LoggingConfig, MetricsWriter
+from rl_jax.metrics import LoggingConfig, MetricsWriter, resolve_wandb_mode
 from rl_jax.models import ModelConfig
 from rl_jax.models.decode import greedy_reference
 from rl_jax.optim import OptimConfig, make_optimizer
@@ -43,7 +43,11 @@ class SFTConfig:
       require(getattr(self, k) > 0, f"sft.{k}", f"must be > 0, got {getattr(self, k)}")
 
 
-TOP_LEVEL = {"job", "seed", "task", "model", "mesh", "optim", "sft", "logging"}
+# `resume`: optional, "check" or "force" (rl_jax.workdir.RunDir).
+TOP_LEVEL = {"job", "seed", "task", "model", "mesh", "optim", "sft", "logging", "resume"}
+
+# How many steps' batches `check_max_len` tokenizes before any compute.
+MAX_LEN_CHECK_STEPS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,39 +111,64 @@ def evaluate(job_task, tok, graphdef, params, seed: int, n: int, max_new: int, b
   return float(np.mean(rewards))
 
 
-def run(config: Any, workdir: str) -> dict:
-  """Runs (or resumes) SFT in `workdir`; returns the final metrics."""
+def check_max_len(job: SFTJob, task, tok) -> None:
+  """`sft.max_len` fits the sequences of the first steps' batches (host-side tokenization only)."""
+  s = job.sft
+  problems = task.make_problems(job.seed, "train", 0, min(s.steps, MAX_LEN_CHECK_STEPS) * s.batch_size)
+  seq = lambda p: len(data_lib.prompt_ids(task, tok, p)) + len(tok.encode(task.completion(p)))
+  longest = max(problems, key=seq)
+  # prompt + completion + eos is max_len + 1 tokens at most (inputs and targets overlap by all but one).
+  require(seq(longest) <= s.max_len, "sft.max_len",
+          f"{s.max_len} is too short for a training sequence of {seq(longest)} tokens (prompt + "
+          f"completion; {task.prompt(longest)!r}); set it to at least {seq(longest)}")
+
+
+def validate(config: Any):
+  """(job, mesh, task, tok): every config check of the SFT job, before any compute."""
   job = SFTJob.from_config(config)
   mesh = sh.make_mesh(job.mesh)
   ex.check_batch(job.sft.batch_size, "sft.batch_size", mesh)
   task = ex.make_task(job.task)
   tok = ex.make_tokenizer(task, job.model)
-  os.makedirs(workdir, exist_ok=True)
+  check_max_len(job, task, tok)
+  return job, mesh, task, tok
 
-  graphdef, params = ex.init_params(job.model, job.seed, mesh)
-  optimizer = make_optimizer(job.optim)
-  opt_state = ex.init_opt_state(optimizer, params, mesh)
-  ckpt = Checkpointer(workdir, max_to_keep=job.sft.max_to_keep)
-  start = 0
-  if ckpt.latest_step() is not None:
-    items, _, start = ckpt.restore({"params": params, "opt_state": opt_state})
-    params, opt_state = items["params"], items["opt_state"]
-    print(f"[sft] resumed from step {start} in {ckpt.directory}")
 
-  param_sh = jax.tree.map(lambda x: x.sharding, params)
-  opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
-  batch_sh = sh.batch_sharding(mesh)
-  train_step = jax.jit(make_train_step(graphdef, optimizer, job.model.router_aux_loss_coef),
-                       in_shardings=(param_sh, opt_sh, batch_sh),
-                       out_shardings=(param_sh, opt_sh, sh.replicated(mesh)),
-                       donate_argnums=(0, 1))
-  writer = MetricsWriter(workdir, job.logging, config.to_dict() if hasattr(config, "to_dict") else None)
-  s = job.sft
-  final: dict = {}
-  t0 = time.time()
-  bar = tqdm.tqdm(range(start, s.steps), initial=start, total=s.steps, desc="sft",
-                  disable=jax.process_index() != 0, mininterval=2.0)
+def run(config: Any, workdir: Any) -> dict:
+  """Runs (or resumes) SFT in `workdir` (local or remote); returns the final metrics."""
+  job, mesh, task, tok = validate(config)
+  logging_cfg = dataclasses.replace(job.logging, wandb_mode=resolve_wandb_mode(job.logging.wandb_mode))
+  config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  run_dir = wd.RunDir.open(workdir, config_dict, resume=config.get("resume", "check"),
+                           is_writer=jax.process_index() == 0)
+  ckpt = writer = bar = None
   try:
+    graphdef, params = ex.init_params(job.model, job.seed, mesh)
+    optimizer = make_optimizer(job.optim)
+    opt_state = ex.init_opt_state(optimizer, params, mesh)
+    ckpt = Checkpointer(run_dir.root, max_to_keep=job.sft.max_to_keep)
+    start = 0
+    resuming = ckpt.latest_step() is not None
+    if resuming:
+      items, _, start = ckpt.restore({"params": params, "opt_state": opt_state})
+      params, opt_state = items["params"], items["opt_state"]
+      print(f"[sft] resumed from step {start} in {ckpt.directory}")
+
+    param_sh = jax.tree.map(lambda x: x.sharding, params)
+    opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
+    batch_sh = sh.batch_sharding(mesh)
+    train_step = jax.jit(make_train_step(graphdef, optimizer, job.model.router_aux_loss_coef),
+                         in_shardings=(param_sh, opt_sh, batch_sh),
+                         out_shardings=(param_sh, opt_sh, sh.replicated(mesh)),
+                         donate_argnums=(0, 1))
+    # A resumed run drops the rows after the restored step (a killed attempt's): each step once.
+    writer = MetricsWriter(run_dir.root, logging_cfg, config_dict, run_id=run_dir.run_id,
+                           restored_step=start if resuming else None)
+    s = job.sft
+    final: dict = {}
+    t0 = time.time()
+    bar = tqdm.tqdm(range(start, s.steps), initial=start, total=s.steps, desc="sft",
+                    disable=jax.process_index() != 0, mininterval=2.0)
     for step in bar:
       problems = task.make_problems(job.seed, "train", step * s.batch_size, s.batch_size)
       batch = sh.host_to_global(data_lib.sft_batch(task, tok, problems, s.max_len), mesh)
@@ -161,23 +190,26 @@ def run(config: Any, workdir: str) -> dict:
       final = row
       if done % s.checkpoint_every == 0 or done == s.steps:
         ckpt.save(done, {"params": params, "opt_state": opt_state}, {"step": done, "job": "sft"})
+    if jax.process_index() == 0 and final:
+      summary = {k: float(v) for k, v in final.items()}
+      run_dir.path("summary.json").write_text(json.dumps(summary, indent=1))
+      print(f"[sft] done: step {s.steps}, loss {summary['loss']:.4f}, "
+            f"eval_accuracy {summary.get('eval_accuracy', float('nan')):.3f}")
+    return final
   finally:
-    bar.close()
-    writer.close()
-    ckpt.close()
-  if jax.process_index() == 0 and final:
-    summary = {k: float(v) for k, v in final.items()}
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=1)
-    print(f"[sft] done: step {s.steps}, loss {summary['loss']:.4f}, "
-          f"eval_accuracy {summary.get('eval_accuracy', float('nan')):.3f}")
-  return final
+    if bar is not None:
+      bar.close()
+    if writer is not None:
+      writer.close()
+    if ckpt is not None:
+      ckpt.close()
+    run_dir.close()
 
 
-def load_params(workdir: str, model_cfg: ModelConfig, seed: int = 0, mesh=None) -> tuple[Any, dict, int]:
+def load_params(workdir: Any, model_cfg: ModelConfig, seed: int = 0, mesh=None) -> tuple[Any, dict, int]:
   """(graphdef, params, step) from the latest SFT checkpoint in `workdir` (params item only)."""
   graphdef, params = ex.init_params(model_cfg, seed, mesh)
-  ckpt = Checkpointer(workdir)
+  ckpt = Checkpointer(workdir, create=False)  # a reader: a mistyped path is not created
   try:
     items, _, step = ckpt.restore({"params": params})
   finally:

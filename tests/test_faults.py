@@ -406,3 +406,239 @@ def test_reader_checkpointer_leaves_a_mistyped_path_uncreated(tmp_path):
     ckpt.restore(_tiny(0))
   ckpt.close()
   assert not (tmp_path / "typo").exists()
+
+
+# -- the same faults through the RL job (configs/countdown_tiny.py:test) ------------------------
+# Tests that only need the job to reach (or not reach) its first compute patch that compute to
+# raise `Computed`; the two that need real checkpoints replace the sampler/update step and the
+# evaluation with cheap fakes, so what runs is the job's loop, checkpoints and metrics.
+
+from configs import countdown_tiny  # pylint: disable=g-import-not-at-top,wrong-import-position
+from configs import sweeps  # pylint: disable=g-import-not-at-top,wrong-import-position
+from rl_jax.rl import trainer as trainer_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+class Computed(Exception):
+  """Raised by the patched first compute: the job got past every check."""
+
+
+def _job_config(**overrides):
+  cfg = countdown_tiny.get_config("test")
+  cfg.warm_start.source = "none"
+  cfg.mesh.tensor = 2  # 8 test devices: fsdp 4 x tensor 2
+  return sweeps.apply_overrides(cfg, overrides)
+
+
+@pytest.fixture
+def no_compute(monkeypatch):
+  """Parameter init and the warm start raise Computed: reaching them means every check passed."""
+  seen = []
+
+  def computed(*args, **kwargs):
+    seen.append(args)
+    raise Computed("compute reached")
+  monkeypatch.setattr(trainer_lib.ex, "init_params", computed)
+  monkeypatch.setattr(trainer_lib, "warm_start", computed)
+  return seen
+
+
+@pytest.fixture
+def fake_steps(monkeypatch):
+  """train_step / evaluate replaced by step-dependent fakes (`attempt` tags a run's rows)."""
+  state = {"attempt": 0, "die_at": None}
+
+  def train_step(self, step):
+    if step == state["die_at"]:
+      raise InjectedKill(f"killed during step {step + 1}")
+    return {"reward": 0.1 * step, "mismatch/kl_k1": 10.0 * state["attempt"] + step,
+            "attempt": state["attempt"]}
+
+  monkeypatch.setattr(trainer_lib.RLTrainer, "train_step", train_step)
+  monkeypatch.setattr(trainer_lib.RLTrainer, "evaluate", lambda self: {"eval_greedy_accuracy": 0.5})
+  return state
+
+
+class InjectedKill(RuntimeError):
+  pass
+
+
+def test_job_resume_after_kill_between_checkpoints_writes_each_step_once(tmp_path, monkeypatch,
+                                                                         fake_steps, fast_compile):
+  """Item 5 (+ 11): killed after step 3 with the last checkpoint at 2; the resumed job drops the
+  killed attempt's step-3 row, so every step appears once and the summary's mean counts each once;
+  both attempts log to the wandb run of the workdir's stored identity."""
+  calls = []
+  fake = types.SimpleNamespace(init=lambda **kw: calls.append(kw) or types.SimpleNamespace(
+      log=lambda *a, **k: None, finish=lambda: None))
+  monkeypatch.setitem(sys.modules, "wandb", fake)
+  monkeypatch.delenv("WANDB_MODE", raising=False)
+  cfg = lambda: _job_config(**{"rl.steps": 4, "rl.checkpoint_every": 2, "rl.eval_every": 4,
+                               "logging.wandb_mode": "offline"})
+  fake_steps["die_at"] = 3  # steps 1..3 written, checkpoint at 2
+  with pytest.raises(InjectedKill):
+    trainer_lib.run(cfg(), tmp_path)
+  assert [r["step"] for r in metrics_lib.read_metrics(tmp_path)] == [0, 1, 2, 3]
+  assert not (tmp_path / wd.LOCK_NAME).exists()  # released on the way out
+  fake_steps.update(attempt=1, die_at=None)
+  summary = trainer_lib.run(cfg(), tmp_path)
+  rows = metrics_lib.read_metrics(tmp_path)
+  assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+  assert [r.get("attempt") for r in rows] == [None, 0, 0, 1, 1]
+  assert summary["mean_kl_k1"] == pytest.approx(np.mean([0, 1, 12, 13]))
+  assert json.loads((tmp_path / "summary.json").read_text()) == summary
+  run_id = json.loads((tmp_path / wd.RUN_NAME).read_text())["identity"]["run_id"]
+  assert [c["id"] for c in calls] == [run_id, run_id]
+
+
+def test_job_on_a_locked_workdir_fails_before_compute_naming_the_holder(tmp_path, no_compute):
+  """Item 6."""
+  holder = wd.RunDir.open(tmp_path, {})
+  try:
+    with pytest.raises(wd.LockHeldError, match=rf"host '{socket.gethostname()}' pid {os.getpid()}"):
+      trainer_lib.RLTrainer(_job_config(), tmp_path)
+  finally:
+    holder.close()
+  assert no_compute == [] and not (tmp_path / "checkpoints").exists()
+
+
+def _started_workdir(root, cfg):
+  """A workdir as the job leaves it after its first checkpoint: run.json + a step directory."""
+  wd.RunDir.open(root, cfg.to_dict()).close()
+  (root / "checkpoints" / "1").mkdir(parents=True)
+
+
+def test_job_changed_config_fails_before_compute_listing_keys(tmp_path, no_compute):
+  """Item 7: seed, loss.method and the model shape listed; rl.steps may change; resume=force."""
+  _started_workdir(tmp_path, _job_config())
+  bad = {"seed": 1, "loss.method": "tis", "model.d_model": 48}
+  with pytest.raises(ConfigError) as e:
+    trainer_lib.RLTrainer(_job_config(**bad), tmp_path)
+  msg = str(e.value)
+  assert "3 key(s)" in msg and "seed: 0 -> 1" in msg and "loss.method: 'pg' -> 'tis'" in msg
+  assert "model.d_model: 32 -> 48" in msg
+  assert no_compute == [] and not (tmp_path / wd.LOCK_NAME).exists()
+  with pytest.raises(Computed):  # a longer run resumes
+    trainer_lib.RLTrainer(_job_config(**{"rl.steps": 30}), tmp_path)
+  with pytest.raises(Computed):
+    trainer_lib.RLTrainer(_job_config(**{"seed": 1, "resume": "force"}), tmp_path)
+  assert json.loads((tmp_path / wd.RUN_NAME).read_text())["config"]["seed"] == 1
+  assert not (tmp_path / wd.LOCK_NAME).exists()
+
+
+def test_resume_key_is_in_the_configs_so_the_flag_override_works():
+  """`--config.resume=force` needs the key (config flags cannot add one)."""
+  assert countdown_tiny.get_config().resume == "check"
+  assert sweeps.apply_overrides(_job_config(), {"resume": "force"}).resume == "force"
+
+
+def test_job_resumes_from_the_previous_checkpoint_when_the_latest_is_corrupt(tmp_path, capsys,
+                                                                             fake_steps, fast_compile):
+  """Item 8."""
+  cfg = lambda: _job_config(**{"rl.steps": 2, "rl.checkpoint_every": 1})
+  trainer_lib.run(cfg(), tmp_path)
+  _truncate(tmp_path / "checkpoints" / "2", "data")
+  capsys.readouterr()
+  with trainer_lib.RLTrainer(cfg(), tmp_path) as tr:
+    assert tr.start_step == 1
+  out = capsys.readouterr().out
+  assert "falling back to step 1" in out and "resumed from step 1" in out
+  (moved,) = list((tmp_path / "checkpoints.corrupt").iterdir())
+  assert moved.name.startswith("2-") and not (tmp_path / "checkpoints" / "2").exists()
+
+
+def test_job_remote_workdir_goes_through_epath_and_makes_no_local_dir(tmp_path, monkeypatch, fake_gcs,
+                                                                      no_compute):
+  """Item 9: run.json and the lock on the (fake) bucket, the warm start under it, no ./gs: dir."""
+  class FakeManager:
+    def __init__(self, directory, options=None):
+      self.directory = directory
+
+    def latest_step(self):
+      return None
+
+    def close(self):
+      pass
+
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr("orbax.checkpoint.CheckpointManager", FakeManager)
+  with pytest.raises(Computed):
+    trainer_lib.RLTrainer(_job_config(), "gs://bucket/run")
+  (args,) = no_compute
+  assert args[2] == "gs://bucket/run/warm_start"  # warm_start(job, config, path, mesh)
+  stored = json.loads(wd.as_path("gs://bucket/run/run.json").read_text())
+  assert stored["config"]["seed"] == 0
+  assert not wd.as_path("gs://bucket/run/workdir.lock").exists()
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"sampler.max_prompt_len": 8}, "sampler.max_prompt_len"),
+    ({"warm_start.source": "auto", "sft.max_len": 12}, "sft.max_len"),
+    ({"warm_start.source": "auto", "sft.bogus": 1}, "sft.bogus"),
+    ({"rl.group_size": 1, "rl.prompts_per_step": 8}, "rl.group_size"),
+    ({"warm_start.source": "hf", "warm_start.path": ""}, "warm_start.path"),
+])
+def test_job_config_errors_fail_before_compute(tmp_path, no_compute, overrides, key):
+  """Item 10: errors that used to surface after SFT or compilation; nothing is created."""
+  cfg = _job_config()
+  cfg.unlock()
+  for k, v in overrides.items():
+    node = cfg
+    *parents, leaf = k.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = v
+  with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+    trainer_lib.RLTrainer(cfg, tmp_path / "w")
+  assert no_compute == [] and not (tmp_path / "w").exists()
+
+
+def test_job_sft_section_is_checked_although_the_warm_start_exists(tmp_path, no_compute):
+  """Item 10: an 'auto' warm start already made still has its config section validated."""
+  cfg = _job_config(**{"warm_start.source": "auto", "sft.batch_size": 0})
+  (tmp_path / "w" / "warm_start" / "checkpoints" / "12").mkdir(parents=True)
+  with pytest.raises(ConfigError, match=r"sft\.batch_size"):
+    trainer_lib.RLTrainer(cfg, tmp_path / "w")
+  assert no_compute == []
+
+
+def test_job_warm_start_path_typo_is_named_and_not_created(tmp_path, no_compute):
+  """Item 10: source=sft with a mistyped path fails before compute and leaves no junk dir."""
+  typo = tmp_path / "sft_rnu"
+  with pytest.raises(ConfigError, match=r"warm_start\.path.*no SFT checkpoint"):
+    trainer_lib.RLTrainer(_job_config(**{"warm_start.source": "sft", "warm_start.path": str(typo)}),
+                          tmp_path / "w")
+  assert not typo.exists() and no_compute == []
+  with pytest.raises(ConfigError, match=r"warm_start\.path.*config\.json"):
+    trainer_lib.RLTrainer(_job_config(**{"warm_start.source": "hf", "warm_start.path": str(typo)}),
+                          tmp_path / "w")
+  assert not typo.exists()
+
+
+def test_job_workdir_that_is_a_file_or_read_only_fails_before_compute(tmp_path, no_compute):
+  """Item 10."""
+  f = tmp_path / "file"
+  f.write_text("x")
+  with pytest.raises(ConfigError, match="'workdir'.*not a directory"):
+    trainer_lib.RLTrainer(_job_config(), f)
+  if not (hasattr(os, "geteuid") and os.geteuid() == 0):  # root ignores permissions
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+      with pytest.raises(ConfigError, match="'workdir'.*not writable"):
+        trainer_lib.RLTrainer(_job_config(), ro)
+    finally:
+      ro.chmod(0o755)
+  assert no_compute == []
+
+
+def test_job_wandb_online_without_credentials_warns_before_compute(tmp_path, monkeypatch, no_compute):
+  """Item 10: the fallback to offline is decided (and said) before any compute."""
+  monkeypatch.delenv("WANDB_MODE", raising=False)
+  monkeypatch.delenv("WANDB_API_KEY", raising=False)
+  monkeypatch.setenv("HOME", str(tmp_path))
+  monkeypatch.delenv("NETRC", raising=False)
+  with pytest.warns(UserWarning, match="no wandb credentials"):
+    with pytest.raises(Computed):
+      trainer_lib.RLTrainer(_job_config(**{"logging.wandb_mode": "online"}), tmp_path / "w")

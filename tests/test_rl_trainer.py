@@ -137,9 +137,8 @@ def test_crash_resume_gives_identical_final_params(tmp_path, monkeypatch):
     with pytest.raises(InjectedCrash):
       trainer_lib.run(cfg(), crashed)
   trainer_lib.run(cfg(), crashed)
-  a = trainer_lib.RLTrainer(cfg(), clean).state
-  b = trainer_lib.RLTrainer(cfg(), crashed).state
-  assert _grads_equal(a, b)
+  with trainer_lib.RLTrainer(cfg(), clean) as a, trainer_lib.RLTrainer(cfg(), crashed) as b:
+    assert _grads_equal(a.state, b.state)
 
 
 def test_config_errors_fail_before_compute(tmp_path):
@@ -207,9 +206,8 @@ def test_kill9_resume_matches_uninterrupted(tmp_path):
   assert not (killed / "checkpoints" / "5").exists(), "killed too late to test anything"
   subprocess.run(cmd(killed), cwd=REPO, env=env, check=True, capture_output=True)
   cfg = _config(**{"rl.steps": 5})
-  a = trainer_lib.RLTrainer(cfg, str(clean)).state
-  b = trainer_lib.RLTrainer(cfg, str(killed)).state
-  assert _grads_equal(a, b)
+  with trainer_lib.RLTrainer(cfg, str(clean)) as a, trainer_lib.RLTrainer(cfg, str(killed)) as b:
+    assert _grads_equal(a.state, b.state)
 
 
 def test_staleness_refreshes_sampler_only_every_k_steps(tmp_path):

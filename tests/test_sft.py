@@ -53,6 +53,8 @@ def test_sft_crash_resume_matches_uninterrupted(tmp_path, monkeypatch):
       sft.run(_config(), crashed)
   assert [r["step"] for r in read_metrics(crashed)] == list(range(1, 7))
   sft.run(_config(), crashed)
+  # The killed attempt's rows after the restored checkpoint (5, 6) were dropped: each step once.
+  assert [r["step"] for r in read_metrics(crashed)] == list(range(1, 13))
   got, step = _final_params(crashed)
   assert step == 12
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, want)

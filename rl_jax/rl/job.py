@@ -21,10 +21,10 @@ Replay = Literal["none", "R2", "R3"]
 class RLConfig:
   """The loop: B prompts x G completions per global step, split into N mini-batch updates.
 
-  `staleness` is K of [SC]: the sampler's weights are refreshed only every K steps.
+  `staleness` is K of [SC] (docs/math.md#staleness-and-mini-batches): the sampler's weights are
+  refreshed only every K steps.
   `routing_replay`: 'none', 'R2' (replay the trainer's own theta_old experts) or 'R3'
-  (replay the sampler's experts), applied to every update of the global step ([MiniRL];
-  docs/math.md#routing-replay).
+  (replay the sampler's experts), applied to every update of the global step (docs/math.md#routing-replay).
   Held-out eval every `eval_every` steps on `eval_size` fixed prompts: greedy accuracy, and
   `eval_samples` completions per prompt at `eval_temperature` for the sampled accuracy
   (mean@k: the policy's expected held-out reward) and pass@k.
@@ -71,8 +71,13 @@ class WarmStartConfig:
   path: str = ""
 
 
+# `resume` ('check' by default, 'force'): how a workdir with checkpoints treats a changed config
+# (rl_jax.workdir.RunDir); optional, so configs without it still load.
 TOP_LEVEL = {"job", "seed", "task", "model", "mesh", "optim", "sampler", "loss", "advantage", "rl",
-             "warm_start", "sft", "sft_optim", "logging"}
+             "warm_start", "sft", "sft_optim", "logging", "resume"}
+
+# Estimators that centre within a group: with one completion per prompt every advantage is 0.
+GROUP_RELATIVE = ("group_centered", "grpo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +123,7 @@ class RLJob:
     s, l = self.sampler, self.loss
     require(abs(s.temperature - l.temperature) < 1e-12, "loss.temperature",
             f"{l.temperature} differs from sampler.temperature={s.temperature}: the trainer must "
-            "score tokens at the sampler's temperature (SPEC 'Log-prob semantics')")
+            "score tokens at the sampler's temperature (docs/math.md#log-prob-conventions)")
     require(not s.greedy, "sampler.greedy", "RL needs sampled rollouts (greedy has no valid logq)")
     if l.score_centering == "topk":
       require(s.record_topk >= l.topk, "sampler.record_topk",
@@ -133,3 +138,6 @@ class RLJob:
             f"{self.rl.routing_replay!r} needs an MoE model (model.n_experts > 0)")
     require(self.rl.routing_replay != "R3" or s.record_experts, "sampler.record_experts",
             "R3 replays the sampler's experts: record_experts must be True")
+    require(self.rl.group_size >= 2 or self.advantage.mode not in GROUP_RELATIVE, "rl.group_size",
+            f"1 with advantage.mode={self.advantage.mode!r}: a group of one has zero advantage "
+            "everywhere (nothing to learn); use group_size >= 2 or advantage.mode='raw'")

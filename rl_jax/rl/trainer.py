@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import time
 from typing import Any
 
@@ -19,7 +18,8 @@ from rl_jax import rollout as rollout_lib
 from rl_jax import sharding as sh
 from rl_jax.checkpoint import Checkpointer
 from rl_jax.config_utils import ConfigError, require
-from rl_jax.metrics import MetricsWriter, read_metrics
+from rl_jax import workdir as wd
+from rl_jax.metrics import MetricsWriter, read_metrics, resolve_wandb_mode
 from rl_jax.optim import make_optimizer
 from rl_jax.rl import evaluate as evaluate_lib
 from rl_jax.rl import plots
@@ -28,17 +28,35 @@ from rl_jax.rl.advantages import compute_advantages
 # The schema lives in job.py; re-exported so `trainer.RLJob` & co. keep resolving.
 from rl_jax.rl.job import RLConfig, RLJob, WarmStartConfig  # noqa: F401
 from rl_jax.rl.step import TrainBatch
-from rl_jax.rl.warm_start import warm_start
+from rl_jax.rl.warm_start import check_sft_section, check_sft_warm_start, warm_start
 from rl_jax.sampler import generate as gen
 from rl_jax.sampler import weights as sampler_weights
+
+
+# How many steps' train prompts `_check_prompts` tokenizes before any compute (the whole eval set too).
+PROMPT_CHECK_STEPS = 64
+
+
+def _check_dir(path: str, key: str, needs: str) -> None:
+  """A warm-start directory that must exist and hold `needs` (read-only: nothing is created)."""
+  root = wd.as_path(path, key)
+  if not (root / needs).exists():
+    raise ConfigError(f"config key '{key}': {root} has no {needs} (a typo?)")
 
 
 class RLTrainer:
   """Holds the trainer and sampler state of one RL run; `run()` is the job."""
 
-  def __init__(self, config: Any, workdir: str):
+  def __init__(self, config: Any, workdir: Any):
+    """Validates the whole config, then opens (locks, checks) the workdir, then computes.
+
+    Everything that can be wrong with the config or the workdir fails before the first
+    compilation or SFT step: the job schema, the prompts against `sampler.max_prompt_len`, the
+    warm start's source (and the SFT job an 'auto' warm start would run), wandb credentials,
+    the workdir's lock and its stored config (rl_jax.workdir.RunDir).
+    """
     self.config = config
-    self.workdir = workdir
+    self.config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     self.job = job = RLJob.from_config(config)
     self.mesh = sh.make_mesh(job.mesh)
     b, g, n = job.rl.prompts_per_step, job.rl.group_size, job.rl.n_minibatches
@@ -48,19 +66,42 @@ class RLTrainer:
                         f"responses do not split over the mesh's batch axes ({div})")
     ex.check_batch(job.rl.eval_size, "rl.eval_size", self.mesh)
     self.task = ex.make_task(job.task)
+    # Checked here, not in RLJob: configs ship with the path left for the command line.
+    require(job.warm_start.source not in ("hf", "sft") or bool(job.warm_start.path), "warm_start.path",
+            f"empty: warm_start.source={job.warm_start.source!r} needs the checkpoint directory "
+            "to start from (--config.warm_start.path=...)")
     if job.warm_start.source == "hf":
+      _check_dir(job.warm_start.path, "warm_start.path", "config.json")
       from rl_jax.tasks.hf_tokenizer import HFTokenizer  # pylint: disable=g-import-not-at-top
       self.tok = HFTokenizer.from_dir(job.warm_start.path)
     else:
       self.tok = ex.make_tokenizer(self.task, job.model)
     self._check_tokens()
-    os.makedirs(workdir, exist_ok=True)
+    self._check_prompts()
+    if job.warm_start.source == "sft":
+      check_sft_warm_start(job.warm_start.path)
+    elif job.warm_start.source == "auto":
+      check_sft_section(config, self.task, self.tok)
+    # Resolved once here, so 'online' without credentials warns before any compute.
+    self.logging_cfg = dataclasses.replace(job.logging,
+                                           wandb_mode=resolve_wandb_mode(job.logging.wandb_mode))
+    self.run_dir = wd.RunDir.open(workdir, self.config_dict, resume=config.get("resume", "check"),
+                                  is_writer=jax.process_index() == 0)
+    self.workdir = self.run_dir.root
+    self.ckpt = None
+    try:
+      self._init_state()
+    except BaseException:
+      self.close()
+      raise
 
-    self.ckpt = Checkpointer(workdir, max_to_keep=job.rl.max_to_keep)
-    resuming = self.ckpt.latest_step() is not None
+  def _init_state(self) -> None:
+    job = self.job
+    self.ckpt = Checkpointer(self.workdir, max_to_keep=job.rl.max_to_keep)
+    self.resuming = self.ckpt.latest_step() is not None
     # On resume the checkpoint overwrites everything: skip the (possibly costly) warm start
     # and only build the structure and shardings to restore into.
-    self.graphdef, params = (ex.init_params(job.model, job.seed, self.mesh) if resuming
+    self.graphdef, params = (ex.init_params(job.model, job.seed, self.mesh) if self.resuming
                              else self._warm_start())
     self.optimizer = make_optimizer(job.optim)
     opt_state = ex.init_opt_state(self.optimizer, params, self.mesh)
@@ -74,7 +115,8 @@ class RLTrainer:
       # A copy: the trainer's params are donated to every update.
       self.state["sampler_src"] = jax.tree.map(jnp.copy, params)
     self.start_step = 0
-    if resuming:
+    if self.resuming:
+      # The newest step that restores; a corrupt newer one is moved aside (Checkpointer.restore).
       self.state, _, self.start_step = self.ckpt.restore(self.state)
       print(f"[rl] resumed from step {self.start_step} in {self.ckpt.directory}")
     self.sampler_graphdef = sampler_weights.sampler_graphdef(job.model, job.sampler.dtype)
@@ -88,6 +130,19 @@ class RLTrainer:
     self._build_steps()
     self.sync_sampler()
 
+  def close(self) -> None:
+    """Closes the checkpointer and releases the workdir lock (idempotent; `run()` calls it)."""
+    if self.ckpt is not None:
+      self.ckpt.close()
+      self.ckpt = None
+    self.run_dir.close()
+
+  def __enter__(self) -> "RLTrainer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
   # -- set-up ---------------------------------------------------------------------------------
 
   def _check_tokens(self) -> None:
@@ -96,8 +151,21 @@ class RLTrainer:
       require(getattr(s, key) == want, f"sampler.{key}",
               f"{getattr(s, key)} differs from the tokenizer's {key} {want}")
 
+  def _check_prompts(self) -> None:
+    """Every prompt the run will see fits `sampler.max_prompt_len` (the train prompts of the first
+    steps and the whole eval set: host-side tokenization only, no compute)."""
+    rl, limit = self.job.rl, self.job.sampler.max_prompt_len
+    count = min(rl.steps, PROMPT_CHECK_STEPS) * rl.prompts_per_step
+    for split, n in (("train", count), ("eval", rl.eval_size)):
+      problems = self.task.make_problems(self.job.seed, split, 0, n)
+      longest = max(problems, key=lambda p: len(data_lib.prompt_ids(self.task, self.tok, p)))
+      length = len(data_lib.prompt_ids(self.task, self.tok, longest))
+      require(length <= limit, "sampler.max_prompt_len",
+              f"{limit} is shorter than a {split} prompt of {length} tokens "
+              f"({self.task.prompt(longest)!r}); set it to at least {length}")
+
   def _warm_start(self):
-    return warm_start(self.job, self.config, self.workdir, self.mesh)
+    return warm_start(self.job, self.config, str(self.run_dir.path("warm_start")), self.mesh)
 
   def _build_steps(self) -> None:
     """Jits the module-level step functions (rl_jax.rl.step) with this run's static config."""
@@ -245,36 +313,41 @@ class RLTrainer:
   # -- the job ---------------------------------------------------------------------------------
 
   def run(self) -> dict:
+    """The loop from `start_step` to `rl.steps`; closes the trainer (and its lock) when done."""
     job = self.job
-    writer = MetricsWriter(self.workdir, job.logging,
-                           self.config.to_dict() if hasattr(self.config, "to_dict") else None)
-    history = []
-    if self.start_step == 0:
-      first = {"step": 0, **self.evaluate()}
-      writer.write(0, first)
-      history.append(first)
-    bar = tqdm.tqdm(range(self.start_step, job.rl.steps), initial=self.start_step, total=job.rl.steps,
-                    desc="rl", disable=jax.process_index() != 0, mininterval=2.0)
-    row: dict = {}
+    writer = None
+    bar = None
     try:
+      # A resumed run drops the metrics rows after the restored step (a killed attempt's), a fresh
+      # one every row: each step is written once.
+      writer = MetricsWriter(self.workdir, self.logging_cfg, self.config_dict,
+                             run_id=self.run_dir.run_id,
+                             restored_step=self.start_step if self.resuming else None)
+      if self.start_step == 0:
+        writer.write(0, {"step": 0, **self.evaluate()})
+      bar = tqdm.tqdm(range(self.start_step, job.rl.steps), initial=self.start_step,
+                      total=job.rl.steps, desc="rl", disable=jax.process_index() != 0,
+                      mininterval=2.0)
       for step in bar:
         row = self.train_step(step)
         done = step + 1
         if done % job.rl.eval_every == 0 or done == job.rl.steps:
           row.update(self.evaluate())
         writer.write(done, row)
-        history.append({"step": done, **row})
         bar.set_postfix(reward=f"{row['reward']:.3f}", kl=f"{row['mismatch/kl_k1']:.2e}")
         if done % job.rl.checkpoint_every == 0 or done == job.rl.steps:
           self.save(done)
+      # Inside the lock: nobody else writes this workdir while the summary is.
+      return self.summarize()
     finally:
-      bar.close()
-      writer.close()
-      self.ckpt.close()
-    summary = self.summarize()
-    return summary
+      if bar is not None:
+        bar.close()
+      if writer is not None:
+        writer.close()
+      self.close()
 
   def summarize(self) -> dict:
+    """summary.json from metrics.jsonl (each step once, so means are over the run's steps)."""
     rows = read_metrics(self.workdir)
     evals = [r for r in rows if "eval_greedy_accuracy" in r]
     summary = {}
@@ -288,14 +361,13 @@ class RLTrainer:
       summary.update(final_reward=train[-1]["reward"], mean_kl_k1=float(np.mean([r["mismatch/kl_k1"] for r in train])),
                      steps=train[-1]["step"])
     if jax.process_index() == 0:
-      with open(os.path.join(self.workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+      self.run_dir.path("summary.json").write_text(json.dumps(summary, indent=1))
       if self.job.rl.plot and rows:
-        plots.plot_run(rows, os.path.join(self.workdir, "rl_curves.png"))
+        plots.plot_run(rows, self.run_dir.path("rl_curves.png"))
       print("[rl] " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                 for k, v in summary.items()))
     return summary
 
 
-def run(config: Any, workdir: str) -> dict:
+def run(config: Any, workdir: Any) -> dict:
   return RLTrainer(config, workdir).run()

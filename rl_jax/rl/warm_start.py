@@ -1,13 +1,13 @@
 """Where the RL policy starts: random init, an SFT workdir (made first if missing) or an HF checkpoint."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import ml_collections
 from flax import nnx
 
 from rl_jax import experiment as ex
+from rl_jax import workdir as wd
 from rl_jax.checkpoint import Checkpointer
 from rl_jax.config_utils import ConfigError
 from rl_jax.rl.job import RLJob
@@ -19,14 +19,36 @@ def sft_config(config: Any) -> ml_collections.ConfigDict:
     raise ConfigError("config key 'sft': warm_start.source='auto' needs an 'sft' section "
                       "(and 'sft_optim') to produce the warm start")
   c = config
-  return ml_collections.ConfigDict(dict(job="sft", seed=c.get("seed", 0), task=c.task.to_dict(),
-                                        model=c.model.to_dict(), mesh=c.get("mesh", {}),
-                                        optim=c.get("sft_optim", {}), sft=c.sft.to_dict(),
-                                        logging=dict(wandb_mode="disabled")))
+  out = dict(job="sft", seed=c.get("seed", 0), task=c.task.to_dict(), model=c.model.to_dict(),
+             mesh=c.get("mesh", {}), optim=c.get("sft_optim", {}), sft=c.sft.to_dict(),
+             logging=dict(wandb_mode="disabled"))
+  if "resume" in c:
+    out["resume"] = c.resume
+  return ml_collections.ConfigDict(out)
+
+
+def check_sft_section(config: Any, task: Any, tok: Any) -> None:
+  """The SFT job an 'auto' warm start runs, validated before any compute (even when its checkpoint
+  exists already and it will not run: a bad key is an error in the config either way)."""
+  from rl_jax import sft  # pylint: disable=g-import-not-at-top
+  job = sft.SFTJob.from_config(sft_config(config))
+  sft.check_max_len(job, task, tok)
+
+
+def check_sft_warm_start(path: str) -> None:
+  """warm_start.source='sft': `path` must hold a checkpoint; a typo is named and nothing is created."""
+  root = wd.as_path(path, "warm_start.path")
+  if not wd.has_checkpoint(root):
+    raise ConfigError(f"config key 'warm_start.path': no SFT checkpoint in {root} (a typo? "
+                      "warm_start.source='auto' makes one)")
 
 
 def warm_start(job: RLJob, config: Any, workdir: str, mesh) -> tuple[nnx.GraphDef, dict]:
-  """(graphdef, params) of the policy at RL step 0, per `job.warm_start` (see WarmStartConfig)."""
+  """(graphdef, params) of the policy at RL step 0, per `job.warm_start` (see WarmStartConfig).
+
+  `workdir` is the RL run's `<workdir>/warm_start` (a string; may be remote), used when
+  `warm_start.path` is empty.
+  """
   ws = job.warm_start
   if ws.source == "none":
     return ex.init_params(job.model, job.seed, mesh)
@@ -41,8 +63,9 @@ def warm_start(job: RLJob, config: Any, workdir: str, mesh) -> tuple[nnx.GraphDe
     graphdef, state = nnx.split(model)
     return graphdef, nnx.to_pure_dict(state)
   from rl_jax import sft  # pylint: disable=g-import-not-at-top
-  path = ws.path or os.path.join(workdir, "warm_start")
-  warm = Checkpointer(path)
+  path = ws.path or workdir
+  # A reader: a mistyped path is reported, not created.
+  warm = Checkpointer(path, create=False)
   done = warm.latest_step()
   warm.close()
   if ws.source == "auto":
