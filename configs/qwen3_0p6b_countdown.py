@@ -62,6 +62,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cfg = ml_collections.ConfigDict()
   cfg.job = "rl"
   cfg.seed = 0
+  cfg.resume = common.RESUME
   cfg.task = ml_collections.ConfigDict(dict(name="countdown", overrides={}))
   # fp32 master weights: with SGD at lr 1e-2 many updates are below bf16's resolution.
   # remat: 64 sequences x 768 tokens per GPU would not keep 28 layers of activations.

@@ -13,15 +13,17 @@ about 1-2 days for the 1000 global steps at N=1 (N times that at N > 1). [MiniRL
 5-6 GPU-hours per step are for 32K-token math responses.
 Plan (`python -m rl_jax.plan --config=configs/qwen3_30b_a3b_minirl.py:n4 --layers 1
 --device h200`: XLA:CPU on 32 simulated devices, compiled at 1 and 2 of 48 layers and
-extrapolated linearly; per device): it does NOT fit, for two reasons the planner names.
-(1) AdamW's moments take 227 GiB per device: `experiment.init_opt_state` leaves their
-layout to jit, which replicates them (sharded like the params they would take 9.6 GiB,
-next to 4.8 GiB of f32 params and 1.4 GiB of FP8 sampler weights). (2) GSPMD cannot
+extrapolated linearly; per device): it did NOT fit, for two reasons the planner named.
+(1) AdamW's moments took 227 GiB per device: `experiment.init_opt_state` left their layout
+to jit, which replicated them. Fixed since: they are sharded like their params, 9.6 GiB
+(computed from the planner's layout; the full plan was not re-run), next to 4.8 GiB of
+f32 params and 1.4 GiB of FP8 sampler weights. (2) GSPMD cannot
 partition the expert-sorted `ragged_dot` with experts split over 'expert' and tokens
 over the batch axes ("involuntary full rematerialization": every device gathers all
 tokens), and XLA:CPU expands it densely, so temporaries reach 24,000 GiB (generate),
 6,700 GiB (p_old forward) and 64,000 GiB (update) and XLA counts 70x the model's FLOPs;
-an expert-parallel dispatch is what makes this config plannable. Model FLOPs per device:
+an expert-parallel dispatch is what makes this config plannable (`model.moe_dispatch=
+shard_map`, rl_jax/models/expert_parallel.py, exists since; not yet planned here). Model FLOPs per device:
 generate 1,131 TFLOP (KV cache 7.6 GiB FP8), p_old forward 1,079, one update 1,079
 (with remat). Roofline on H200 from the model figures: generate 2.1 s (memory-bound:
 1025 reads of weights + cache), p_old 1.1 s, 4 updates 4.4 s, ~7.5 s per global step at
@@ -57,7 +59,7 @@ from configs import common
 from configs import qwen3_0p6b_countdown as small
 
 N_CHOICES = (1, 2, 4, 8)
-# 000's recommendation: on-policy needs no replay; R2 replays the trainer's own theta_old
+# [MiniRL]'s recommendation: on-policy needs no replay; R2 replays the trainer's own theta_old
 # routes (unbiased on the first mini-batch), R3 the sampler's (less mismatch when stale).
 REPLAY_FOR_N = {1: "none", 2: "R2", 4: "R3", 8: "R3"}
 PROMPTS_PER_MINIBATCH = 64
@@ -77,6 +79,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cfg = ml_collections.ConfigDict()
   cfg.job = "rl"
   cfg.seed = 0
+  cfg.resume = common.RESUME
   cfg.task = ml_collections.ConfigDict(dict(name="countdown", overrides={}))
   cfg.model = small.model_section("qwen3-30b-a3b", dtype="bfloat16", param_dtype="float32", remat=True)
   # 32 devices. Expert weights [128, 2048, 768] split 8-way over experts (16 per shard)
