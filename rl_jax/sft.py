@@ -137,6 +137,11 @@ def validate(config: Any):
 def run(config: Any, workdir: Any) -> dict:
   """Runs (or resumes) SFT in `workdir` (local or remote); returns the final metrics."""
   job, mesh, task, tok = validate(config)
+  with sh.model_mesh_context(mesh, job.model):
+    return _run(config, workdir, job, mesh, task, tok)
+
+
+def _run(config: Any, workdir: Any, job, mesh, task, tok) -> dict:
   logging_cfg = dataclasses.replace(job.logging, wandb_mode=resolve_wandb_mode(job.logging.wandb_mode))
   config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   run_dir = wd.RunDir.open(workdir, config_dict, resume=config.get("resume", "check"),

@@ -1,6 +1,7 @@
 """Device mesh `(data, fsdp, expert, tensor)` from config and the one table of partition rules."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any
@@ -155,3 +156,11 @@ def to_host(x: Any) -> Any:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     return jax.tree.map(np.asarray, multihost_utils.process_allgather(x, tiled=True))
   return jax.tree.map(np.asarray, jax.device_get(x))
+
+
+def model_mesh_context(mesh: Mesh, model_cfg: Any):
+  """`jax.set_mesh(mesh)` when the model's traced code needs a context mesh (the shard_map MoE
+  dispatch, models/expert_parallel.py), else a no-op: jobs run their whole loop inside it."""
+  if getattr(model_cfg, "moe_dispatch", "gspmd") == "shard_map":
+    return jax.set_mesh(mesh)
+  return contextlib.nullcontext()

@@ -204,3 +204,18 @@ def test_comm_bytes_match_compiled_shard_map_collectives():
   want = ep_lib.dispatch_comm_bytes("shard_map", tokens=n_global // sh.batch_divisor(mesh), d_model=d,
                                     n_experts=e, top_k=k, expert_axis=ep, act_bytes=4)["total"]
   assert received == want
+
+
+@pytest.mark.slow
+def test_sft_job_runs_with_the_shard_map_dispatch(tmp_path):
+  """The jobs enter the mesh context the shard_map dispatch needs (sharding.model_mesh_context):
+  an SFT run on an expert=2 mesh trains with `model.moe_dispatch=shard_map` and ends finite."""
+  from configs import sft_countdown_tiny  # pylint: disable=g-import-not-at-top
+  from rl_jax import sft  # pylint: disable=g-import-not-at-top
+  cfg = sft_countdown_tiny.get_config("test")
+  cfg.model.moe_dispatch = "shard_map"
+  cfg.mesh.expert = 2
+  cfg.sft.steps = cfg.sft.eval_every = cfg.sft.checkpoint_every = 2
+  out = sft.run(cfg, str(tmp_path / "sft"))
+  floats = {k: v for k, v in out.items() if isinstance(v, float)}
+  assert floats and all(np.isfinite(v) for v in floats.values()), out
