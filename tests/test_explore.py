@@ -132,6 +132,7 @@ def test_quantized_and_noisy_regimes_have_mismatch():
     assert s["kl_exact"] > 1e-6 and s["kl_k3"] > 0, name
 
 
+@pytest.mark.slow  # ~17 s; the routing_replay notebook (slow) runs it too
 def test_replay_trajectory_staleness_starts_at_zero():
   cfg, graphdef, params, ids, valid = _tiny()
   base = SamplerConfig(max_prompt_len=3, max_new_tokens=4, record_topk=0, eos_id=1, pad_id=0, quant="fp4_w")

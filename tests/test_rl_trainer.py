@@ -122,6 +122,7 @@ class InjectedCrash(RuntimeError):
   pass
 
 
+@pytest.mark.slow  # ~90 s; test_faults' job-level resume test stays in the default suite
 def test_crash_resume_gives_identical_final_params(tmp_path, monkeypatch):
   clean, crashed = str(tmp_path / "clean"), str(tmp_path / "crashed")
   cfg = lambda: _config(**{"rl.steps": 3, "rl.checkpoint_every": 1})

@@ -86,7 +86,12 @@ def _loss_fn(graphdef, tok):
   return loss
 
 
-@pytest.mark.parametrize("cfg,remat", [(DENSE, False), (MOE, True), (RUNS, False), (RUNS, True),
+# The MoE and runs cases cost ~17 s each on 2 cores: slow (dense and alternating stay in the
+# default suite; `-m slow` runs the rest).
+@pytest.mark.parametrize("cfg,remat", [(DENSE, False),
+                                       pytest.param(MOE, True, marks=pytest.mark.slow),
+                                       pytest.param(RUNS, False, marks=pytest.mark.slow),
+                                       pytest.param(RUNS, True, marks=pytest.mark.slow),
                                        (ALT, False)],
                          ids=["dense", "moe-remat", "runs", "runs-remat", "alternating"])
 def test_scanned_equals_unrolled_logits_and_grads(cfg, remat):
@@ -108,7 +113,8 @@ def test_scanned_equals_unrolled_logits_and_grads(cfg, remat):
   _assert_trees_equal(nnx.to_pure_dict(gb), stack_layers(nnx.to_pure_dict(ga), cfg), atol=1e-6)
 
 
-@pytest.mark.parametrize("cfg", [DENSE, RUNS], ids=["dense", "runs"])
+@pytest.mark.parametrize("cfg", [DENSE, pytest.param(RUNS, marks=pytest.mark.slow)],  # runs: ~20 s
+                         ids=["dense", "runs"])
 def test_scanned_kv_cache_decode_equals_full_recompute(cfg):
   unrolled, scanned = _pair(cfg)
   scfg = scanned.cfg
@@ -182,7 +188,7 @@ def test_orbax_restores_scanned_and_layouts_convert(tmp_path):
 
 @pytest.mark.parametrize("cfg,mesh_cfg", [
     (DENSE, sh.MeshConfig(data=2, fsdp=2, expert=1, tensor=2)),
-    (RUNS, sh.MeshConfig(data=1, fsdp=2, expert=2, tensor=2)),
+    pytest.param(RUNS, sh.MeshConfig(data=1, fsdp=2, expert=2, tensor=2), marks=pytest.mark.slow),  # ~16 s
 ], ids=["dense", "runs"])
 def test_scanned_sharded_equals_unrolled_single_device(cfg, mesh_cfg):
   assert jax.device_count() == 8, "tests/conftest.py forces 8 host devices"

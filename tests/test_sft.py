@@ -29,6 +29,7 @@ class InjectedCrash(RuntimeError):
   pass
 
 
+@pytest.mark.slow  # ~75 s
 def test_sft_crash_resume_matches_uninterrupted(tmp_path, monkeypatch):
   clean = str(tmp_path / "clean")
   sft.run(_config(), clean)

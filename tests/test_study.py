@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rl_jax.rl import trainer
+from rl_jax.rl import job as job_lib
 from rl_jax.study import __main__ as cli
 from rl_jax.study import config as study_config
 from rl_jax.study import runner, studies
@@ -51,20 +51,20 @@ class FakeExecutor:
 def test_studies_resolve_and_validate(monkeypatch):
   """Every run of every study builds a config the trainer accepts (names unknown keys, bad combinations)."""
   # The abstract quantization check costs ~0.5 s; it depends only on the model and the quant section.
-  fits, seen = trainer.check_sampler_fits, {}
+  fits, seen = job_lib.check_sampler_fits, {}
 
   def check_once(model_cfg, s):
     key = repr((model_cfg, s.quant))
     if key not in seen:
       seen[key] = fits(model_cfg, s)
 
-  monkeypatch.setattr(trainer, "check_sampler_fits", check_once)
+  monkeypatch.setattr(job_lib, "check_sampler_fits", check_once)
   names = set()
   for study in studies.STUDIES.values():
     runs = study.runs()
     assert len({r.name for r in runs}) == len(runs), study.name
     for r in runs:
-      trainer.RLJob.from_config(study_config.get_config(f"{study.name}/{r.name}"))
+      job_lib.RLJob.from_config(study_config.get_config(f"{study.name}/{r.name}"))
     names.add(study.name)
   assert {"micro", "fig3_weight_noise", "fig4_quant_stale", "fig2_online_offline", "fig5_topk_sc",
           "minirl_on_policy", "minirl_off_policy"} <= names
