@@ -82,6 +82,12 @@ def opt_state_shardings(optimizer, params, mesh):
   optimizer state (the planner's finding on the pod configs). `params` may be arrays or
   sharded ShapeDtypeStructs.
   """
+  return mirror_shardings(jax.eval_shape(optimizer.init, params), params, sh.replicated(mesh))
+
+
+def mirror_shardings(tree, params, default):
+  """Per leaf of `tree`: the sharding of the param it mirrors (same path suffix and shape), else
+  `default` (None keeps the leaf's own)."""
   by_path = {tuple(path): x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
 
   def one(path, x):
@@ -90,8 +96,8 @@ def opt_state_shardings(optimizer, params, mesh):
       p = by_path.get(path[i:])
       if p is not None and p.shape == x.shape:
         return p.sharding
-    return sh.replicated(mesh)
-  return jax.tree_util.tree_map_with_path(one, jax.eval_shape(optimizer.init, params))
+    return x.sharding if default is None else default
+  return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def init_opt_state(optimizer, params, mesh):

@@ -101,18 +101,10 @@ def abstract_opt_state(optimizer, params, mesh):
 
 def opt_state_like_params(opt_state, params):
   """The optimizer state with every leaf that mirrors a parameter (same path suffix, same shape)
-  sharded like that parameter: the layout `experiment.init_opt_state` should produce."""
+  sharded like that parameter: the layout `experiment.init_opt_state` produces."""
   import jax  # pylint: disable=g-import-not-at-top
-  by_path = {tuple(path): x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-
-  def one(path, x):
-    path = tuple(path)
-    for i in range(len(path)):
-      p = by_path.get(path[i:])
-      if p is not None and p.shape == x.shape:
-        return _sds(x, p.sharding)
-    return x
-  return jax.tree_util.tree_map_with_path(one, opt_state)
+  from rl_jax import experiment as ex  # pylint: disable=g-import-not-at-top
+  return jax.tree.map(_sds, opt_state, ex.mirror_shardings(opt_state, params, None))
 
 
 def kv_cache_bytes(model_cfg, sampler_cfg, batch: int, kv_spec, mesh) -> int:
