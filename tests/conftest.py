@@ -20,3 +20,13 @@ def fast_compile():
   jax.config.update("jax_disable_most_optimizations", True)
   yield
   jax.config.update("jax_disable_most_optimizations", old)
+
+
+def need(module: str):
+  """An optional test dependency (the `hf` extra: torch, transformers; nbclient / nbformat):
+  skipped where it is not installed, but under CI (`CI=true`, where `.ci/run` installs every
+  extra) a missing one fails instead of silently skipping its tests."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  if os.environ.get("CI", "").lower() == "true":
+    return importlib.import_module(module)
+  return pytest.importorskip(module)

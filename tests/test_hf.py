@@ -9,11 +9,12 @@ import warnings
 import jax
 import numpy as np
 import pytest
+from conftest import need
 from flax import nnx
 
-# Parity needs the `hf` extra (torch, transformers), optional: absent on e.g. the Python 3.12 CI venv.
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+# Parity needs the `hf` extra (torch, transformers): skipped without it locally, required under CI=true.
+torch = need("torch")
+transformers = need("transformers")
 from safetensors.torch import load_file as torch_load_file
 from safetensors.torch import save_file as torch_save_file
 

@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+from conftest import need
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(REPO, "notebooks", "*.ipynb")))
@@ -109,8 +110,8 @@ def _kernel_env(tmp_path, monkeypatch):
 
 
 def _execute(path, tmp_path, monkeypatch):
-  nbformat = pytest.importorskip("nbformat")
-  nbclient = pytest.importorskip("nbclient")
+  nbformat = need("nbformat")
+  nbclient = need("nbclient")
   _kernel_env(tmp_path, monkeypatch)
   nb = nbformat.read(path, as_version=4)
   idx = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]

@@ -2,6 +2,7 @@
 import math
 
 import pytest
+from conftest import need
 
 from rl_jax.config_utils import ConfigError
 from rl_jax.models import hf
@@ -29,8 +30,8 @@ def test_preset_param_counts(name):
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_preset_param_counts_match_transformers(name):
   # The `hf` extra (torch, transformers) is optional: absent on e.g. the Python 3.12 CI venv.
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
+  torch = need("torch")
+  transformers = need("transformers")
   cfg = PRESETS[name]
   counts = count_params(cfg)
   # transformers builds the same architecture from our config.json (on the meta device: no memory).
