@@ -135,6 +135,20 @@ MICRO = _add(Study(
     base=sweeps.BASE + ":test", seeds=2, steps=2,
     panels=(("fp32", {}),), lines=(("pg", _m("pg")), ("tis", _m("tis")))))
 
+# Issue 14, item 1: the regimes are chosen from this grid, plain PG alone ({+1/0} raw rewards, the
+# mode [SC] finds least stable online), before any other method runs on them.
+CALIBRATION_NOISE = (0.1, 0.2, 0.4, 0.8)
+CALIBRATION_STALENESS = (8, 32)
+CALIBRATION_QUANT = ("int4_w", "fp4_w", "fp8_wa_fp4_kv")
+CALIBRATE = _add(Study(
+    name="calibrate_pg",
+    description="Regime calibration by plain PG alone ({+1/0} raw rewards, small batch): clean fp32, "
+                "relative weight noise, severe quantization, staleness; 200 steps, 1 seed.",
+    panels=((("fp32", FP32),) + tuple((f"noise_{s:g}", noise(s)) for s in CALIBRATION_NOISE)
+            + tuple((q, quant(q)) for q in CALIBRATION_QUANT)
+            + tuple((f"stale_{k}", stale(k)) for k in CALIBRATION_STALENESS)),
+    lines=(("pg", _m("pg")),), seeds=1, steps=200, common=dict(SMALL_BATCH, **REWARD_01_RAW)))
+
 _add(Study(
     name="fig3_weight_noise",
     description="[SC] Fig. 3: relative weight noise at three scales x PG / TIS / MIS / PPO / DPPO / SC / SC+TIS / "
