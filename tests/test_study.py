@@ -93,7 +93,8 @@ def test_runner_skips_resumes_and_aggregates(tmp_path):
   fake = FakeExecutor(crash={("fp32/tis", 1): "killed"})
   counts = runner.run_study(p, executor=fake, progress=False)
   assert counts == {"skipped": 0, "ok": 3, "failed": 1}
-  assert fake.calls[0] == ("warm_start", 0) and len(fake.calls) == 5
+  # The warm start, then seed-major: every cell's seed 0 before any seed 1.
+  assert fake.calls == [("warm_start", 0), ("fp32/pg", 0), ("fp32/tis", 0), ("fp32/pg", 1), ("fp32/tis", 1)]
   assert runner.status(p.launches[3]) == "resume@1"
   assert json.load(open(tmp_path / "fp32/tis/seed1/failed.json"))["rc"] == 1
   # Rerun: the warm start and finished runs are skipped, the crashed one resumes and finishes.

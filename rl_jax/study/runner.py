@@ -239,7 +239,10 @@ def run_study(p: Plan, executor: Executor = subprocess_executor, jobs: int = 1,
     print(f"[study] warm start -> {p.warm_start.workdir}", flush=True)
     if execute(p.warm_start, executor) != 0:
       raise RuntimeError(f"study warm start failed; log: {p.warm_start.workdir}/study_warm_start.log")
-  todo = [launch for launch in p.launches if status(launch) not in ("done", "collapsed")]
+  # Seed-major: every cell's seed 0 runs before any seed 1, so a grid stopped early has every cell
+  # at fewer seeds rather than some cells at all seeds and others at none.
+  todo = sorted((launch for launch in p.launches if status(launch) not in ("done", "collapsed")),
+                key=lambda launch: launch.seed)
   counts["skipped"] = len(p.launches) - len(todo)
   bar = tqdm.tqdm(total=len(p.launches), initial=counts["skipped"], desc=f"study {p.study.name}",
                   unit="run", disable=not progress)

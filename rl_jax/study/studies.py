@@ -1,10 +1,10 @@
 """The named studies as code: panels (mismatch regimes) x lines (methods) x seeds over a base config.
 
-Regimes and budgets below are PLACEHOLDERS to be calibrated (issue 14, item 1): choose each
-regime from plain PG's behaviour alone (it must degrade within the run budget) before any
-other method runs on it, then change the module constants here, not per study. The budgets
-(steps, batch) aim at about an hour per study on 2 CPU cores and are estimates until
-measured (`python -m rl_jax.study STUDY --dry_run` prints the estimate).
+Regimes are chosen from plain PG's behaviour alone (the `calibrate_pg` study, below), before
+any other method ran on them, by a rule fixed before that grid ran; its results are written
+beside the constants they set and in docs/results.md. Budgets (steps, batch, evaluation
+cadence) are shared module constants, chosen so that a study's grid runs in about an hour on 2
+CPU cores (`python -m rl_jax.study STUDY --dry_run` prints the estimate from measured runs).
 
 Overrides use the vocabulary of configs/sweeps.py (dotted config keys; a dict value replaces
 a whole section, e.g. a quantization section that fits the tiny model).
@@ -18,11 +18,19 @@ from configs import sweeps
 
 Overrides = dict[str, Any]
 
-# -- regimes (placeholders: calibrate by PG's behaviour, issue 14) ------------------------------
+# -- regimes (chosen by `calibrate_pg`: PG alone, 200 steps, seed 0) ---------------------------
+# Calibration (final held-out greedy accuracy, start 0.051; clean fp32 gain +0.203, so a value
+# "bites" below +0.102; per-token KL k1 q||p_old and drift TV mean over the run):
+#   relative noise 0.1 -> 0.250 (+0.199, KL 4.1e-2, TV 0.054)   does not bite
+#                  0.2 -> 0.059 (+0.008, KL 0.18, TV 0.14)       bites: collapses (0.000 at step 120)
+#                  0.4 -> 0.008 (KL 1.75, TV 0.49)               bites: the sampler earns no reward at all
+#                  0.8 -> 0.012 (KL 4.7, TV 0.83)                bites: likewise
+#   int4_w 0.227 (KL 8.6e-3), fp4_w 0.215 (KL 1.3e-2), fp8_wa_fp4_kv 0.238 (KL 1.6e-2): none bites
 FP32 = {"sampler.quant": "none"}
-# [SC] Fig. 3: relative weight noise. sigma = 0.1 (KL ~0.03/token) does not bite in 160 steps.
+# [SC] Fig. 3: relative weight noise; 0.2 is the smallest value that bites, with its grid neighbours.
 NOISE_SIGMAS = (0.1, 0.2, 0.4)
-# [SC] Fig. 4: a severe quantized sampler (FP4 KV with FP8 W/A, sections that fit the tiny model).
+# [SC] Fig. 4: no quantized sampler bit; this is the one with the largest mismatch of the three tried
+# (FP4 KV with FP8 W/A, sections that fit the tiny model), kept as the quantization panel.
 SEVERE_QUANT = "fp8_wa_fp4_kv"
 # [SC] Fig. 4: sampler refreshed every K steps.
 STALENESS = 8
@@ -33,8 +41,13 @@ ROUTING_MISMATCH = {"sampler.quant": "int8_wa_int4_kv"}
 # [SC] finds {+1/0} the least stable reward online.
 REWARD_01_RAW = {"advantage.reward_mode": "01", "advantage.mode": "raw"}
 
-# -- budgets (placeholders: ~1 hour per study on 2 cores) ----------------------------------------
+# -- budgets (~1 hour per study on 2 cores) ----------------------------------------------------
+# 16 prompts x 8 and 120 steps: ~65 s of the whole 2-core machine per run (two runs at a time), so
+# e.g. Fig. 3's 72 runs take ~80 min. Under noise 0.2 PG collapses by step 80 in calibration, so
+# 120 steps see it. Evaluations and the first-order meter every 20 steps (base: 40) give a collapse
+# step and a cosine curve 7 points long, for ~6% more time.
 SMALL_BATCH = {"rl.prompts_per_step": 16, "rl.group_size": 8}
+BUDGET = dict(SMALL_BATCH, **{"rl.eval_every": 20, "rl.meter_every": 20})   # every figure study
 STEPS = 120
 SEEDS = 3
 
@@ -157,14 +170,14 @@ _add(Study(
     description="[SC] Fig. 3: relative weight noise at three scales x PG / TIS / MIS / PPO / DPPO / SC / SC+TIS / "
                 "SC+MIS, {+1/0} rewards, small batch.",
     panels=tuple((f"noise_{s:g}", noise(s)) for s in NOISE_SIGMAS), lines=_t(METHODS_001),
-    common=dict(SMALL_BATCH, **REWARD_01_RAW)))
+    common=dict(BUDGET, **REWARD_01_RAW)))
 
 _add(Study(
     name="fig4_quant_stale",
     description=f"[SC] Fig. 4: a severe quantized sampler ({SEVERE_QUANT}) and staleness K={STALENESS} x the "
                 "methods of Fig. 3, {+1/0} rewards, small batch.",
     panels=((SEVERE_QUANT, quant(SEVERE_QUANT)), (f"stale_{STALENESS}", stale(STALENESS))),
-    lines=_t(METHODS_001), common=dict(SMALL_BATCH, **REWARD_01_RAW)))
+    lines=_t(METHODS_001), common=dict(BUDGET, **REWARD_01_RAW)))
 
 _add(Study(
     name="fig2_online_offline",
@@ -172,7 +185,7 @@ _add(Study(
                 "group-centered}, plain PG under the middle weight-noise regime.",
     panels=(("online", noise(NOISE_SIGMAS[1])),
             ("offline", dict(noise(NOISE_SIGMAS[1]), **{"rl.staleness": OFFLINE_STALENESS}))),
-    lines=tuple((k, dict(_m("pg"), **v)) for k, v in REWARD_MODES.items()), common=dict(SMALL_BATCH)))
+    lines=tuple((k, dict(_m("pg"), **v)) for k, v in REWARD_MODES.items()), common=dict(BUDGET)))
 
 _add(Study(
     name="fig5_topk_sc",
@@ -180,7 +193,7 @@ _add(Study(
                 "of Figs. 3-4.",
     panels=((f"noise_{NOISE_SIGMAS[1]:g}", noise(NOISE_SIGMAS[1])), (SEVERE_QUANT, quant(SEVERE_QUANT)),
             (f"stale_{STALENESS}", stale(STALENESS))),
-    lines=_t(TOPK_SC), common=dict(SMALL_BATCH, **REWARD_01_RAW)))
+    lines=_t(TOPK_SC), common=dict(BUDGET, **REWARD_01_RAW)))
 
 _add(Study(
     name="minirl_on_policy",
@@ -191,7 +204,7 @@ _add(Study(
            ("no_train_infer_is", dict(MINIRL, **{"loss.minirl_train_infer_is": False})),
            ("length_norm", dict(MINIRL, **{"loss.aggregation": "seq_mean"})),
            ("r3", dict(MINIRL, **{"rl.routing_replay": "R3"}))),
-    common=dict(SMALL_BATCH)))
+    common=dict(BUDGET)))
 
 _add(Study(
     name="minirl_off_policy",
@@ -200,7 +213,7 @@ _add(Study(
     panels=tuple((f"n{n}", dict(ROUTING_MISMATCH, **{"rl.n_minibatches": n})) for n in (2, 4, 8)),
     lines=tuple((f"{clip}_{r}", dict(MINIRL, **{"loss.minirl_clip": clip == "clip", "rl.routing_replay": r}))
                 for clip in ("clip", "no_clip") for r in ("none", "R2", "R3")),
-    common=dict(SMALL_BATCH)))
+    common=dict(BUDGET)))
 
 
 def get(name: str) -> Study:
