@@ -26,7 +26,7 @@ import tqdm
 
 from configs import sweeps
 from rl_jax import analysis
-from rl_jax.analysis import aggregate, runs as runs_lib, tables
+from rl_jax.analysis import aggregate, precursors, runs as runs_lib, tables
 from rl_jax.study import studies
 from rl_jax.study.config import REPO_ROOT, load_base
 
@@ -273,7 +273,8 @@ def groups_of(p: Plan) -> list[runs_lib.Group]:
   return groups
 
 
-def verdict_skeleton(p: Plan, summaries: Sequence[aggregate.GroupSummary], command: str) -> str:
+def verdict_skeleton(p: Plan, summaries: Sequence[aggregate.GroupSummary], command: str,
+                     groups: Sequence[runs_lib.Group] = ()) -> str:
   """verdict.md: the command, the numbers and per-panel orderings; the verdict itself is for a person."""
   wall = [(_read_json(os.path.join(launch.workdir, runs_lib.STUDY_FILE)) or {}).get("wall_s")
           for launch in p.launches]
@@ -290,6 +291,12 @@ def verdict_skeleton(p: Plan, summaries: Sequence[aggregate.GroupSummary], comma
     row = sorted((s for s in summaries if s.panel == panel),
                  key=lambda s: -s.final_accuracy[0] if s.final_accuracy[2] else float("inf"))
     lines.append(f"- {panel}: " + " > ".join(f"{s.line} {tables.fmt(s.final_accuracy)}" for s in row))
+  if groups:
+    lines += ["", "## Do the meters warn before a collapse?", "",
+              f"Alarm: drift TV at >= {precursors.DRIFT_FACTOR:g}x, first-order cosine at <= "
+              f"{precursors.COSINE_FACTOR:g}x its median over steps < {precursors.BASELINE_STEPS} "
+              "(rl_jax/analysis/precursors.py); lead = collapse step - alarm step.", "",
+              precursors.markdown(groups)]
   lines += ["", "## Verdict", "",
             "Not yet written: state which of the papers' orderings reproduce at this scale and which do "
             "not, citing the numbers above; a null or reversed result is a result.", ""]
@@ -304,5 +311,5 @@ def aggregate_study(p: Plan, command: str = "") -> dict[str, str]:
   paths, summaries = analysis.compare(groups, p.root, title=f"{p.study.name}: {p.study.description}")
   paths["verdict"] = os.path.join(p.root, "verdict.md")
   with open(paths["verdict"], "w") as f:
-    f.write(verdict_skeleton(p, summaries, command))
+    f.write(verdict_skeleton(p, summaries, command, groups))
   return paths
