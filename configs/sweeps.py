@@ -56,6 +56,9 @@ QUANT_REGIMES: dict[str, Any] = {
     "int8_wa_int8_kv": "int8_wa_int8_kv",
     "int4_w": {"weights": {"format": "int4", "granularity": "block", "block_size": 32}},
     "fp4_w": "fp4_w",
+    # Every role in FP4 (E2M1): the most severe sampler the formats allow, for calibration.
+    "fp4_wa_fp4_kv": {"weights": {"format": "fp4"}, "activations": {"format": "fp4"},
+                      "kv": {"format": "fp4", "block_size": 16}},
 }
 NOISE_SIGMAS = (0.01, 0.02, 0.05)
 STALENESS = 64
