@@ -196,8 +196,9 @@ def test_sweep_commands_parse_to_the_validated_configs(monkeypatch):
         file_form.add(f"{sweep}/{name}")
   # Only quantization regimes whose block sizes need a nested section (not a preset name)
   # need the sweeps.py form; everything else is a plain --config.a.b=v flag.
-  assert file_form == {"mismatch/fp8_wa_fp4_kv", "mismatch/int4_w",
-                       *(f"regimes_x_corrections/{r}/{c}" for r in ("fp8_wa_fp4_kv", "int4_w")
+  sections = ("fp8_wa_fp4_kv", "int4_w", "fp4_wa_fp4_kv")
+  assert file_form == {*(f"mismatch/{r}" for r in sections),
+                       *(f"regimes_x_corrections/{r}/{c}" for r in sections
                          for c in ("pg", "tis", "mis", "sc", "sc_tis", "sc_mis"))}
 
 
