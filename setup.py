@@ -28,6 +28,8 @@ setup(
         "numpy>=1.26",
         "tqdm>=4.66",
         "matplotlib>=3.8",
+        # rl_jax.study.publish downscales study figures for docs/ (matplotlib needs it anyway).
+        "pillow>=10",
         "tokenizers>=0.20",
     ],
     extras_require={

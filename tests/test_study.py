@@ -6,11 +6,12 @@ import subprocess
 import sys
 
 import pytest
+from PIL import Image
 
 from rl_jax.rl import job as job_lib
 from rl_jax.study import __main__ as cli
 from rl_jax.study import config as study_config
-from rl_jax.study import runner, studies
+from rl_jax.study import publish, runner, studies
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -117,6 +118,13 @@ def test_runner_skips_resumes_and_aggregates(tmp_path):
   assert table["fp32/tis"]["seeds"] == [0, 1]
   verdict = open(paths["verdict"]).read()
   assert "fp32: tis 0.2 +- 0.05 > pg 0.15 +- 0.05" in verdict
+  # Publishing: the verdict and table as they are, the figure downscaled to a palette PNG.
+  out = publish.publish(str(tmp_path), "micro", str(tmp_path / "docs"))
+  assert open(out["verdict.md"]).read() == verdict
+  with Image.open(out["figure.png"]) as small, Image.open(paths["png"]) as full:
+    assert small.mode == "P" and small.width == min(full.width, publish.MAX_WIDTH)
+  with pytest.raises(FileNotFoundError, match="no verdict.md, table.md, figure.png"):
+    publish.publish(str(tmp_path / "fp32"), "micro", str(tmp_path / "docs"))
 
 
 def test_nonfinite_abort_is_a_finished_collapse(tmp_path):

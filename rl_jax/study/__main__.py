@@ -11,7 +11,7 @@ import os
 import shlex
 import sys
 
-from rl_jax.study import runner, studies
+from rl_jax.study import publish, runner, studies
 
 DEFAULT_ROOT = "/tmp/rl_jax_studies"
 
@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--print_commands", action="store_true", help="print one launch command per run")
   p.add_argument("--aggregate_only", action="store_true", help="only redraw the figure and tables")
   p.add_argument("--wandb_mode", default="disabled", choices=("disabled", "offline", "online"))
+  p.add_argument("--publish", default=None, metavar="DIR",
+                 help="after aggregating, copy verdict.md, table.md and a small figure.png to DIR/STUDY")
   args = p.parse_args(argv)
   if args.study is None:
     print(_listing())
@@ -58,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     rc = 1 if counts["failed"] else 0
   paths = runner.aggregate_study(plan, command)
   print("[study] wrote " + ", ".join(paths[k] for k in ("png", "md", "csv", "json", "verdict")))
+  if args.publish:
+    published = publish.publish(plan.root, study.name, args.publish)
+    print("[study] published " + ", ".join(published.values()))
   return rc
 
 
