@@ -165,6 +165,12 @@ def test_cli_lists_dry_run_and_commands(tmp_path, capsys):
   assert cli.main(["micro", "--root", str(tmp_path), "--dry_run"]) == 0
   out = capsys.readouterr().out
   assert "4 runs" in out and "estimated CPU time left" in out
+  assert cli.main(["fig3_weight_noise", "--root", str(tmp_path), "--dry_run", "--panels", "noise_0.2"]) == 0
+  out = capsys.readouterr().out
+  assert "24 runs (8 configs x 3 seeds)" in out and "noise_0.1/" not in out and "noise_0.2/sc_tis/seed2" in out
+  with pytest.raises(SystemExit):
+    cli.main(["fig3_weight_noise", "--root", str(tmp_path), "--dry_run", "--panels", "noise_9"])
+  assert "unknown panels ['noise_9']" in capsys.readouterr().err
   assert cli.main(["micro", "--root", str(tmp_path), "--print_commands", "--seeds", "1"]) == 0
   lines = [l for l in capsys.readouterr().out.splitlines() if not l.startswith("#")]
   assert len(lines) == 3 and all(shlex.split(l)[:3] == ["python", "-m", "rl_jax.main"] for l in lines)

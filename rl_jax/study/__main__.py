@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default: the study's)")
   p.add_argument("--steps", type=int, default=None, help="rl.steps of every run (default: the study's)")
   p.add_argument("--jobs", type=int, default=1, help="runs at a time on this machine")
+  p.add_argument("--panels", default=None, metavar="A,B",
+                 help="only these panels (comma-separated; default: all), e.g. the most telling one first")
   p.add_argument("--dry_run", action="store_true", help="list the runs and the estimated CPU time left")
   p.add_argument("--print_commands", action="store_true", help="print one launch command per run")
   p.add_argument("--aggregate_only", action="store_true", help="only redraw the figure and tables")
@@ -42,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     print(_listing())
     return 0
   study = studies.get(args.study)
+  if args.panels:
+    try:
+      study = study.only_panels([n for n in args.panels.split(",") if n])
+    except KeyError as e:
+      p.error(f"--panels: {e.args[0]}")
   root = args.root or os.path.join(DEFAULT_ROOT, study.name)
   plan = runner.plan(study, root, seeds=args.seeds, steps=args.steps, wandb_mode=args.wandb_mode)
   if args.dry_run:

@@ -12,7 +12,7 @@ a whole section, e.g. a quantization section that fits the tiny model).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 from configs import sweeps
 
@@ -114,6 +114,14 @@ class Study:
   common: Overrides = dataclasses.field(default_factory=dict)
   # Lines a panel leaves out (e.g. score centering is incompatible with a method).
   skip: tuple[tuple[str, str], ...] = ()
+
+  def only_panels(self, names: Sequence[str]) -> "Study":
+    """The same study restricted to the named panels (run a grid's most telling panel first)."""
+    known = [p for p, _ in self.panels]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+      raise KeyError(f"study {self.name!r}: unknown panels {unknown or list(names)}; panels: {known}")
+    return dataclasses.replace(self, panels=tuple((p, o) for p, o in self.panels if p in names))
 
   def runs(self) -> list[RunDef]:
     out = []
