@@ -123,6 +123,14 @@ def test_runner_skips_resumes_and_aggregates(tmp_path):
   assert open(out["verdict.md"]).read() == verdict
   with Image.open(out["figure.png"]) as small, Image.open(paths["png"]) as full:
     assert small.mode == "P" and small.width == min(full.width, publish.MAX_WIDTH)
+  # A written verdict survives publishing again; the numbers above it are the new ones.
+  written = verdict.split("## Verdict\n")[0] + "## Verdict\n\nTIS > PG at 2 seeds (0.2 vs 0.15).\n"
+  with open(out["verdict.md"], "w") as f:
+    f.write(written.replace("fp32: tis", "OLD NUMBERS"))
+  publish.publish(str(tmp_path), "micro", str(tmp_path / "docs"))
+  again = open(out["verdict.md"]).read()
+  assert again.endswith("## Verdict\n\nTIS > PG at 2 seeds (0.2 vs 0.15).\n")
+  assert "fp32: tis 0.2 +- 0.05" in again and "OLD NUMBERS" not in again
   with pytest.raises(FileNotFoundError, match="no verdict.md, table.md, figure.png"):
     publish.publish(str(tmp_path / "fp32"), "micro", str(tmp_path / "docs"))
 
