@@ -178,8 +178,10 @@ CALIBRATE = _add(Study(
 _add(Study(
     name="fig3_weight_noise",
     description="[SC] Fig. 3: relative weight noise at three scales x PG / TIS / MIS / PPO / DPPO / SC / SC+TIS / "
-                "SC+MIS, {+1/0} rewards, small batch.",
-    panels=tuple((f"noise_{s:g}", noise(s)) for s in NOISE_SIGMAS), lines=_t(METHODS_001),
+                "SC+MIS, {+1/0} rewards, small batch; clean fp32 PG as the reference.",
+    panels=(("fp32", FP32),) + tuple((f"noise_{s:g}", noise(s)) for s in NOISE_SIGMAS), lines=_t(METHODS_001),
+    # The clean reference: PG alone (every correction equals PG on-policy, docs/math.md#correction-methods).
+    skip=tuple(("fp32", m) for m in METHODS_001 if m != "pg"),
     common=dict(BUDGET, **REWARD_01_RAW)))
 
 _add(Study(
