@@ -46,6 +46,16 @@ def test_kinds_leads_and_table():
   assert late_p[P.DRIFT].kind == "late" and late_p[P.COSINE].kind == "missed"
   assert {p.kind for p in P.run_precursors(false_alarm) if p.meter == P.DRIFT} == {"false_alarm"}
   assert {p.kind for p in P.run_precursors(quiet)} == {"quiet"}
+  # A zero-gradient reading (cosine 0 with norm ratio 0: no reward in the meter's batch) is no alarm.
+  no_reward = _run("c", 0, healthy, tv=[0.05] * 81, cos=[0.9, 0.9, 0.9, 0.0, 0.9, 0.9, 0.9, 0.9, 0.9])
+  for row in no_reward.rows:
+    if "first_order/cosine" in row:
+      row["first_order/norm_ratio"] = 0.0 if row["first_order/cosine"] == 0.0 else 0.7
+  assert {p.kind for p in P.run_precursors(no_reward) if p.meter == P.COSINE} == {"quiet"}
+  for row in no_reward.rows:
+    if row.get("first_order/cosine") == 0.0:
+      row["first_order/norm_ratio"] = 0.4   # a real gradient whose direction is orthogonal: an alarm
+  assert [p.alarm for p in P.run_precursors(no_reward) if p.meter == P.COSINE] == [30]
   table = P.markdown([Group("a", "p", "a", [warned, late]), Group("b", "p", "b", [false_alarm, quiet])])
   assert "| a | drift/tv_mean | 2/2 | 1 (30) | 1 | 0 | 0/0 |" in table
   assert "| a | first_order/cosine | 2/2 | 1 (30) | 0 | 1 | 0/0 |" in table
