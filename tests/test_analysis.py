@@ -151,6 +151,8 @@ def test_meters_are_aliased_drawn_and_tabled(tmp_path, monkeypatch):
     r_old["loss/drift/tv_mean"] = 0.01 * s
     r_new["drift/tv_mean"] = 0.03 * s
   new[2]["first_order/cosine"] = 0.8
+  # A zero-gradient reading (no reward in the meter's batch: cosine and norm ratio both 0) is left out.
+  new[1].update({"first_order/cosine": 0.0, "first_order/norm_ratio": 0.0})
   write_run(tmp_path / "m" / "seed0", old)
   write_run(tmp_path / "m" / "seed1", new)
   groups = analysis.group_runs(analysis.load_runs(str(tmp_path / "m" / "seed*")))

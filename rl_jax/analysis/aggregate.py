@@ -141,7 +141,18 @@ class GroupSummary:
 
 
 # Per-run means reported when any run logged them (the meters).
-EXTRA_MEANS = ("drift/tv_mean", "first_order/cosine")
+COSINE = "first_order/cosine"
+NORM_RATIO = "first_order/norm_ratio"
+EXTRA_MEANS = ("drift/tv_mean", COSINE)
+
+
+def defined_cosine(run: Run, steps: Sequence[int], values: Sequence[float]) -> tuple[list[int], list[float]]:
+  """The first-order cosine readings whose gradients were not zero: the meter reports cosine 0 and
+  norm ratio 0 when either is (a mini-batch with all-zero advantages, e.g. no reward under raw
+  {+1/0} rewards), a reading that says nothing about the approximation."""
+  ratio = dict(zip(*run.series(NORM_RATIO)))
+  keep = [(s, v) for s, v in zip(steps, values) if not (v == 0.0 and ratio.get(s) == 0.0)]
+  return [s for s, _ in keep], [v for _, v in keep]
 
 
 def summarize_group(group: Group, accuracy: str = ACCURACY, collapse_metric: str = COLLAPSE_METRIC,
@@ -151,7 +162,9 @@ def summarize_group(group: Group, accuracy: str = ACCURACY, collapse_metric: str
   def per_run(metric: str, reduce) -> list[float]:
     out = []
     for r in group.runs:
-      _, v = r.series(metric)
+      steps, v = r.series(metric)
+      if metric == COSINE:
+        _, v = defined_cosine(r, steps, v)
       if v:
         out.append(reduce(v))
     return out

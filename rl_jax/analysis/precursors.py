@@ -29,7 +29,6 @@ from rl_jax.analysis.runs import Group, Run
 
 DRIFT = "drift/tv_mean"
 COSINE = "first_order/cosine"
-NORM_RATIO = "first_order/norm_ratio"
 BASELINE_STEPS = 20
 DRIFT_FACTOR = 2.0     # drift TV at twice its starting level
 COSINE_FACTOR = 0.5    # cosine at half its starting level
@@ -86,13 +85,6 @@ class RunPrecursor:
     return None if self.alarm is None or self.collapse is None else self.collapse - self.alarm
 
 
-def _defined_cosine(run: Run, steps: list[int], values: list[float]) -> tuple[list[int], list[float]]:
-  """The cosine readings whose gradients were not zero (module docstring)."""
-  ratio = dict(zip(*run.series(NORM_RATIO)))
-  keep = [(s, v) for s, v in zip(steps, values) if not (v == 0.0 and ratio.get(s) == 0.0)]
-  return [s for s, _ in keep], [v for _, v in keep]
-
-
 def run_precursors(run: Run, meters: dict[str, tuple[Direction, float]] = METERS,
                    baseline_steps: int = BASELINE_STEPS) -> list[RunPrecursor]:
   """One RunPrecursor per meter the run logged."""
@@ -101,7 +93,7 @@ def run_precursors(run: Run, meters: dict[str, tuple[Direction, float]] = METERS
   for meter, (direction, factor) in meters.items():
     steps, values = run.series(meter)
     if meter == COSINE:
-      steps, values = _defined_cosine(run, steps, values)
+      steps, values = aggregate.defined_cosine(run, steps, values)
     if not steps:
       continue
     out.append(RunPrecursor(name=run.name, seed=run.seed, meter=meter, collapse=collapse,
