@@ -66,7 +66,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cfg.task = ml_collections.ConfigDict(dict(name="countdown", overrides={}))
   # fp32 master weights: with SGD at lr 1e-2 many updates are below bf16's resolution.
   # remat: 64 sequences x 768 tokens per GPU would not keep 28 layers of activations.
-  cfg.model = model_section("qwen3-0.6b", dtype="bfloat16", param_dtype="float32", remat=True)
+  cfg.model = model_section("qwen3-0.6b", dtype="bfloat16", param_dtype="float32", remat=True,
+                            scan_layers=True)
   cfg.mesh = common.mesh(data=1, fsdp=8, expert=1, tensor=1)
   cfg.warm_start = ml_collections.ConfigDict(dict(source="hf", path=arg or ""))
   cfg.optim = ml_collections.ConfigDict(dict(name="sgd", lr=1e-2, schedule="constant", warmup_steps=0,

@@ -81,7 +81,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cfg.seed = 0
   cfg.resume = common.RESUME
   cfg.task = ml_collections.ConfigDict(dict(name="countdown", overrides={}))
-  cfg.model = small.model_section("qwen3-30b-a3b", dtype="bfloat16", param_dtype="float32", remat=True)
+  cfg.model = small.model_section("qwen3-30b-a3b", dtype="bfloat16", param_dtype="float32", remat=True,
+                                  scan_layers=True)
   # 32 devices. Expert weights [128, 2048, 768] split 8-way over experts (16 per shard)
   # and 4-way over d_model (fsdp): 32-way in all. Attention, embeddings and norms
   # (~1.5B params) are split 4-way by fsdp and replicated over the expert axis. The
