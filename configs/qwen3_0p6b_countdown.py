@@ -12,7 +12,7 @@ per run, with vLLM as sampler; this JAX sampler's speed at this scale is not mea
 
 Plan (`python -m rl_jax.plan --config=configs/qwen3_0p6b_countdown.py`: XLA:CPU on 8 simulated
 devices, memory-optimized scheduler, scanned layers, all 28 layers compiled; GiB per device, H100
-80 GB; compile seconds on 2 loaded cores):
+80 GB; compile seconds on 2 shared cores, about +-50% run to run):
                           sync   generate   p_old forward   update
   f32 params              0.28   0.28 res.  0.28            0.28
   FP8 sampler weights     0.09   0.09       0.09 res.       0.09 res.
@@ -21,10 +21,11 @@ devices, memory-optimized scheduler, scanned layers, all 28 layers compiled; GiB
   peak                    0.37   10.13      7.49            15.06   (20% of 80 GB at most: fits)
   model TFLOP                    64.8       62.9            251.7
   roofline s (H100)       0.000  0.516      0.064           0.254   (0.83 s per global step)
-  compile s               1.9    22.8       9.1             30.4
+  compile s               1.1    20.4       3.6             15.0
 SGD keeps no optimizer state. Generate is memory-bound (513 reads of the FP8 weights and cache);
-the update's temporaries are one layer's working set (its bulk: f32 [64 rows, 16 heads, 768, 768]
-attention scores, 2.25 GiB). Unrolled (`--set model.scan_layers=False --layers 2`) the update needs
+the update's temporaries (XLA's buffer report) are the 28 layers' remat-saved residual stream
+(f32 [28, 64, 768, 1024], 5.25 GiB), one layer's f32 [64, 16, 768, 768] attention scores (2.25 GiB
+per buffer) and the loss's f32 [64 x 64, 151936] logits chunks (2.3 GiB each). Unrolled (`--set model.scan_layers=False --layers 2`) the update needs
 199 GiB and does not fit: XLA:CPU's temporaries still grow with depth there (the earlier 539 GiB
 also had the batch replicated on every device, fixed since by the residual stream's batch
 constraint, and the concurrency-optimized scheduler hoisting the remat recomputes).

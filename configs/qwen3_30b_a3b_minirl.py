@@ -23,7 +23,7 @@ layers, all 48 layers compiled; GiB per device, H200 141 GB; gspmd / shard_map d
   MoE dispatch GB (model)             15965 / 454  15977 / 454     11983 / 341
   model TFLOP                         1131         1079            1079
   roofline s (H200)       0.002       2.64 / 2.64  3.32 / 1.62     3.75 / 2.04
-  compile s               1.4         36.4 / 30.2  13.7 / 13.0     37.4 / 31.0
+  compile s               2.8         33.9 / 39.2  13.7 / 13.1     44.2 / 24.9
 Only the sync fits (AdamW's moments are sharded like their params since the optimizer-state fix:
 9.6 GiB, not 227). The largest contributors, from XLA's buffer report of the shard_map programs:
 (1) XLA:CPU lowers `lax.ragged_dot` densely, a [rows, 16 local experts x F] f32 buffer: 1.25 TiB of
