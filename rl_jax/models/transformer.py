@@ -198,17 +198,16 @@ class Transformer(nnx.Module):
     x_BSD = constrain_batch(jnp.take(self.embedding.get_value(), tokens_BS, axis=0).astype(dtype))
     args = (positions_BS, mask_BSC, valid_BS, cache_index, replay_ids_BSLK, replay_mask_BS)
     if cfg.scan_layers:
-      x_BSD, new_cache, ids_all, router_all, aux_total = self._run_scanned(
-          x_BSD, cache, *args, keep_router_logits=return_router_logits)
+      x_BSD, new_cache, ids_all, router_all, aux_total = self._run_scanned(x_BSD, cache, *args)
     else:
       x_BSD, new_cache, ids_all, router_all, aux_total = self._run_unrolled(x_BSD, cache, *args)
     h_BSD = self.final_norm(x_BSD)
     k = cfg.n_experts_per_tok
-    expert_ids_BSLK = (constrain_batch(jnp.stack(ids_all, axis=2).astype(jnp.int32)) if ids_all
+    expert_ids_BSLK = (jnp.stack(ids_all, axis=2).astype(jnp.int32) if ids_all
                        else jnp.zeros((b, s, 0, k), jnp.int32))
     router_logits_BSLE = None
     if return_router_logits and router_all:
-      router_logits_BSLE = constrain_batch(jnp.stack(router_all, axis=2))
+      router_logits_BSLE = jnp.stack(router_all, axis=2)
     logits_BSV = None
     if compute_logits:
       if cfg.tie_embeddings:
@@ -254,14 +253,11 @@ class Transformer(nnx.Module):
     return x_BSD, new_cache, ids_all, router_all, aux_total
 
   def _run_scanned(self, x_BSD, cache, positions_BS, mask_BSC, valid_BS, cache_index,
-                   replay_ids_BSLK, replay_mask_BS, keep_router_logits=True):
+                   replay_ids_BSLK, replay_mask_BS):
     """One `lax.scan` per layer group (same results as `_run_unrolled`, per-MoE-layer lists).
 
     The residual stream is the carry; the stacked parameters, the group's stacked
-    cache and its MoE layers' replay ids are scanned over (leading layer axis). The
-    per-layer outputs stacked by the scan (expert ids, and router logits only when
-    `keep_router_logits`) keep the batch split: GSPMD otherwise replicates a scan's stacked
-    outputs (the 30B p_old forward held every device's [B, S, L, E] f32 logits: 120 GiB).
+    cache and its MoE layers' replay ids are scanned over (leading layer axis).
     """
     cfg = self.cfg
     ids_all, router_all, aux_total = [], [], jnp.zeros((), jnp.float32)
@@ -280,9 +276,6 @@ class Transformer(nnx.Module):
         x_BSD, layer_cache, ids_BSK, rl_BSE, aux = nnx.merge(_graphdef, layer_state)(
             x_BSD, positions_BS, mask_BSC, valid_BS, layer_cache, cache_index, r_ids_BSK,
             replay_mask_BS)
-        if ids_BSK is not None:
-          ids_BSK = constrain_batch(ids_BSK)
-          rl_BSE = constrain_batch(rl_BSE) if keep_router_logits else None
         return constrain_batch(x_BSD), (layer_cache, ids_BSK, rl_BSE, aux)
 
       if cfg.remat and cache is None:
@@ -294,6 +287,6 @@ class Transformer(nnx.Module):
         new_cache.append(group_cache)
       if is_moe:
         ids_all += list(ids_nBSK)
-        router_all += list(rl_nBSE) if keep_router_logits else []
+        router_all += list(rl_nBSE)
         aux_total = aux_total + jnp.sum(aux_n)
     return x_BSD, new_cache, ids_all, router_all, aux_total
