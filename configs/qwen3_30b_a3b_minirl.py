@@ -11,24 +11,33 @@ H100-hour per step of 128 x 1024-token responses on this model) is ~1 H100-hour 
 1024-response gradient step, i.e. ~2-3 minutes per mini-batch update on 32 GPUs and
 about 1-2 days for the 1000 global steps at N=1 (N times that at N > 1). [MiniRL]'s own
 5-6 GPU-hours per step are for 32K-token math responses.
-Plan (`python -m rl_jax.plan --config=configs/qwen3_30b_a3b_minirl.py:n4 --layers 1
---device h200`: XLA:CPU on 32 simulated devices, compiled at 1 and 2 of 48 layers and
-extrapolated linearly; per device): it did NOT fit, for two reasons the planner named.
-(1) AdamW's moments took 227 GiB per device: `experiment.init_opt_state` left their layout
-to jit, which replicated them. Fixed since: they are sharded like their params, 9.6 GiB
-(computed from the planner's layout; the full plan was not re-run), next to 4.8 GiB of
-f32 params and 1.4 GiB of FP8 sampler weights. (2) GSPMD cannot
-partition the expert-sorted `ragged_dot` with experts split over 'expert' and tokens
-over the batch axes ("involuntary full rematerialization": every device gathers all
-tokens), and XLA:CPU expands it densely, so temporaries reach 24,000 GiB (generate),
-6,700 GiB (p_old forward) and 64,000 GiB (update) and XLA counts 70x the model's FLOPs;
-an expert-parallel dispatch is what makes this config plannable (`model.moe_dispatch=
-shard_map`, rl_jax/models/expert_parallel.py, exists since; not yet planned here). Model FLOPs per device:
-generate 1,131 TFLOP (KV cache 7.6 GiB FP8), p_old forward 1,079, one update 1,079
-(with remat). Roofline on H200 from the model figures: generate 2.1 s (memory-bound:
-1025 reads of weights + cache), p_old 1.1 s, 4 updates 4.4 s, ~7.5 s per global step at
-N=4 as a lower bound (the planner's own total, 893 s, uses XLA:CPU's inflated counts).
-Compile (XLA:CPU, 2 layers): generate 90 s, p_old 31 s, update 142 s.
+Plan (`python -m rl_jax.plan --config=configs/qwen3_30b_a3b_minirl.py:n4 --device h200
+--dispatch gspmd,shard_map`: XLA:CPU on 32 simulated devices, memory-optimized scheduler, scanned
+layers, all 48 layers compiled; GiB per device, H200 141 GB; gspmd / shard_map dispatch):
+                          sync        generate     p_old forward   update (x4)
+  f32 params / AdamW      4.81/9.62   4.81/9.62    4.81/9.62       4.81/9.62
+  FP8 sampler weights     1.36        1.36         1.36            1.36
+  FP8 KV cache                        10.16
+  other temporaries       0.00        414 / 279    2006 / 1349     993 / 1213
+  peak                    15.8        440 / 305    2022 / 1365     1009 / 1229
+  MoE dispatch GB (model)             15965 / 454  15977 / 454     11983 / 341
+  model TFLOP                         1131         1079            1079
+  roofline s (H200)       0.002       2.64 / 2.64  3.32 / 1.62     3.75 / 2.04
+  compile s               2.8         33.9 / 39.2  13.7 / 13.1     44.2 / 24.9
+Only the sync fits (AdamW's moments are sharded like their params since the optimizer-state fix:
+9.6 GiB, not 227). The largest contributors, from XLA's buffer report of the shard_map programs:
+(1) XLA:CPU lowers `lax.ragged_dot` densely, a [rows, 16 local experts x F] f32 buffer: 1.25 TiB of
+the p_old forward's 1.32 TiB, 255 GiB of generate's 290 (its prefill); a GPU's grouped matmul has
+no such buffer, so these two figures say little about an H200. What is real: (2) the shard_map
+dispatch all-gathers its expert group's (token, slot) rows, 8 x 163,840 tokens x top-8 = 10.5 M rows
+of 2048 (40 GiB bf16, 80 GiB f32) in the p_old forward, which runs all 128 sequences x 1,280 tokens
+of a device at once; (3) f32 attention scores [128, 4, 8, 1280, 1280], 25 GiB per layer (no flash
+attention); (4) under R3 the routing-agreement diagnostic's `lax.top_k` over the router
+probabilities (rl/step.py) makes GSPMD all-gather the global batch's [4096, 1280, 48, 128] f32
+logits: 120 GiB. Fitting needs the p_old forward in micro-batches, an all-to-all dispatch (each
+device receives its n k rows, not ep n k), chunked attention and a batch-sharded top-k. The GSPMD
+dispatch is worse: the SPMD partitioner cannot split `ragged_dot` by expert ("involuntary full
+rematerialization" warnings) and moves 35x the shard_map dispatch's bytes.
 
 Setting ([MiniRL], Sec. 4.2): each mini-batch is 64 prompts x 16 responses = 1024
 responses; a global step samples N mini-batches (64*N prompts) from the sampler at
@@ -81,7 +90,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cfg.seed = 0
   cfg.resume = common.RESUME
   cfg.task = ml_collections.ConfigDict(dict(name="countdown", overrides={}))
-  cfg.model = small.model_section("qwen3-30b-a3b", dtype="bfloat16", param_dtype="float32", remat=True)
+  # scan_layers: one lax.scan over the 48 MoE layers: the full model compiles in seconds.
+  cfg.model = small.model_section("qwen3-30b-a3b", dtype="bfloat16", param_dtype="float32", remat=True,
+                                  scan_layers=True)
   # 32 devices. Expert weights [128, 2048, 768] split 8-way over experts (16 per shard)
   # and 4-way over d_model (fsdp): 32-way in all. Attention, embeddings and norms
   # (~1.5B params) are split 4-way by fsdp and replicated over the expert axis. The

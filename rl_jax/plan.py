@@ -2,6 +2,7 @@
 
   python -m rl_jax.plan --config=configs/X.py[:arg] [--device h100|h200|tpu_v5p] [--json OUT]
       [--devices N] [--layers N] [--programs sync,generate,old_forward,update]
+      [--dispatch gspmd,shard_map] [--set model.scan_layers=False ...]
 
 Everything is abstract (shapes + shardings, no parameter memory): the trainer's params and
 optimizer state, the sampler's (quantized) weights, the rollout and the train batch. The
@@ -26,9 +27,15 @@ import time
 from typing import Any
 
 _ENV_DEVICES = "RL_JAX_PLAN_DEVICES"
+# XLA:CPU's default scheduler optimizes for thread concurrency: it runs independent work early,
+# e.g. every layer's remat recomputation before the first backward layer, so all layers'
+# activations are live at once (an unrolled 0.6B update: 539 GiB of temporaries, not one
+# layer's). GPU/TPU schedulers are memory-aware; the memory-optimized CPU scheduler is the
+# closer stand-in for what they allocate (docs in README's scale-planning section).
+_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
-HEADER = ("Estimate from XLA:CPU ({n} simulated devices): memory_analysis / cost_analysis are what "
-          "XLA:CPU would allocate and compute per device; GPU/TPU fusion and layouts differ. XLA counts a "
+HEADER = ("Estimate from XLA:CPU ({n} simulated devices, {sched} scheduler): memory_analysis / cost_analysis "
+          "are what XLA:CPU would allocate and compute per device; GPU/TPU fusion and layouts differ. XLA counts a "
           "loop body once, so generate's decode loop and the chunked-logits scan are also costed "
           "analytically ('model' columns); the roofline takes the larger of the two.")
 
@@ -166,6 +173,8 @@ class ProgramPlan:
   bytes_xla: float = 0.0
   flops_model: float = 0.0
   bytes_model: float = 0.0
+  comm_xla: float = 0.0         # bytes out of the compiled HLO's collectives (loop bodies once)
+  comm_model: float = 0.0       # MoE dispatch bytes received, all layers and passes (analytic)
   time_s: float = 0.0           # roofline on the named accelerator
   compile_s: float = 0.0
 
@@ -197,6 +206,28 @@ def _cost(compiled) -> tuple[float, float]:
   return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
 
 
+_COLLECTIVE_RE = None
+
+
+def collective_bytes(hlo_text: str) -> int:
+  """Sum of the output bytes of every collective op in compiled HLO text (each op once, so a
+  collective inside a loop body, e.g. a scanned layer, counts once)."""
+  import re  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  global _COLLECTIVE_RE
+  if _COLLECTIVE_RE is None:
+    ops = "all-gather|all-reduce|reduce-scatter|all-to-all|ragged-all-to-all|collective-permute"
+    _COLLECTIVE_RE = re.compile(r"= (\(?[^=]*?\)?) (?:" + ops + r")(?:-start)?\(")
+  itemsize = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2,
+              "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+  total = 0
+  for m in _COLLECTIVE_RE.finditer(hlo_text):
+    for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
+      if dtype in itemsize:
+        total += int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * itemsize[dtype]
+  return total
+
+
 def compile_program(plan: ProgramPlan, lowered) -> Any:
   t0 = time.perf_counter()
   compiled = lowered.compile()
@@ -208,6 +239,10 @@ def compile_program(plan: ProgramPlan, lowered) -> Any:
   plan.temp = int(mem.temp_size_in_bytes)
   plan.code = int(mem.generated_code_size_in_bytes)
   plan.flops_xla, plan.bytes_xla = _cost(compiled)
+  try:
+    plan.comm_xla = float(collective_bytes(compiled.as_text()))
+  except Exception:  # pylint: disable=broad-except
+    plan.comm_xla = 0.0  # the figure is informative only
   return compiled
 
 
@@ -219,7 +254,34 @@ PROGRAMS = ("sync", "generate", "old_forward", "update")
 
 
 def plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramPlan]:
-  """Lowers and compiles `programs` (default: sync, generate, old_forward, update) for `job` on `mesh`."""
+  """Lowers and compiles `programs` (default: sync, generate, old_forward, update) for `job` on `mesh`.
+
+  Inside `jax.set_mesh(mesh)`: the model reads the context mesh while tracing, for the
+  `shard_map` MoE dispatch and for the batch-sharding constraint on its residual stream
+  (`transformer.constrain_batch`).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  with jax.set_mesh(mesh):
+    return _plan_step(job, mesh, programs)
+
+
+def dispatch_comm(job, mesh, tokens_per_device: float) -> float:
+  """MoE dispatch bytes one device receives for `tokens_per_device` tokens through every MoE
+  layer once (`expert_parallel.dispatch_comm_bytes`, the config's dispatch); 0 if dense."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from rl_jax import sharding as sh  # pylint: disable=g-import-not-at-top
+  from rl_jax.models import expert_parallel as ep_lib  # pylint: disable=g-import-not-at-top
+  m = job.model
+  if not m.n_moe_layers:
+    return 0.0
+  per_token = ep_lib.dispatch_comm_bytes(
+      m.moe_dispatch, tokens=1, d_model=m.d_model, n_experts=m.n_experts, top_k=m.n_experts_per_tok,
+      expert_axis=mesh.shape["expert"], batch_shards=sh.batch_divisor(mesh),
+      act_bytes=jnp.dtype(m.dtype).itemsize)["total"]
+  return per_token * tokens_per_device * m.n_moe_layers
+
+
+def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramPlan]:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from rl_jax import plan_hw  # pylint: disable=g-import-not-at-top
@@ -285,6 +347,8 @@ def plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramPl
                      + t * (2 * mm * b_dev + attn_flops(mcfg, b_dev, s)))
     # Every decode step reads the sampler's weights and the whole static cache.
     g.bytes_model = (t + 1) * (n_sampler + g.kv_cache)
+    sjob = dataclasses.replace(job, model=dataclasses.replace(mcfg, dtype=scfg.dtype))
+    g.comm_model = dispatch_comm(sjob, mesh, b_dev * (p - 1 + t))
     plans.append(g)
 
   # The train batch, laid out like the rollout (rows over the batch axes).
@@ -318,6 +382,7 @@ def plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramPl
     fwd = jax.jit(functools.partial(step_lib.old_forward, **cfg, replay=rl.routing_replay))
     compile_program(old, fwd.lower(params, batch, sampler_ids, sampler_valid))
     old.flops_model = 2 * mm * b_dev * s + attn_flops(mcfg, b_dev * s, s / 2)
+    old.comm_model = dispatch_comm(job, mesh, b_dev * s)
     plans.append(old)
 
   rows = b_global // rl.n_minibatches
@@ -336,6 +401,8 @@ def plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramPl
     compile_program(upd, update.lower(params, opt_state, mb))
     fwd_flops = 2 * mm * (rows / div) * s + attn_flops(mcfg, (rows / div) * s, s / 2)
     upd.flops_model = fwd_flops * (4 if mcfg.remat else 3)  # forward + 2x backward (+ the remat forward)
+    # The backward moves what the forward did; remat replays the forward's dispatch.
+    upd.comm_model = dispatch_comm(job, mesh, (rows / div) * s) * (3 if mcfg.remat else 2)
     plans.append(upd)
   return [q for q in plans if q.name in programs]
 
@@ -391,6 +458,8 @@ def render(plans: list[ProgramPlan], acc, title: str) -> str:
           ("model TFLOP", lambda p: f"{p.flops_model / 1e12:9.3f}"),
           ("XLA GB accessed", lambda p: f"{p.bytes_xla / 1e9:9.2f}"),
           ("model GB accessed", lambda p: f"{p.bytes_model / 1e9:9.2f}"),
+          ("XLA collectives GB (HLO, once)", lambda p: f"{p.comm_xla / 1e9:9.2f}"),
+          ("model MoE dispatch GB received", lambda p: f"{p.comm_model / 1e9:9.2f}"),
           (f"roofline s ({acc.name})", lambda p: f"{p.time_s:9.3f}"),
           ("compile s (XLA:CPU)", lambda p: f"{p.compile_s:9.1f}")]
   for label, fn in rows:
@@ -432,7 +501,12 @@ def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=No
     except plan_hw.DoesNotFit as e:
       fits[p.name] = str(e)
   mesh_desc = ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
-  title = (HEADER.format(n=mesh.size) + f"\nmesh {mesh_desc}; {note}; "
+  model_desc = f"model.scan_layers={job.model.scan_layers}"
+  if job.model.is_moe:
+    model_desc += f", model.moe_dispatch={job.model.moe_dispatch}"
+  sched = ("memory-optimized" if "concurrency_optimized_scheduler=false" in os.environ.get("XLA_FLAGS", "")
+           else "default (concurrency-optimized)")
+  title = (HEADER.format(n=mesh.size, sched=sched) + f"\nmesh {mesh_desc}; {model_desc}; {note}; "
            f"step = {job.rl.prompts_per_step} prompts x {job.rl.group_size}, {job.rl.n_minibatches} "
            f"mini-batch update(s), S = {job.sampler.max_prompt_len} + {job.sampler.max_new_tokens}")
   out(render(plans, acc, title))
@@ -441,6 +515,27 @@ def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=No
   out(f"roofline per global step ({terms}): "
       f"{total:.2f} s on {acc.name}")
   return plans, fits
+
+
+def set_key(config, item: str) -> None:
+  """Applies one `--set a.b=value` override to a config section (value a Python literal, else a string)."""
+  import ast  # pylint: disable=g-import-not-at-top
+  key, eq, raw = item.partition("=")
+  if not eq:
+    raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+  *parents, leaf = key.split(".")
+  node = config
+  for name in parents:
+    if name not in node:
+      raise SystemExit(f"--set {item!r}: the config has no section {name!r}")
+    node = node[name]
+  # A key the section lacks is added (e.g. a ModelConfig field left at its default); the job's
+  # own validation (RLJob.from_config) names an unknown one.
+  try:
+    value = ast.literal_eval(raw)
+  except (ValueError, SyntaxError):
+    value = raw
+  node[leaf] = value
 
 
 def _first_devices(n: int):
@@ -465,14 +560,22 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--devices", type=int, default=1, help="mesh size when a mesh axis is -1")
   ap.add_argument("--layers", type=int, default=0, help="compile N and 2N layers, extrapolate to all")
   ap.add_argument("--programs", default=",".join(PROGRAMS), help="comma-separated subset of " + ",".join(PROGRAMS))
+  ap.add_argument("--dispatch", default="", help="MoE: plan each of these model.moe_dispatch values "
+                  "(comma-separated, e.g. gspmd,shard_map) instead of the config's")
+  ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                  help="override a config key, e.g. --set model.scan_layers=False (repeatable)")
   ap.add_argument("--json", default="", help="write the figures here")
   args = ap.parse_args(argv)
   config = load_config(args.config)
+  for item in args.set:
+    set_key(config, item)
   n = mesh_size(config.mesh, args.devices)
   if os.environ.get(_ENV_DEVICES) != str(n):
     # The simulated device count is read when jax's CPU backend starts: start a fresh process.
     env = dict(os.environ, JAX_PLATFORMS="cpu", **{_ENV_DEVICES: str(n)})
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    if "xla_cpu_enable_concurrency_optimized_scheduler" not in env.get("XLA_FLAGS", ""):
+      flags.append(_SCHEDULER_FLAG)
     env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, "-m", "rl_jax.plan", *argv], env)
@@ -480,11 +583,20 @@ def main(argv: list[str] | None = None) -> int:
   unknown = sorted(set(programs) - set(PROGRAMS))
   if unknown:
     raise SystemExit(f"--programs: unknown {unknown}; valid: {','.join(PROGRAMS)}")
-  plans, fits = run(config, args.device, args.devices, args.layers, programs=programs)
+  dispatches = [d for d in args.dispatch.split(",") if d] or [None]
+  results, fits = [], {}
+  for d in dispatches:
+    if d is not None:
+      config.model.moe_dispatch = d
+    plans, d_fits = run(config, args.device, args.devices, args.layers, programs=programs)
+    results.append(dict(dispatch=config.model.get("moe_dispatch", "gspmd"),
+                        programs=[dict(dataclasses.asdict(p), peak=p.peak) for p in plans], fits=d_fits))
+    fits.update({(f"{p} [{d}]" if d else p): m for p, m in d_fits.items()})
+    print()
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"config": args.config, "device": args.device, "layers": args.layers,
-                 "programs": [dict(dataclasses.asdict(p), peak=p.peak) for p in plans], "fits": fits}, f, indent=1)
+                 **(results[0] if len(results) == 1 else {"by_dispatch": results})}, f, indent=1)
   bad = [m for m in fits.values() if m]
   for m in bad:
     print(f"DOES NOT FIT: {m}", file=sys.stderr)

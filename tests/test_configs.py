@@ -217,10 +217,14 @@ def test_gpu_config_model_is_the_preset(fname):
   preset, _, approx = GPU_CONFIGS[fname]
   job = RLJob.from_config(_module(fname).get_config())
   ref = PRESETS[preset]
-  # Same architecture as the checkpoint's config.json; only precision / remat are job choices.
-  assert dataclasses.replace(job.model, dtype=ref.dtype, param_dtype=ref.param_dtype, remat=ref.remat) == ref
+  # Same architecture as the checkpoint's config.json; only precision / remat and the parameter
+  # layout (scanned layers, on for the pod configs) are job choices.
+  assert job.model.scan_layers
+  assert dataclasses.replace(job.model, dtype=ref.dtype, param_dtype=ref.param_dtype, remat=ref.remat,
+                             scan_layers=ref.scan_layers) == ref
   assert hf.hf_to_model_config(hf.model_config_to_hf(ref), dtype=job.model.dtype,
-                               param_dtype=job.model.param_dtype, remat=job.model.remat) == job.model
+                               param_dtype=job.model.param_dtype, remat=job.model.remat,
+                               scan_layers=job.model.scan_layers) == job.model
   assert job.model.dtype == "bfloat16" and job.sampler.quant.weights.format == "fp8"
   state = _abstract(job.model)  # nnx.eval_shape: nothing allocated
   total = sum(math.prod(x.shape) for x in jax.tree.leaves(state))
@@ -282,13 +286,18 @@ def test_30b_mesh_shards_experts_over_the_expert_axis():
   job = RLJob.from_config(qwen3_30b_a3b_minirl.get_config("n4"))
   mesh, layout = _layout(job, 32)
   assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "expert": 8, "tensor": 1}
+  # Scanned layers: one group of 48 MoE layers, each expert weight stacked [48, 128, ...] with the
+  # 'layers' axis replicated; unrolled: 48 separate [128, ...] weights.
+  scan = job.model.scan_layers
+  lead = (None,) if scan else ()
   experts = {p: v for p, v in layout.items() if p.rsplit("/", 1)[-1] in ("w_gate", "w_up", "w_down")
-             and len(v[0]) == 3}
-  assert len(experts) == 3 * 48
+             and len(v[0]) == 3 + len(lead)}
+  assert len(experts) == 3 * (1 if scan else 48)
   for p, (shape, _, spec) in experts.items():
-    assert shape[0] == 128 and spec[0] == "expert", (p, spec)
+    assert shape[:len(lead)] == ((48,) if scan else ()), (p, shape)
+    assert shape[len(lead)] == 128 and spec[len(lead)] == "expert", (p, spec)
     # d_model (2048) is split over fsdp too: every expert stack is split 32 ways.
-    want = P("expert", None, "fsdp") if p.endswith("w_down") else P("expert", "fsdp", None)
+    want = P(*lead, "expert", None, "fsdp") if p.endswith("w_down") else P(*lead, "expert", "fsdp", None)
     assert spec == want, (p, spec)
   # No large parameter stays whole on every device.
   for p, (shape, _, spec) in layout.items():

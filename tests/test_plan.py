@@ -80,3 +80,46 @@ def test_layer_extrapolation_is_linear():
   b = plan.ProgramPlan("u", args={"params": 18}, resident={}, temp=6, flops_xla=3.0)
   c = plan.extrapolate(a, b, 1, 2, 48)
   assert (c.args["params"], c.temp, c.flops_xla) == (10 + 8 * 47, 4 + 2 * 47, 1.0 + 2.0 * 47)
+
+
+def test_collective_bytes_reads_every_collective_output_once():
+  hlo = """
+  %ag = bf16[8,128]{1,0} all-gather(bf16[2,128]{1,0} %x), replica_groups={{0,1,2,3}}, dimensions={0}
+  %ars = (f32[16]{0}, f32[4,4]{1,0}) all-reduce-start(f32[16]{0} %a, f32[4,4]{1,0} %b), to_apply=%sum
+  %rs = f32[2,3]{1,0} reduce-scatter(f32[8,3]{1,0} %y), dimensions={0}
+  %dot = f32[64,64]{1,0} dot(f32[64,64]{1,0} %p, f32[64,64]{1,0} %q)
+  """
+  assert plan.collective_bytes(hlo) == 8 * 128 * 2 + (16 + 16) * 4 + 6 * 4
+
+
+def test_set_key_overrides_and_names_unknown_keys():
+  config = countdown_tiny.get_config("test")
+  plan.set_key(config, "model.scan_layers=True")
+  plan.set_key(config, "model.moe_dispatch=shard_map")  # not a literal: kept as a string
+  assert config.model.scan_layers is True and config.model.moe_dispatch == "shard_map"
+  with pytest.raises(SystemExit, match="no section 'modle'"):
+    plan.set_key(config, "modle.scan_layers=True")
+  with pytest.raises(SystemExit, match="expected KEY=VALUE"):
+    plan.set_key(config, "model.scan_layers")
+
+
+@pytest.mark.parametrize("dispatch", ["gspmd", "shard_map"])
+def test_planner_compiles_both_moe_dispatches_in_the_mesh_context(dispatch, fast_compile):
+  """The shard_map dispatch traces only under the mesh context, which `plan_step` enters; its
+  analytic dispatch bytes are `dispatch_comm_bytes` per token x tokens x MoE layers."""
+  from rl_jax.models import expert_parallel as ep_lib  # pylint: disable=g-import-not-at-top
+  config = countdown_tiny.get_config("test")
+  config.model.moe_dispatch = dispatch
+  config.model.scan_layers = True
+  mesh = sh.make_mesh(sh.MeshConfig(data=1, fsdp=1, expert=2, tensor=1), jax.devices()[:2])
+  (_, old), _ = plan.run(config, "h100", mesh=mesh, programs=("sync", "old_forward"), out=lambda _: None)
+  job = RLJob.from_config(config)
+  m = job.model
+  assert m.n_moe_layers > 0 and old.temp > 0
+  tokens = job.rl.prompts_per_step * job.rl.group_size / 2 * (job.sampler.max_prompt_len + job.sampler.max_new_tokens)
+  per_token = ep_lib.dispatch_comm_bytes(dispatch, tokens=1, d_model=m.d_model, n_experts=m.n_experts,
+                                         top_k=m.n_experts_per_tok, expert_axis=2, batch_shards=2,
+                                         act_bytes=4)["total"]
+  assert old.comm_model == pytest.approx(per_token * tokens * m.n_moe_layers) and old.comm_model > 0
+  if dispatch == "shard_map":  # the dispatch's all-gather / reduce-scatter are in the program
+    assert old.comm_xla > 0

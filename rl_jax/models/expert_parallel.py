@@ -1,7 +1,6 @@
 """Expert-parallel MoE dispatch under `shard_map` (all-gather + reduce-scatter, dropless) and its byte cost."""
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -31,13 +30,6 @@ def context_mesh():
         "model under `jax.set_mesh(mesh)` with a mesh that has an 'expert' axis (rl_jax.sharding."
         f"make_mesh); found axes {tuple(mesh.axis_names) if not mesh.empty else ()}")
   return mesh
-
-
-def _local_weight(w, n_local: int):
-  """Inside the shard_map body: a QTensor's static logical shape must say the local expert count."""
-  if isinstance(w, QTensor):
-    return dataclasses.replace(w, shape=(n_local,) + tuple(w.shape[1:]))
-  return w
 
 
 def _weight_spec(w, spec: P):
@@ -106,7 +98,7 @@ def shard_map_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: i
     order_M = jnp.argsort(key_M, stable=True)
     group_sizes_e = jnp.bincount(key_M, length=n_local + 1)[:n_local].astype(jnp.int32)
     x_MD = x_GD[order_M // k]
-    wg, wu, wd = (_local_weight(w, n_local) for w in (wg, wu, wd))
+    # A QTensor's logical shape is read off its (now local) children: no fix-up needed.
     h_MF = jax.nn.silu(ragged_linear(x_MD, wg, group_sizes_e)) * ragged_linear(x_MD, wu, group_sizes_e)
     y_MD = ragged_linear(h_MF, wd, group_sizes_e)
     # Rows past the local groups are not defined by ragged_dot's contract: zero them explicitly.

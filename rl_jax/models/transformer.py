@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rl_jax.models.config import ModelConfig
+from rl_jax.models.expert_parallel import BATCH_AXES
 from rl_jax.models.layers import MLP, Attention, RMSNorm, dtype_of, param
 from rl_jax.models.moe import MoE
 from rl_jax.quant.ops import dense, linear
@@ -100,6 +101,27 @@ def unstack_layers(params: dict, cfg: ModelConfig) -> dict:
   return out
 
 
+def constrain_batch(x_BSD: jax.Array) -> jax.Array:
+  """The residual stream split over the context mesh's batch axes (`jax.set_mesh`); no-op without one.
+
+  Without it GSPMD may follow the FSDP-sharded weights (d_model over 'fsdp') onto the
+  activations and replicate the batch: every device then holds full-global-batch activations
+  and all-reduces them (a tiny 8-layer model on fsdp=8: 261 MiB of temporaries growing with
+  depth under remat, 12 MiB flat with this constraint at each layer boundary).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x_BSD
+  axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+  n = 1
+  for a in axes:
+    n *= mesh.shape[a]
+  if not axes or n == 1 or x_BSD.shape[0] % n:
+    return x_BSD
+  return jax.lax.with_sharding_constraint(
+      x_BSD, jax.sharding.PartitionSpec(axes, *([None] * (x_BSD.ndim - 1))))
+
+
 def default_positions(valid_BS: jax.Array) -> jax.Array:
   """Positions counting only valid tokens, so left-padded rows start at position 0."""
   return jnp.maximum(jnp.cumsum(valid_BS.astype(jnp.int32), axis=1) - 1, 0)
@@ -173,7 +195,7 @@ class Transformer(nnx.Module):
       replay_mask_BS = jnp.ones((b, s), bool)
 
     # The embedding is never quantized (quant.params leaves it a plain array).
-    x_BSD = jnp.take(self.embedding.get_value(), tokens_BS, axis=0).astype(dtype)
+    x_BSD = constrain_batch(jnp.take(self.embedding.get_value(), tokens_BS, axis=0).astype(dtype))
     args = (positions_BS, mask_BSC, valid_BS, cache_index, replay_ids_BSLK, replay_mask_BS)
     if cfg.scan_layers:
       x_BSD, new_cache, ids_all, router_all, aux_total = self._run_scanned(x_BSD, cache, *args)
@@ -221,6 +243,7 @@ class Transformer(nnx.Module):
         x_BSD, layer_cache, ids_BSK, rl_BSE, aux = block(
             x_BSD, positions_BS, mask_BSC, valid_BS, layer_cache, cache_index, r_ids_BSK,
             replay_mask_BS)
+      x_BSD = constrain_batch(x_BSD)
       if new_cache is not None:
         new_cache.append(layer_cache)
       if ids_BSK is not None:
@@ -253,7 +276,7 @@ class Transformer(nnx.Module):
         x_BSD, layer_cache, ids_BSK, rl_BSE, aux = nnx.merge(_graphdef, layer_state)(
             x_BSD, positions_BS, mask_BSC, valid_BS, layer_cache, cache_index, r_ids_BSK,
             replay_mask_BS)
-        return x_BSD, (layer_cache, ids_BSK, rl_BSE, aux)
+        return constrain_batch(x_BSD), (layer_cache, ids_BSK, rl_BSE, aux)
 
       if cfg.remat and cache is None:
         # prevent_cse=False: inside a scan the loop already keeps XLA from merging recomputes.

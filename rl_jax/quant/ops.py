@@ -46,26 +46,37 @@ def dequantize_rows(codes: jax.Array, scales: jax.Array, fmt: F.Format, block: i
                           dtype=dtype)
 
 
-def quantize_weight(w: jax.Array, spec, act=None, backend: str = "auto"):
-  """Weight `[K, N]` / `[E, K, N]` -> QTensor (scales over K per output channel or K-block).
+def _quantize_cols(w: jax.Array, fmt, spec, backend: str):
+  """Codes and scales of `w[..., K, N]` along K, every leading index its own matrix."""
+  if resolve_backend(backend) != "pallas":
+    # Elementwise over the leading axes, so GSPMD keeps the weight's sharding (no reshape).
+    return F.quantize_ref(w, fmt, axis=w.ndim - 2, block=spec.block, scale_dtype=spec.scale_dtype)
+  if w.ndim > 3:
+    # The kernel is not partitioned: XLA gathers its operand. One layer at a time keeps that
+    # transient to one layer's experts (what the unrolled layout gathers), not the whole stack.
+    return jax.lax.map(lambda x: _quantize_cols(x, fmt, spec, backend), w)
+  codes, scales = kernels.quantize_cols(w if w.ndim == 3 else w[None], fmt, spec.block,
+                                        spec.scale_dtype, **_kernel_opts())
+  return (codes, scales) if w.ndim == 3 else (codes[0], scales[0])
 
-  `spec` is a `config.WeightSpec`; `act` an optional `config.ActivationSpec`
-  attached for W+A matmuls. fp32 / bf16 formats return the plain cast array.
+
+def quantize_weight(w: jax.Array, spec, act=None, backend: str = "auto"):
+  """Weight `[..., K, N]` -> QTensor (scales over K per output channel or K-block).
+
+  Leading axes (experts `[E, K, N]`, a scanned layer stack `[L, K, N]` / `[L, E, K, N]`)
+  are independent matrices: each gets its own scales, so quantizing a stack equals
+  quantizing its slices one by one, bit for bit. `spec` is a `config.WeightSpec`; `act`
+  an optional `config.ActivationSpec` attached for W+A matmuls. fp32 / bf16 formats
+  return the plain cast array.
   """
   fmt = F.get_format(spec.format)
   if not fmt.quantized:
     return w.astype(fmt.storage_dtype)
-  if w.ndim not in (2, 3):
-    raise ValueError(f"quantized weights are [K, N] or [E, K, N], got shape {w.shape}")
-  w3 = w if w.ndim == 3 else w[None]
-  if resolve_backend(backend) == "pallas":
-    codes, scales = kernels.quantize_cols(w3, fmt, spec.block, spec.scale_dtype, **_kernel_opts())
-  else:
-    codes, scales = F.quantize_ref(w3, fmt, axis=1, block=spec.block, scale_dtype=spec.scale_dtype)
-  if w.ndim == 2:
-    codes, scales = codes[0], scales[0]
+  if w.ndim < 2:
+    raise ValueError(f"quantized weights are [..., K, N], got shape {w.shape}")
+  codes, scales = _quantize_cols(w, fmt, spec, backend)
   quant_act = act is not None and F.get_format(act.format).quantized
-  return QTensor(codes, scales, format=fmt.name, shape=tuple(w.shape),
+  return QTensor(codes, scales, format=fmt.name, k=w.shape[-2],
                  logical_dtype=jnp.dtype(w.dtype).name, block_size=spec.block,
                  scale_dtype=spec.scale_dtype,
                  act_format=act.format if quant_act else None,
@@ -73,19 +84,22 @@ def quantize_weight(w: jax.Array, spec, act=None, backend: str = "auto"):
                  act_scale_dtype=act.scale_dtype if quant_act else "fp32", backend=backend)
 
 
+def _dequantize_cols(values, scales, qt: QTensor, dtype) -> jax.Array:
+  if resolve_backend(qt.backend) != "pallas":
+    return F.dequantize_ref(values, scales, qt.fmt, axis=values.ndim - 2, length=qt.k,
+                            scale_dtype=qt.scale_dtype, dtype=dtype)
+  if values.ndim > 3:
+    return jax.lax.map(lambda vs: _dequantize_cols(*vs, qt, dtype), (values, scales))
+  v3, s3 = (values, scales) if values.ndim == 3 else (values[None], scales[None])
+  out = kernels.dequantize_cols(v3, s3, qt.fmt, qt.block_size, qt.scale_dtype, qt.k, dtype,
+                                **_kernel_opts())
+  return out if values.ndim == 3 else out[0]
+
+
 def dequantize_weight(qt: QTensor, dtype=None) -> jax.Array:
-  """QTensor -> float weight of its logical shape, in `dtype` (default: logical dtype)."""
+  """QTensor -> float weight of its logical shape `[..., K, N]`, in `dtype` (default: logical dtype)."""
   dtype = qt.dtype if dtype is None else jnp.dtype(dtype)
-  k = qt.shape[-2]
-  values = qt.values if qt.ndim == 3 else qt.values[None]
-  scales = qt.scales if qt.ndim == 3 else qt.scales[None]
-  if resolve_backend(qt.backend) == "pallas":
-    out = kernels.dequantize_cols(values, scales, qt.fmt,
-                                  qt.block_size, qt.scale_dtype, k, dtype, **_kernel_opts())
-  else:
-    out = F.dequantize_ref(values, scales, qt.fmt, axis=1, length=k, scale_dtype=qt.scale_dtype,
-                           dtype=dtype)
-  return out if qt.ndim == 3 else out[0]
+  return _dequantize_cols(qt.values, qt.scales, qt, dtype)
 
 
 def fake_quantize_activations(x_MK: jax.Array, qt: QTensor) -> jax.Array:
@@ -112,7 +126,8 @@ def qmatmul(x_sK: jax.Array, qt: QTensor) -> jax.Array:
   tolerance) to the float matmul of the dequantized operands.
   """
   if qt.ndim != 2:
-    raise ValueError(f"qmatmul needs a 2-D [K, N] weight, got logical shape {qt.shape}")
+    raise ValueError(f"qmatmul needs a 2-D [K, N] weight, got logical shape {qt.shape} (a stacked "
+                     "layer axis is sliced off by the layer scan before any matmul)")
   k, n = qt.shape
   _check_k(x_sK, k, qt)
   lead = x_sK.shape[:-1]
@@ -141,7 +156,8 @@ def ragged_qmatmul(x_NK: jax.Array, qt: QTensor, group_sizes_E: jax.Array) -> ja
   quantizes the rows per token, then runs `lax.ragged_dot` in float32.
   """
   if qt.ndim != 3:
-    raise ValueError(f"ragged_qmatmul needs a 3-D [E, K, N] weight, got logical shape {qt.shape}")
+    raise ValueError(f"ragged_qmatmul needs a 3-D [E, K, N] weight, got logical shape {qt.shape} (a "
+                     "stacked layer axis is sliced off by the layer scan before any matmul)")
   _check_k(x_NK, qt.shape[1], qt)
   out = jax.lax.ragged_dot(fake_quantize_activations(x_NK, qt), dequantize_weight(qt, jnp.float32),
                            group_sizes_E, precision=_HIGHEST,

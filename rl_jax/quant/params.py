@@ -13,10 +13,13 @@ from rl_jax.quant import ops
 from rl_jax.quant.config import QuantConfig
 from rl_jax.quant.qtensor import QTensor
 
-# Linear weights, laid out [in, out] or [experts, in, out]. Embeddings, the
-# router (routing is precision-sensitive) and norm scales are never quantized.
+# Linear weights, laid out [in, out] or [experts, in, out], with a leading stacked-layer axis
+# under the scanned layout's `layer_groups`. Embeddings, the router (routing is
+# precision-sensitive) and norm scales are never quantized.
 QUANTIZED_NAMES = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"})
 LM_HEAD_NAME = "w_unembed"
+# The scanned layout's subtree (models/transformer.py): its weights carry one leading layer axis.
+STACKED_KEY = "layer_groups"
 # nnx.State paths end in the Variable's attribute, not the parameter's name.
 _VARIABLE_ATTRS = frozenset({"value", "raw_value"})
 
@@ -43,11 +46,24 @@ def path_str(path) -> str:
   return "/".join(str(k) for k in _named_keys(path))
 
 
-def check_weight(path: str, shape: tuple[int, ...], qcfg: QuantConfig) -> None:
-  """Raises ConfigError naming the parameter when `qcfg` cannot quantize this shape."""
-  if len(shape) not in (2, 3):
-    raise ConfigError(f"parameter '{path}': quantized weights are [in, out] or "
-                      f"[experts, in, out], got shape {tuple(shape)}")
+def stacked_axes(path) -> int:
+  """Leading stacked-layer axes of the parameter at `path`: 1 under `layer_groups`, else 0."""
+  return int(STACKED_KEY in _named_keys(path))
+
+
+def check_weight(path: str, shape: tuple[int, ...], qcfg: QuantConfig, stacked: int | None = None) -> None:
+  """Raises ConfigError naming the parameter when `qcfg` cannot quantize this shape.
+
+  `stacked` leading axes (the scanned layout's layer axis) precede the per-layer
+  `[in, out]` / `[experts, in, out]` shape; by default read off the '/'-joined `path`
+  (1 when it has a `layer_groups` segment).
+  """
+  if stacked is None:
+    stacked = int(STACKED_KEY in path.split("/"))
+  if len(shape) - stacked not in (2, 3):
+    lead = "[layers, " if stacked else "["
+    raise ConfigError(f"parameter '{path}': quantized weights are {lead}in, out] or "
+                      f"{lead}experts, in, out], got shape {tuple(shape)}")
   k = shape[-2]
   for role, spec in (("weights", qcfg.weights), ("activations", qcfg.activations)):
     if not spec.quantized:
@@ -68,7 +84,9 @@ def quantize_params(params: Any, qcfg: QuantConfig) -> Any:
   Leaves named in QUANTIZED_NAMES (and `w_unembed` with `quantize_lm_head`) are
   quantized with `qcfg.weights`, carrying `qcfg.activations` for W+A matmuls;
   with an fp32 / bf16 weight format they are only cast. Everything else passes
-  through untouched. Shape checks use static shapes, so this is jittable
+  through untouched. A scanned model's stacked weights (`layer_groups`, leading layer
+  axis) get per-layer scales: each layer's slice equals the unrolled layer's QTensor.
+  Shape checks use static shapes, so this is jittable
   (`jax.jit(quantize_params, static_argnums=1)`) and fails at trace time.
   """
   names = QUANTIZED_NAMES | ({LM_HEAD_NAME} if qcfg.quantize_lm_head else frozenset())
@@ -77,7 +95,7 @@ def quantize_params(params: Any, qcfg: QuantConfig) -> Any:
     if param_name(path) not in names or leaf is None:
       return leaf
     if qcfg.weights.quantized:
-      check_weight(path_str(path), tuple(leaf.shape), qcfg)
+      check_weight(path_str(path), tuple(leaf.shape), qcfg, stacked_axes(path))
     return ops.quantize_weight(leaf, qcfg.weights, act=qcfg.activations, backend=qcfg.backend)
 
   return jax.tree_util.tree_map_with_path(one, params)

@@ -14,7 +14,13 @@ from rl_jax.quant import formats as F
 
 @dataclasses.dataclass(frozen=True)
 class QTensor:
-  """A quantized weight of logical shape `[K, N]` or `[E, K, N]` (contraction axis K).
+  """A quantized weight of logical shape `[..., K, N]` (contraction axis K).
+
+  `[K, N]` (a linear) or `[E, K, N]` (experts), each with an optional leading stacked-layer
+  axis in the scanned layout (`[L, K, N]`, `[L, E, K, N]`). Every leading axis is a batch of
+  independent matrices (scales never span it), and the logical shape is read off the
+  children, so slicing them (a `lax.scan` over layers, a `shard_map` over experts) leaves a
+  consistent QTensor of the slice.
 
   Children (jax arrays, what jit / sharding / orbax see):
     values: codes `[..., stored_length(K), N]`: int8, float8_e4m3fn / e5m2, or
@@ -24,7 +30,8 @@ class QTensor:
       float32 / bfloat16 / uint8 e8m0 exponent bytes (value 2**(byte - 127)).
       N stays last in both, so a sharding
       along N applies unchanged to values and scales.
-  Static aux data: format, logical shape and dtype, block size (None = one scale
+  Static aux data: format, the logical contraction length `k` (the stored one is padded
+  and packed) and dtype, block size (None = one scale
   per output channel), scale dtype, the activation quantization attached for W+A
   matmuls (`act_format` None = weight-only), and the kernel backend.
 
@@ -34,7 +41,7 @@ class QTensor:
   values: jax.Array
   scales: jax.Array
   format: str = "int8"
-  shape: tuple[int, ...] = ()
+  k: int = 0
   logical_dtype: str = "float32"
   block_size: Optional[int] = None
   scale_dtype: str = "fp32"
@@ -42,6 +49,11 @@ class QTensor:
   act_block_size: Optional[int] = None
   act_scale_dtype: str = "fp32"
   backend: str = "auto"
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """Logical shape `[..., K, N]`: the children's leading axes and N, with the unpadded K."""
+    return tuple(self.values.shape[:-2]) + (self.k, self.values.shape[-1])
 
   @property
   def dtype(self):
@@ -75,9 +87,8 @@ class QTensor:
     that child's size (packed K is halved, the per-channel scale has K = 1), so
     an N (or expert) split carries over and a K split degrades to replication.
     """
-    spec = tuple(sharding.spec) + (None,) * (self.ndim - len(sharding.spec))
-
     def fit(a):
+      spec = tuple(sharding.spec) + (None,) * (a.ndim - len(sharding.spec))
       out = []
       for axis, dim in zip(spec, a.shape):
         names = axis if isinstance(axis, tuple) else (axis,)
@@ -90,6 +101,6 @@ class QTensor:
 
 jax.tree_util.register_dataclass(
     QTensor, data_fields=["values", "scales"],
-    meta_fields=["format", "shape", "logical_dtype", "block_size", "scale_dtype", "act_format",
+    meta_fields=["format", "k", "logical_dtype", "block_size", "scale_dtype", "act_format",
                  "act_block_size", "act_scale_dtype", "backend"])
 
