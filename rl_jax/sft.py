@@ -137,7 +137,7 @@ def validate(config: Any):
 def run(config: Any, workdir: Any) -> dict:
   """Runs (or resumes) SFT in `workdir` (local or remote); returns the final metrics."""
   job, mesh, task, tok = validate(config)
-  with sh.model_mesh_context(mesh, job.model):
+  with sh.mesh_context(mesh):
     return _run(config, workdir, job, mesh, task, tok)
 
 

@@ -1,7 +1,6 @@
 """Device mesh `(data, fsdp, expert, tensor)` from config and the one table of partition rules."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from typing import Any
@@ -158,9 +157,9 @@ def to_host(x: Any) -> Any:
   return jax.tree.map(np.asarray, jax.device_get(x))
 
 
-def model_mesh_context(mesh: Mesh, model_cfg: Any):
-  """`jax.set_mesh(mesh)` when the model's traced code needs a context mesh (the shard_map MoE
-  dispatch, models/expert_parallel.py), else a no-op: jobs run their whole loop inside it."""
-  if getattr(model_cfg, "moe_dispatch", "gspmd") == "shard_map":
-    return jax.set_mesh(mesh)
-  return contextlib.nullcontext()
+def mesh_context(mesh: Mesh):
+  """`jax.set_mesh(mesh)`: jobs run their whole loop inside it. The model's traced code reads the
+  context mesh for the shard_map MoE dispatch (models/expert_parallel.py) and for the batch
+  constraint on the residual stream (`transformer.constrain_batch`), without which GSPMD lets
+  the fsdp-split weights replicate the activations' batch on every device."""
+  return jax.set_mesh(mesh)

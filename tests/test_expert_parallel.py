@@ -213,7 +213,7 @@ def test_comm_bytes_match_compiled_shard_map_collectives():
 
 @pytest.mark.slow
 def test_sft_job_runs_with_the_shard_map_dispatch(tmp_path):
-  """The jobs enter the mesh context the shard_map dispatch needs (sharding.model_mesh_context):
+  """The jobs enter the mesh context the shard_map dispatch needs (sharding.mesh_context):
   an SFT run on an expert=2 mesh trains with `model.moe_dispatch=shard_map` and ends finite."""
   from configs import sft_countdown_tiny  # pylint: disable=g-import-not-at-top
   from rl_jax import sft  # pylint: disable=g-import-not-at-top
@@ -239,7 +239,7 @@ def _sample(cfg, mesh, quant, scan=False):
   valid = np.arange(5)[None, :] < np.array([3, 5, 1, 4, 2, 5, 5, 3])[:, None]
   state = nnx.state(Transformer(dataclasses.replace(cfg, moe_dispatch="gspmd"), rngs=nnx.Rngs(0)))
   sstate = W.sync_weights(sh.shard_state(state, mesh), None, scfg.quant, scfg.dtype)
-  with sh.model_mesh_context(mesh, cfg):
+  with sh.mesh_context(mesh):
     return gen.generate(W.sampler_graphdef(cfg, scfg.dtype), sstate, toks, valid, jax.random.key(3), scfg,
                         mesh=mesh)
 

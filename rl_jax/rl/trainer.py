@@ -314,7 +314,7 @@ class RLTrainer:
 
   def run(self) -> dict:
     """The loop from `start_step` to `rl.steps`; closes the trainer (and its lock) when done."""
-    with sh.model_mesh_context(self.mesh, self.job.model):
+    with sh.mesh_context(self.mesh):
       return self._run()
 
   def _run(self) -> dict:
