@@ -56,6 +56,12 @@ def test_kinds_leads_and_table():
     if row.get("first_order/cosine") == 0.0:
       row["first_order/norm_ratio"] = 0.4   # a real gradient whose direction is orthogonal: an alarm
   assert [p.alarm for p in P.run_precursors(no_reward) if p.meter == P.COSINE] == [30]
+  # A meter first read after the baseline window (e.g. rl.meter_every = 40) is left out, not "missed".
+  unread = _run("d", 0, collapsing, tv=[0.05] * 81, cos=[])
+  for row in unread.rows:
+    if row["step"] in (40, 80):
+      row["first_order/cosine"] = 0.1
+  assert [p.meter for p in P.run_precursors(unread)] == [P.DRIFT]
   table = P.markdown([Group("a", "p", "a", [warned, late]), Group("b", "p", "b", [false_alarm, quiet])])
   assert "| a | drift/tv_mean | 2/2 | 1 (30) | 1 | 0 | 0/0 |" in table
   assert "| a | first_order/cosine | 2/2 | 1 (30) | 0 | 1 | 0/0 |" in table

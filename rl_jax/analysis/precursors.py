@@ -37,6 +37,12 @@ Direction = Literal["up", "down"]
 METERS: dict[str, tuple[Direction, float]] = {DRIFT: ("up", DRIFT_FACTOR), COSINE: ("down", COSINE_FACTOR)}
 
 
+def baseline(steps: Sequence[int], values: Sequence[float], baseline_steps: int = BASELINE_STEPS) -> float | None:
+  """Median of the finite values logged at steps < baseline_steps; None when there are none."""
+  early = [v for s, v in zip(steps, values) if s < baseline_steps and math.isfinite(v)]
+  return float(np.median(early)) if early else None
+
+
 def alarm_step(steps: Sequence[int], values: Sequence[float], direction: Direction, factor: float,
                baseline_steps: int = BASELINE_STEPS) -> int | None:
   """First step >= baseline_steps whose value crosses factor x baseline (module docstring), or None.
@@ -45,11 +51,8 @@ def alarm_step(steps: Sequence[int], values: Sequence[float], direction: Directi
   """
   if direction not in ("up", "down") or factor <= 0:
     raise ValueError(f"alarm_step: direction must be 'up' or 'down' and factor > 0, got {direction!r}, {factor}")
-  early = [v for s, v in zip(steps, values) if s < baseline_steps and math.isfinite(v)]
-  if not early:
-    return None
-  base = float(np.median(early))
-  if base <= 0:
+  base = baseline(steps, values, baseline_steps)
+  if base is None or base <= 0:
     return None
   for s, v in zip(steps, values):
     if s < baseline_steps:
@@ -87,14 +90,15 @@ class RunPrecursor:
 
 def run_precursors(run: Run, meters: dict[str, tuple[Direction, float]] = METERS,
                    baseline_steps: int = BASELINE_STEPS) -> list[RunPrecursor]:
-  """One RunPrecursor per meter the run logged."""
+  """One RunPrecursor per meter the run logged with a baseline (a meter first read at or after
+  `baseline_steps`, e.g. `rl.meter_every` >= it, can raise no alarm and is left out)."""
   collapse = aggregate.run_collapse(run)
   out = []
   for meter, (direction, factor) in meters.items():
     steps, values = run.series(meter)
     if meter == COSINE:
       steps, values = aggregate.defined_cosine(run, steps, values)
-    if not steps:
+    if baseline(steps, values, baseline_steps) is None:
       continue
     out.append(RunPrecursor(name=run.name, seed=run.seed, meter=meter, collapse=collapse,
                             alarm=alarm_step(steps, values, direction, factor, baseline_steps)))
