@@ -24,6 +24,82 @@ from rl_jax.sharding import BATCH_AXES, batch_divisor, shard_batch
 
 
 _TWO_STAGE_MIN_RATIO = 512
+_THRESHOLD_MIN_RATIO = 8
+
+
+def _order_keys(x):
+  """uint32 keys in the total float order lax.top_k uses (-0.0 below +0.0); every non-NaN > 0."""
+  b = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  k = b ^ ((b >> 31) & 0x7fffffff)
+  return jax.lax.bitcast_convert_type(k, jnp.uint32) ^ jnp.uint32(0x80000000)
+
+
+def _kth_key(u_BN, k, stop_at):
+  """Per row the largest t with count(u >= t) >= k, found bit by bit from the top; stops once
+  every row has count(u >= t) <= stop_at (t then bounds the top-k set as well)."""
+  b = u_BN.shape[0]
+  def count(t_B1):
+    return jnp.sum(u_BN >= t_B1, axis=-1, keepdims=True, dtype=jnp.int32)
+  def cond(c):
+    bit, t, n = c
+    return (bit >= 0) & jnp.any(n > stop_at)
+  def body(c):
+    bit, t, n = c
+    cand = t | (jnp.uint32(1) << bit.astype(jnp.uint32))
+    n_c = count(cand)
+    ok = n_c >= k
+    return bit - 1, jnp.where(ok, cand, t), jnp.where(ok, n_c, n)
+  t0 = jnp.zeros((b, 1), jnp.uint32)
+  _, t, n = jax.lax.while_loop(cond, body, (jnp.int32(31), t0, count(t0)))
+  return t, n
+
+
+def _compact(mask_BN, vals, width, fill):
+  """The entries of each row where mask holds, in order, into `width` slots (rest `fill`)."""
+  b = mask_BN.shape[0]
+  pos = jnp.where(mask_BN, jnp.cumsum(mask_BN, axis=-1, dtype=jnp.int32) - 1, width)
+  rows = jnp.arange(b)[:, None]
+  return [jnp.full((b, width), f, v.dtype).at[rows, pos].set(v, mode="drop") for v, f in zip(vals, fill)]
+
+
+def threshold_top_k(x_BV: jax.Array, k: int, chunk: int = 8, slack: int = 2
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`lax.top_k(x_BV, k)` bit for bit without a sort over V: (values, ids, fits).
+
+  XLA:CPU's top_k costs ~0.2 ms a row at V = 4096, k = 128 (a quarter of a small
+  model's decode step). Here: order-preserving uint32 keys; the k-th largest of the
+  chunk maxima (chunks of `chunk` ids, found bit by bit) keeps at most `slack * k`
+  chunks, which hold every top-k element (k chunk maxima are k elements >= it); the
+  exact k-th largest key among those candidates picks the set (ties at it to the lowest
+  ids, as lax.top_k), and a pairwise rank orders it (value desc, id asc). `fits` is
+  False when ties among chunk maxima keep more than `slack * k` chunks; `exact_top_k`
+  then runs lax.top_k instead. NaN inputs are out of contract.
+  """
+  b, v = x_BV.shape
+  n = -(-v // chunk)
+  u = _order_keys(x_BV)
+  if n * chunk != v:
+    u = jnp.concatenate([u, jnp.zeros((b, n * chunk - v), jnp.uint32)], axis=1)
+  u_BNC = u.reshape(b, n, chunk)
+  m_BN = jnp.max(u_BNC, axis=-1)
+  wc = min(n, slack * k)
+  t0, n0 = _kth_key(m_BN, k, wc)
+  kept = m_BN >= t0
+  (chunks_BW,) = _compact(kept, [jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))], wc, [n])
+  u_pad = jnp.concatenate([u_BNC, jnp.zeros((b, 1, chunk), jnp.uint32)], axis=1)
+  cu = jnp.take_along_axis(u_pad, chunks_BW[:, :, None], axis=1).reshape(b, wc * chunk)
+  cid = (chunks_BW[:, :, None] * chunk + jnp.arange(chunk, dtype=jnp.int32)).reshape(b, wc * chunk)
+  t, _ = _kth_key(cu, k, k)
+  gt = cu > t
+  eq = cu == t
+  need = k - jnp.sum(gt, axis=-1, keepdims=True, dtype=jnp.int32)
+  sel = gt | (eq & (jnp.cumsum(eq, axis=-1, dtype=jnp.int32) <= need))
+  su, sid = _compact(sel, [cu, cid], k, [0, 0])
+  i = jnp.arange(k)
+  before = (su[:, None, :] > su[:, :, None]) | ((su[:, None, :] == su[:, :, None]) & (i[None, :] < i[:, None])[None])
+  rank = jnp.sum(before, axis=-1, dtype=jnp.int32)
+  ids = jnp.zeros((b, k), jnp.int32).at[jnp.arange(b)[:, None], rank].set(sid)
+  return jnp.take_along_axis(x_BV, ids, axis=-1), ids, jnp.all(n0 <= wc)
 
 
 def exact_top_k(x_BV: jax.Array, k: int, min_ratio: int = _TWO_STAGE_MIN_RATIO
@@ -39,10 +115,14 @@ def exact_top_k(x_BV: jax.Array, k: int, min_ratio: int = _TWO_STAGE_MIN_RATIO
   k = 128: chunks of 16, 9.5k + 2k instead of 152k).
   """
   b, v = x_BV.shape
-  # On CPU (jax 0.10) lax.top_k is faster up to V ~ 32k at k = 128, the two stages from
-  # V ~ 64k on (x3 at 152k); below `min_ratio * k` the plain op is used.
+  # On CPU (jax 0.10) lax.top_k is faster than these two stages up to V ~ 32k at k = 128,
+  # the two stages from V ~ 64k on (x3 at 152k). From V = 8k on (below `min_ratio * k`)
+  # `threshold_top_k` runs, with lax.top_k as the fallback for massive ties.
   if v < min_ratio * k:
-    return jax.lax.top_k(x_BV, k)
+    if v < _THRESHOLD_MIN_RATIO * k or k < 8:
+      return jax.lax.top_k(x_BV, k)
+    vals, ids, fits = threshold_top_k(x_BV, k)
+    return jax.lax.cond(fits, lambda: (vals, ids), lambda: tuple(jax.lax.top_k(x_BV, k)))
   chunk = 1
   while 4 * k * (2 * chunk) ** 2 <= v:  # largest power of two with c^2 <= V / (4k)
     chunk *= 2
@@ -77,13 +157,56 @@ def _truncate(logq_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
   return x
 
 
+def first_argmax(x_BV: jax.Array) -> jax.Array:
+  """`jnp.argmax(x_BV, -1)` (lowest index among equal maxima) as two plain reductions.
+
+  XLA:CPU runs argmax as one variadic (value, index) reduction, about 10x slower than a
+  max followed by a min over the matching indices. A row with NaN (no element equals
+  its max) gets the last id rather than the NaN's.
+  """
+  v = x_BV.shape[-1]
+  m_B1 = jnp.max(x_BV, axis=-1, keepdims=True)
+  ids_BV = jnp.where(x_BV == m_B1, jnp.arange(v, dtype=jnp.int32), v - 1)
+  return jnp.min(ids_BV, axis=-1)
+
+
+def _chunk_size(v: int) -> int:
+  """Power of two near sqrt(v): both stages of `categorical` draw about sqrt(v) Gumbels."""
+  c = 1
+  while (2 * c) ** 2 <= v:
+    c *= 2
+  return c
+
+
+def categorical(key: jax.Array, logits_V: jax.Array) -> jax.Array:
+  """One draw from softmax(logits_V) in two stages: a chunk by its mass, then a token in it.
+
+  The vocabulary is cut into chunks of c ~ sqrt(V) ids; the chunk is drawn from the
+  softmax of the chunks' logsumexps, then the token from the softmax within the chunk,
+  so P(token) = (chunk mass / total) * (p_token / chunk mass), the same distribution
+  as `jax.random.categorical` (a -inf logit is never drawn) with 2 sqrt(V) Gumbel
+  draws instead of V: the V-wide random stream was the main per-step sampling cost.
+  """
+  v = logits_V.shape[-1]
+  c = _chunk_size(v)
+  n = -(-v // c)
+  x = logits_V
+  if n * c != v:  # -inf padding: never drawn
+    x = jnp.concatenate([x, jnp.full((n * c - v,), -jnp.inf, x.dtype)])
+  x_NC = x.reshape(n, c)
+  k_chunk, k_tok = jax.random.split(key)
+  j = jax.random.categorical(k_chunk, jax.nn.logsumexp(x_NC, axis=-1))
+  i = jax.random.categorical(k_tok, x_NC[j])
+  return (j * c + i).astype(jnp.int32)
+
+
 def _sample(logits_BV, logq_BV, keys_B, step, cfg: SamplerConfig) -> jax.Array:
   if cfg.greedy:
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return first_argmax(logits_BV)
   x = _truncate(logq_BV, cfg.top_k, cfg.top_p)
   # One key per row and step: a row's sample does not depend on how the batch is split.
   step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys_B, step)
-  return jax.vmap(jax.random.categorical)(step_keys, x).astype(jnp.int32)
+  return jax.vmap(categorical)(step_keys, x)
 
 
 # ----------------------------------------------------------------------------------------
