@@ -24,82 +24,6 @@ from rl_jax.sharding import BATCH_AXES, batch_divisor, shard_batch
 
 
 _TWO_STAGE_MIN_RATIO = 512
-_THRESHOLD_MIN_RATIO = 8
-
-
-def _order_keys(x):
-  """uint32 keys in the total float order lax.top_k uses (-0.0 below +0.0); every non-NaN > 0."""
-  b = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-  k = b ^ ((b >> 31) & 0x7fffffff)
-  return jax.lax.bitcast_convert_type(k, jnp.uint32) ^ jnp.uint32(0x80000000)
-
-
-def _kth_key(u_BN, k, stop_at):
-  """Per row the largest t with count(u >= t) >= k, found bit by bit from the top; stops once
-  every row has count(u >= t) <= stop_at (t then bounds the top-k set as well)."""
-  b = u_BN.shape[0]
-  def count(t_B1):
-    return jnp.sum(u_BN >= t_B1, axis=-1, keepdims=True, dtype=jnp.int32)
-  def cond(c):
-    bit, t, n = c
-    return (bit >= 0) & jnp.any(n > stop_at)
-  def body(c):
-    bit, t, n = c
-    cand = t | (jnp.uint32(1) << bit.astype(jnp.uint32))
-    n_c = count(cand)
-    ok = n_c >= k
-    return bit - 1, jnp.where(ok, cand, t), jnp.where(ok, n_c, n)
-  t0 = jnp.zeros((b, 1), jnp.uint32)
-  _, t, n = jax.lax.while_loop(cond, body, (jnp.int32(31), t0, count(t0)))
-  return t, n
-
-
-def _compact(mask_BN, vals, width, fill):
-  """The entries of each row where mask holds, in order, into `width` slots (rest `fill`)."""
-  b = mask_BN.shape[0]
-  pos = jnp.where(mask_BN, jnp.cumsum(mask_BN, axis=-1, dtype=jnp.int32) - 1, width)
-  rows = jnp.arange(b)[:, None]
-  return [jnp.full((b, width), f, v.dtype).at[rows, pos].set(v, mode="drop") for v, f in zip(vals, fill)]
-
-
-def threshold_top_k(x_BV: jax.Array, k: int, chunk: int = 8, slack: int = 2
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """`lax.top_k(x_BV, k)` bit for bit without a sort over V: (values, ids, fits).
-
-  XLA:CPU's top_k costs ~0.2 ms a row at V = 4096, k = 128 (a quarter of a small
-  model's decode step). Here: order-preserving uint32 keys; the k-th largest of the
-  chunk maxima (chunks of `chunk` ids, found bit by bit) keeps at most `slack * k`
-  chunks, which hold every top-k element (k chunk maxima are k elements >= it); the
-  exact k-th largest key among those candidates picks the set (ties at it to the lowest
-  ids, as lax.top_k), and a pairwise rank orders it (value desc, id asc). `fits` is
-  False when ties among chunk maxima keep more than `slack * k` chunks; `exact_top_k`
-  then runs lax.top_k instead. NaN inputs are out of contract.
-  """
-  b, v = x_BV.shape
-  n = -(-v // chunk)
-  u = _order_keys(x_BV)
-  if n * chunk != v:
-    u = jnp.concatenate([u, jnp.zeros((b, n * chunk - v), jnp.uint32)], axis=1)
-  u_BNC = u.reshape(b, n, chunk)
-  m_BN = jnp.max(u_BNC, axis=-1)
-  wc = min(n, slack * k)
-  t0, n0 = _kth_key(m_BN, k, wc)
-  kept = m_BN >= t0
-  (chunks_BW,) = _compact(kept, [jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))], wc, [n])
-  u_pad = jnp.concatenate([u_BNC, jnp.zeros((b, 1, chunk), jnp.uint32)], axis=1)
-  cu = jnp.take_along_axis(u_pad, chunks_BW[:, :, None], axis=1).reshape(b, wc * chunk)
-  cid = (chunks_BW[:, :, None] * chunk + jnp.arange(chunk, dtype=jnp.int32)).reshape(b, wc * chunk)
-  t, _ = _kth_key(cu, k, k)
-  gt = cu > t
-  eq = cu == t
-  need = k - jnp.sum(gt, axis=-1, keepdims=True, dtype=jnp.int32)
-  sel = gt | (eq & (jnp.cumsum(eq, axis=-1, dtype=jnp.int32) <= need))
-  su, sid = _compact(sel, [cu, cid], k, [0, 0])
-  i = jnp.arange(k)
-  before = (su[:, None, :] > su[:, :, None]) | ((su[:, None, :] == su[:, :, None]) & (i[None, :] < i[:, None])[None])
-  rank = jnp.sum(before, axis=-1, dtype=jnp.int32)
-  ids = jnp.zeros((b, k), jnp.int32).at[jnp.arange(b)[:, None], rank].set(sid)
-  return jnp.take_along_axis(x_BV, ids, axis=-1), ids, jnp.all(n0 <= wc)
 
 
 def exact_top_k(x_BV: jax.Array, k: int, min_ratio: int = _TWO_STAGE_MIN_RATIO
@@ -115,14 +39,10 @@ def exact_top_k(x_BV: jax.Array, k: int, min_ratio: int = _TWO_STAGE_MIN_RATIO
   k = 128: chunks of 16, 9.5k + 2k instead of 152k).
   """
   b, v = x_BV.shape
-  # On CPU (jax 0.10) lax.top_k is faster than these two stages up to V ~ 32k at k = 128,
-  # the two stages from V ~ 64k on (x3 at 152k). From V = 8k on (below `min_ratio * k`)
-  # `threshold_top_k` runs, with lax.top_k as the fallback for massive ties.
+  # On CPU (jax 0.10) lax.top_k is faster up to V ~ 32k at k = 128, the two stages from
+  # V ~ 64k on (x3 at 152k); below `min_ratio * k` the plain op is used.
   if v < min_ratio * k:
-    if v < _THRESHOLD_MIN_RATIO * k or k < 8:
-      return jax.lax.top_k(x_BV, k)
-    vals, ids, fits = threshold_top_k(x_BV, k)
-    return jax.lax.cond(fits, lambda: (vals, ids), lambda: tuple(jax.lax.top_k(x_BV, k)))
+    return jax.lax.top_k(x_BV, k)
   chunk = 1
   while 4 * k * (2 * chunk) ** 2 <= v:  # largest power of two with c^2 <= V / (4k)
     chunk *= 2
@@ -254,6 +174,18 @@ def _constrainer(mesh: Mesh | None, n_kv_heads: int):
   return constrain
 
 
+def _record_topk(c, logq_BV, active_B, j, k: int) -> dict:
+  """Top-k log q, ids and head mass of the distribution of step j, written at j (0 where inactive)."""
+  top_logq_BK, top_ids_BK = exact_top_k(logq_BV, k)
+  top_logq_BK = jnp.where(active_B[:, None], top_logq_BK, 0.0)
+  top_ids_BK = jnp.where(active_B[:, None], top_ids_BK, 0).astype(jnp.int32)
+  head_B = jnp.where(active_B, jnp.sum(jnp.exp(top_logq_BK), axis=-1), 0.0)
+  return dict(
+      topk_ids_BTK=jax.lax.dynamic_update_slice(c["topk_ids_BTK"], top_ids_BK[:, None], (0, j, 0)),
+      topk_logq_BTK=jax.lax.dynamic_update_slice(c["topk_logq_BTK"], top_logq_BK[:, None], (0, j, 0)),
+      head_mass_BT=jax.lax.dynamic_update_slice(c["head_mass_BT"], head_B[:, None], (0, j)))
+
+
 _STATIC_ARGNAMES = ("graphdef", "cfg", "kv_spec", "mesh")
 
 
@@ -304,7 +236,10 @@ def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: Sampler
       topk_ids_BTK=jnp.zeros((b, t, k_rec), jnp.int32) if k_rec else None,
       topk_logq_BTK=jnp.zeros((b, t, k_rec), jnp.float32) if k_rec else None,
       head_mass_BT=jnp.zeros((b, t), jnp.float32),
-      experts_BSLK=experts_BSLK)
+      experts_BSLK=experts_BSLK,
+      # The step whose top-k is not recorded yet (k_rec > 0): its log q and active rows.
+      pending_logq_BV=jnp.zeros((b, mcfg.vocab_size), jnp.float32) if k_rec else None,
+      pending_active_B=jnp.zeros((b,), bool) if k_rec else None)
   carry = constrain(carry)
 
   def cond(c):
@@ -329,24 +264,24 @@ def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: Sampler
     new["active_BT"] = jax.lax.dynamic_update_slice(c["active_BT"], active_B[:, None], (0, j))
     new["logq_BT"] = jax.lax.dynamic_update_slice(c["logq_BT"], logq_B[:, None], (0, j))
     if k_rec:
-      top_logq_BK, top_ids_BK = exact_top_k(logq_BV, k_rec)
-      top_logq_BK = jnp.where(active_B[:, None], top_logq_BK, 0.0)
-      top_ids_BK = jnp.where(active_B[:, None], top_ids_BK, 0).astype(jnp.int32)
-      new["topk_ids_BTK"] = jax.lax.dynamic_update_slice(c["topk_ids_BTK"], top_ids_BK[:, None], (0, j, 0))
-      new["topk_logq_BTK"] = jax.lax.dynamic_update_slice(c["topk_logq_BTK"], top_logq_BK[:, None], (0, j, 0))
-      head_B = jnp.sum(jnp.exp(top_logq_BK), axis=-1)
+      # Software pipelining: step j records the top-k of step j-1's distribution, which
+      # depends on nothing this step computes, so XLA can run the (single-threaded) top-k
+      # next to this step's forward; the last step's is recorded after the loop.
+      new.update(_record_topk(c, c["pending_logq_BV"], c["pending_active_B"], jnp.maximum(j - 1, 0), k_rec))
+      new["pending_logq_BV"], new["pending_active_B"] = logq_BV, active_B
     else:
       # record_topk = 0 still records the top-1 mass (one max over V, no sort): a floor on any
       # head mass, so the head-mass diagnostic exists in every config (MiniRL's included).
-      head_B = jnp.exp(jnp.max(logq_BV, axis=-1))
-    head_B = jnp.where(active_B, head_B, 0.0)
-    new["head_mass_BT"] = jax.lax.dynamic_update_slice(c["head_mass_BT"], head_B[:, None], (0, j))
+      head_B = jnp.where(active_B, jnp.exp(jnp.max(logq_BV, axis=-1)), 0.0)
+      new["head_mass_BT"] = jax.lax.dynamic_update_slice(c["head_mass_BT"], head_B[:, None], (0, j))
     if record_experts:
       new["experts_BSLK"] = jax.lax.dynamic_update_slice(c["experts_BSLK"], out.expert_ids_BSLK,
                                                          (0, slot, 0, 0))
     return constrain(new)
 
   c = jax.lax.while_loop(cond, body, carry)
+  if k_rec:  # the last step's top-k (step >= 1: the loop runs at least once)
+    c = {**c, **_record_topk(c, c["pending_logq_BV"], c["pending_active_B"], c["step"] - 1, k_rec)}
 
   resp_BT = c["active_BT"]
   zeros_BP = jnp.zeros((b, p), bool)
