@@ -1,11 +1,13 @@
-"""Forward+backward time of one MoE layer: dropless `lax.ragged_dot` experts vs every expert dense."""
+"""Forward+backward time of one MoE layer: capacity-slab and `lax.ragged_dot` dropless experts vs every expert dense."""
 # Usage:
 #   python benchmarks/bench_moe.py            # N=4096 tokens, d_model=512, moe_d_ff=1024, E=8, K=2
 #   python benchmarks/bench_moe.py --small    # N=512, d_model=128, moe_d_ff=256: seconds
 #
 # Both paths route with `rl_jax.models.moe.route` (float32 softmax router, top-K,
-# renormalized gates). "ragged" is the model's own `dropless_experts`: (token, slot)
-# pairs sorted by expert and three `lax.ragged_dot`s. "dense" computes the SwiGLU of
+# renormalized gates). "capacity" is the model's own `dropless_experts`: an [E, C, D]
+# slab of each expert's tokens (C = 2x the mean load) and three batched matmuls, with
+# `ragged_experts` as the exact fallback when routing overflows C. "ragged" is
+# `ragged_experts`: (token, slot) pairs sorted by expert and three `lax.ragged_dot`s. "dense" computes the SwiGLU of
 # EVERY expert for EVERY token ([E, N, F] intermediates) and combines them with the
 # gate weights scattered to [N, E] (zero outside the top-K): the same math, E/K times
 # the useful FLOPs. The timed function is value_and_grad of sum(y * ct) w.r.t. x, the
@@ -15,7 +17,7 @@
 # other work slows them alike; medians (and minima) of the rounds are reported.
 # XLA's FLOP count of each compiled program is printed too: `ragged_dot` has no native
 # CPU kernel, and its generic lowering masks the N*K sorted rows once per expert, i.e. K
-# times the dense path's FLOPs (E times the useful ones). Default size: ~4-5 minutes on
+# times the dense path's FLOPs (E times the useful ones). Default size: ~6-8 minutes on
 # 2 busy CPU cores (each round ~45 s); --small: ~20 s.
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl_jax.models.moe import dropless_experts, route
+from rl_jax.models.moe import dropless_experts, ragged_experts, route
 
 
 def _inputs(args):
@@ -47,6 +49,12 @@ def _inputs(args):
 
 
 def ragged_layer(x, w_router, w_gate, w_up, w_down, *, k: int):
+  e = w_router.shape[1]
+  ids, gates, _, _ = route(x @ w_router, k, True)
+  return ragged_experts(x, ids, gates, w_gate, w_up, w_down, e)
+
+
+def capacity_layer(x, w_router, w_gate, w_up, w_down, *, k: int):
   e = w_router.shape[1]
   ids, gates, _, _ = route(x @ w_router, k, True)
   return dropless_experts(x, ids, gates, w_gate, w_up, w_down, e)
@@ -103,7 +111,7 @@ def main():
   p.add_argument("--F", type=int, default=1024, help="moe_d_ff")
   p.add_argument("--E", type=int, default=8, help="experts")
   p.add_argument("--K", type=int, default=2, help="experts per token")
-  p.add_argument("--repeats", type=int, default=5, help="timed rounds (each runs both paths)")
+  p.add_argument("--repeats", type=int, default=5, help="timed rounds (each runs every path)")
   p.add_argument("--seed", type=int, default=0)
   args = p.parse_args()
   if args.small:
@@ -117,7 +125,7 @@ def main():
         f"({jax.device_count()} device(s))")
 
   compiled, compile_s, flops = {}, {}, {}
-  for name, layer in (("ragged", ragged_layer), ("dense", dense_layer)):
+  for name, layer in (("ragged", ragged_layer), ("capacity", capacity_layer), ("dense", dense_layer)):
     t0 = time.perf_counter()
     compiled[name] = jax.jit(_step(layer, args.K)).lower(*operands).compile()
     compile_s[name] = time.perf_counter() - t0
@@ -125,6 +133,7 @@ def main():
 
   outs = {name: jax.block_until_ready(fn(*operands)) for name, fn in compiled.items()}  # warm-up
   worst = _check(outs["ragged"], outs["dense"])
+  _check(outs["capacity"], outs["dense"])
   ids, _, _, _ = route(data["x"] @ data["w_router"], args.K, True)
   counts = np.bincount(np.asarray(ids).reshape(-1), minlength=args.E)
   print("outputs and gradients agree (max |ragged - dense| / max |dense|): "
@@ -133,7 +142,8 @@ def main():
 
   times = {name: [] for name in compiled}
   for r in range(args.repeats):
-    order = ("ragged", "dense") if r % 2 == 0 else ("dense", "ragged")
+    names = list(compiled)
+    order = names[r % 3:] + names[:r % 3]  # rotate which goes first
     for name in order:
       t0 = time.perf_counter()
       jax.block_until_ready(compiled[name](*operands))
@@ -142,7 +152,7 @@ def main():
   # 3 matmuls of 2*N*K*D*F FLOPs forward; the backward costs twice the forward.
   useful_fb = 3 * (3 * 2 * args.N * args.K * args.D * args.F)
   print(f"{'path':8} {'median s':>9} {'min s':>9} {'compile s':>10} {'XLA GFLOP':>10}")
-  for name in ("ragged", "dense"):
+  for name in ("ragged", "capacity", "dense"):
     f = f"{flops[name] / 1e9:10.1f}" if flops[name] is not None else f"{'n/a':>10}"
     print(f"{name:8} {statistics.median(times[name]):9.4f} {min(times[name]):9.4f} "
           f"{compile_s[name]:10.2f} {f}")
@@ -150,6 +160,8 @@ def main():
   mins = {k: min(v) for k, v in times.items()}
   print(f"ratio dense / ragged: median {med['dense'] / med['ragged']:.3f}, "
         f"min {mins['dense'] / mins['ragged']:.3f}  (> 1: ragged is faster)")
+  print(f"ratio ragged / capacity: median {med['ragged'] / med['capacity']:.3f}, "
+        f"min {mins['ragged'] / mins['capacity']:.3f}  (> 1: capacity is faster)")
   print(f"useful expert FLOPs (fwd+bwd, top-K only): {useful_fb / 1e9:.1f} GFLOP; dense computes "
         f"E/K = {args.E / args.K:g}x that. {args.repeats} interleaved rounds.")
 

@@ -89,6 +89,9 @@ class Attention(nnx.Module):
     chex.assert_shape([k_BCGD, v_BCGD], (b, c, cfg.n_kv_heads, hd))
     # Query head h = g * R + r reads kv head g (transformers' repeat_kv order).
     q_BSGRD = einops.rearrange(q_BSHD, "b s (g r) d -> b s g r d", g=cfg.n_kv_heads)
+    if s == 1:  # decode: one query token per row
+      out_B1X = _decode_attention(q_BSGRD[:, 0], k_BCGD, v_BCGD, mask_BSC[:, 0])
+      return linear(out_B1X, self.wo.get_value()), cache
     scores_BGRSC = jnp.einsum("bsgrd,bcgd->bgrsc", q_BSGRD, k_BCGD,
                               preferred_element_type=jnp.float32) * (hd ** -0.5)
     scores_BGRSC = jnp.where(mask_BSC[:, None, None, :, :], scores_BGRSC, _MASK_VALUE)
@@ -96,6 +99,22 @@ class Attention(nnx.Module):
     out_BSGRD = jnp.einsum("bgrsc,bcgd->bsgrd", probs_BGRSC, v_BCGD)
     out_BSX = einops.rearrange(out_BSGRD, "b s g r d -> b s (g r d)")  # X = H * head dim
     return linear(out_BSX, self.wo.get_value()), cache
+
+
+def _decode_attention(q_BGRD, k_BCGD, v_BCGD, mask_BC):
+  """One query token per row over C cache slots -> `[B, 1, H * head dim]`, as multiply-reduces.
+
+  The same sums as the einsum path, written so that XLA reads the `[B, C, G, D]` cache in
+  place: as a batched dot over (b, g), XLA:CPU first copies K and V to a (b, g)-major
+  layout, the whole cache of every layer at every decode step.
+  """
+  f32 = jnp.float32
+  hd = q_BGRD.shape[-1]
+  scores_BCGR = jnp.sum(q_BGRD.astype(f32)[:, None] * k_BCGD.astype(f32)[:, :, :, None, :], axis=-1)
+  scores_BCGR = jnp.where(mask_BC[:, :, None, None], scores_BCGR * (hd ** -0.5), _MASK_VALUE)
+  probs_BCGR = jax.nn.softmax(scores_BCGR, axis=1).astype(v_BCGD.dtype).astype(f32)
+  out_BGRD = jnp.sum(probs_BCGR[..., None] * v_BCGD.astype(f32)[:, :, :, None, :], axis=1)
+  return einops.rearrange(out_BGRD.astype(v_BCGD.dtype), "b g r d -> b 1 (g r d)")
 
 
 class MLP(nnx.Module):

@@ -1,4 +1,4 @@
-"""Qwen3-MoE sparse block: float32 router, dropless ragged_dot experts, routing replay."""
+"""Qwen3-MoE sparse block: float32 router, dropless experts (capacity slab or ragged_dot), routing replay."""
 from __future__ import annotations
 
 import jax
@@ -9,6 +9,7 @@ from rl_jax.models.config import ModelConfig
 from rl_jax.models.expert_parallel import shard_map_experts
 from rl_jax.models.layers import param
 from rl_jax.quant.ops import ragged_linear
+from rl_jax.quant.qtensor import QTensor
 
 
 def route(router_logits_NE: jax.Array, k: int, norm_topk_prob: bool,
@@ -32,10 +33,17 @@ def route(router_logits_NE: jax.Array, k: int, norm_topk_prob: bool,
   return ids, gates, natural_ids, probs_NE
 
 
-def dropless_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: int):
-  """SwiGLU experts over (token, slot) pairs sorted by expert with `lax.ragged_dot`.
+# Slots per expert of the capacity path, as a multiple of the mean load M / E: routing may be
+# twice as skewed as uniform before the exact fallback runs.
+CAPACITY_FACTOR = 2
 
-  Every assignment is computed (no capacity factor), so no token is ever dropped.
+
+def ragged_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: int):
+  """SwiGLU experts over (token, slot) pairs sorted by expert with `lax.ragged_dot` (the reference).
+
+  Every assignment is computed (no capacity factor), so no token is ever dropped. XLA:CPU
+  lowers `ragged_dot` to a dense product over all E expert blocks (E times the FLOPs, plus
+  a transposed copy of every expert weight per call).
   """
   n, k = ids_NK.shape
   flat_ids_M = ids_NK.reshape(-1)  # M = N * K (token, slot) assignments
@@ -47,6 +55,58 @@ def dropless_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: in
   y_MD = ragged_linear(h_MF, w_down, group_sizes_E)
   y_NKD = jnp.zeros_like(y_MD).at[order_M].set(y_MD).reshape(n, k, -1)
   return jnp.einsum("nkd,nk->nd", y_NKD, gates_NK.astype(y_NKD.dtype))
+
+
+def capacity_slots(n_assignments: int, n_experts: int, factor: int = CAPACITY_FACTOR) -> int:
+  """Slots C per expert of the capacity path: `factor` x the mean load, a multiple of 8."""
+  c = -(-n_assignments // n_experts) * factor
+  return min(-(-c // 8) * 8, n_assignments)
+
+
+def _capacity_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: int, c: int):
+  """The experts as one batched matmul over an `[E, C, D]` slab of each expert's tokens.
+
+  Exact while no expert has more than C assignments (the caller checks): assignment i
+  of expert e, in (token, slot) order, sits in slot (e, i) and is computed by expert e's
+  own weights, as in `ragged_experts`; the E * C - M empty slots are zero rows (about
+  `CAPACITY_FACTOR` x the useful FLOPs instead of E x).
+  """
+  n, k = ids_NK.shape
+  m = n * k
+  flat_ids_M = ids_NK.reshape(-1)
+  order_M = jnp.argsort(flat_ids_M, stable=True)  # assignments sorted by expert
+  sizes_E = jnp.bincount(flat_ids_M, length=n_experts)
+  starts_E = jnp.cumsum(sizes_E) - sizes_E
+  slot_EC = starts_E[:, None] + jnp.arange(c)[None]  # position in the sorted order
+  used_EC = jnp.arange(c)[None] < sizes_E[:, None]
+  token_EC = order_M[jnp.minimum(slot_EC, m - 1)] // k
+  x_ECD = jnp.where(used_EC[..., None], x_ND[token_EC], 0).astype(x_ND.dtype)
+  mm = lambda a, w: jnp.einsum("ecd,edf->ecf", a, w.astype(a.dtype))
+  h_ECF = jax.nn.silu(mm(x_ECD, w_gate)) * mm(x_ECD, w_up)
+  y_XD = mm(h_ECF, w_down).reshape(n_experts * c, -1)  # X = E * C slots
+  rank_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(m, dtype=order_M.dtype))
+  y_NKD = y_XD[flat_ids_M * c + rank_M - starts_E[flat_ids_M]].reshape(n, k, -1)
+  return jnp.einsum("nkd,nk->nd", y_NKD, gates_NK.astype(y_NKD.dtype))
+
+
+def dropless_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: int):
+  """SwiGLU experts over every (token, slot) assignment: no capacity drop, ever.
+
+  Plain weights: an `[E, C, D]` batched matmul (`_capacity_experts`) when every expert
+  has at most C = `capacity_slots` assignments, else `ragged_experts`; the two compute
+  the same products (a `lax.cond` picks one at run time, so skewed routing stays exact).
+  Quantized (QTensor) weights always take `ragged_experts`.
+  """
+  if any(isinstance(w, QTensor) for w in (w_gate, w_up, w_down)):
+    return ragged_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts)
+  m = ids_NK.size
+  c = capacity_slots(m, n_experts)
+  if c >= m:  # capacity already covers the worst case: no fallback needed
+    return _capacity_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts, c)
+  fits = jnp.max(jnp.bincount(ids_NK.reshape(-1), length=n_experts)) <= c
+  args = (x_ND, ids_NK, gates_NK, w_gate, w_up, w_down)
+  return jax.lax.cond(fits, lambda *a: _capacity_experts(*a, n_experts, c),
+                      lambda *a: ragged_experts(*a, n_experts), *args)
 
 
 def load_balancing_loss(probs_NE, natural_ids_NK, valid_N, n_experts: int):

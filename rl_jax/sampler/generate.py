@@ -77,13 +77,56 @@ def _truncate(logq_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
   return x
 
 
+def first_argmax(x_BV: jax.Array) -> jax.Array:
+  """`jnp.argmax(x_BV, -1)` (lowest index among equal maxima) as two plain reductions.
+
+  XLA:CPU runs argmax as one variadic (value, index) reduction, about 10x slower than a
+  max followed by a min over the matching indices. A row with NaN (no element equals
+  its max) gets the last id rather than the NaN's.
+  """
+  v = x_BV.shape[-1]
+  m_B1 = jnp.max(x_BV, axis=-1, keepdims=True)
+  ids_BV = jnp.where(x_BV == m_B1, jnp.arange(v, dtype=jnp.int32), v - 1)
+  return jnp.min(ids_BV, axis=-1)
+
+
+def _chunk_size(v: int) -> int:
+  """Power of two near sqrt(v): both stages of `categorical` draw about sqrt(v) Gumbels."""
+  c = 1
+  while (2 * c) ** 2 <= v:
+    c *= 2
+  return c
+
+
+def categorical(key: jax.Array, logits_V: jax.Array) -> jax.Array:
+  """One draw from softmax(logits_V) in two stages: a chunk by its mass, then a token in it.
+
+  The vocabulary is cut into chunks of c ~ sqrt(V) ids; the chunk is drawn from the
+  softmax of the chunks' logsumexps, then the token from the softmax within the chunk,
+  so P(token) = (chunk mass / total) * (p_token / chunk mass), the same distribution
+  as `jax.random.categorical` (a -inf logit is never drawn) with 2 sqrt(V) Gumbel
+  draws instead of V: the V-wide random stream was the main per-step sampling cost.
+  """
+  v = logits_V.shape[-1]
+  c = _chunk_size(v)
+  n = -(-v // c)
+  x = logits_V
+  if n * c != v:  # -inf padding: never drawn
+    x = jnp.concatenate([x, jnp.full((n * c - v,), -jnp.inf, x.dtype)])
+  x_NC = x.reshape(n, c)
+  k_chunk, k_tok = jax.random.split(key)
+  j = jax.random.categorical(k_chunk, jax.nn.logsumexp(x_NC, axis=-1))
+  i = jax.random.categorical(k_tok, x_NC[j])
+  return (j * c + i).astype(jnp.int32)
+
+
 def _sample(logits_BV, logq_BV, keys_B, step, cfg: SamplerConfig) -> jax.Array:
   if cfg.greedy:
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return first_argmax(logits_BV)
   x = _truncate(logq_BV, cfg.top_k, cfg.top_p)
   # One key per row and step: a row's sample does not depend on how the batch is split.
   step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys_B, step)
-  return jax.vmap(jax.random.categorical)(step_keys, x).astype(jnp.int32)
+  return jax.vmap(categorical)(step_keys, x)
 
 
 # ----------------------------------------------------------------------------------------
@@ -129,6 +172,18 @@ def _constrainer(mesh: Mesh | None, n_kv_heads: int):
     kv = lambda x: jax.tree.map(functools.partial(one, cache=True, stacked=x.stacked), x)
     return jax.tree.map(lambda x: kv(x) if is_kv(x) else one(x), tree, is_leaf=is_kv)
   return constrain
+
+
+def _record_topk(c, logq_BV, active_B, j, k: int) -> dict:
+  """Top-k log q, ids and head mass of the distribution of step j, written at j (0 where inactive)."""
+  top_logq_BK, top_ids_BK = exact_top_k(logq_BV, k)
+  top_logq_BK = jnp.where(active_B[:, None], top_logq_BK, 0.0)
+  top_ids_BK = jnp.where(active_B[:, None], top_ids_BK, 0).astype(jnp.int32)
+  head_B = jnp.where(active_B, jnp.sum(jnp.exp(top_logq_BK), axis=-1), 0.0)
+  return dict(
+      topk_ids_BTK=jax.lax.dynamic_update_slice(c["topk_ids_BTK"], top_ids_BK[:, None], (0, j, 0)),
+      topk_logq_BTK=jax.lax.dynamic_update_slice(c["topk_logq_BTK"], top_logq_BK[:, None], (0, j, 0)),
+      head_mass_BT=jax.lax.dynamic_update_slice(c["head_mass_BT"], head_B[:, None], (0, j)))
 
 
 _STATIC_ARGNAMES = ("graphdef", "cfg", "kv_spec", "mesh")
@@ -181,7 +236,10 @@ def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: Sampler
       topk_ids_BTK=jnp.zeros((b, t, k_rec), jnp.int32) if k_rec else None,
       topk_logq_BTK=jnp.zeros((b, t, k_rec), jnp.float32) if k_rec else None,
       head_mass_BT=jnp.zeros((b, t), jnp.float32),
-      experts_BSLK=experts_BSLK)
+      experts_BSLK=experts_BSLK,
+      # The step whose top-k is not recorded yet (k_rec > 0): its log q and active rows.
+      pending_logq_BV=jnp.zeros((b, mcfg.vocab_size), jnp.float32) if k_rec else None,
+      pending_active_B=jnp.zeros((b,), bool) if k_rec else None)
   carry = constrain(carry)
 
   def cond(c):
@@ -206,24 +264,24 @@ def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: Sampler
     new["active_BT"] = jax.lax.dynamic_update_slice(c["active_BT"], active_B[:, None], (0, j))
     new["logq_BT"] = jax.lax.dynamic_update_slice(c["logq_BT"], logq_B[:, None], (0, j))
     if k_rec:
-      top_logq_BK, top_ids_BK = exact_top_k(logq_BV, k_rec)
-      top_logq_BK = jnp.where(active_B[:, None], top_logq_BK, 0.0)
-      top_ids_BK = jnp.where(active_B[:, None], top_ids_BK, 0).astype(jnp.int32)
-      new["topk_ids_BTK"] = jax.lax.dynamic_update_slice(c["topk_ids_BTK"], top_ids_BK[:, None], (0, j, 0))
-      new["topk_logq_BTK"] = jax.lax.dynamic_update_slice(c["topk_logq_BTK"], top_logq_BK[:, None], (0, j, 0))
-      head_B = jnp.sum(jnp.exp(top_logq_BK), axis=-1)
+      # Software pipelining: step j records the top-k of step j-1's distribution, which
+      # depends on nothing this step computes, so XLA can run the (single-threaded) top-k
+      # next to this step's forward; the last step's is recorded after the loop.
+      new.update(_record_topk(c, c["pending_logq_BV"], c["pending_active_B"], jnp.maximum(j - 1, 0), k_rec))
+      new["pending_logq_BV"], new["pending_active_B"] = logq_BV, active_B
     else:
       # record_topk = 0 still records the top-1 mass (one max over V, no sort): a floor on any
       # head mass, so the head-mass diagnostic exists in every config (MiniRL's included).
-      head_B = jnp.exp(jnp.max(logq_BV, axis=-1))
-    head_B = jnp.where(active_B, head_B, 0.0)
-    new["head_mass_BT"] = jax.lax.dynamic_update_slice(c["head_mass_BT"], head_B[:, None], (0, j))
+      head_B = jnp.where(active_B, jnp.exp(jnp.max(logq_BV, axis=-1)), 0.0)
+      new["head_mass_BT"] = jax.lax.dynamic_update_slice(c["head_mass_BT"], head_B[:, None], (0, j))
     if record_experts:
       new["experts_BSLK"] = jax.lax.dynamic_update_slice(c["experts_BSLK"], out.expert_ids_BSLK,
                                                          (0, slot, 0, 0))
     return constrain(new)
 
   c = jax.lax.while_loop(cond, body, carry)
+  if k_rec:  # the last step's top-k (step >= 1: the loop runs at least once)
+    c = {**c, **_record_topk(c, c["pending_logq_BV"], c["pending_active_B"], c["step"] - 1, k_rec)}
 
   resp_BT = c["active_BT"]
   zeros_BP = jnp.zeros((b, p), bool)

@@ -1,0 +1,113 @@
+"""MoE experts: the capacity-slab path equals the ragged_dot reference, forward and gradients, dropless."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rl_jax.models import moe as moe_lib
+from rl_jax.models.config import ModelConfig
+
+E, K, D, F = 8, 2, 16, 12
+
+
+def _weights(seed=0):
+  k = jax.random.split(jax.random.key(seed), 3)
+  return (0.3 * jax.random.normal(k[0], (E, D, F)), 0.3 * jax.random.normal(k[1], (E, D, F)),
+          0.3 * jax.random.normal(k[2], (E, F, D)))
+
+
+def _routing(n, kind, seed=0):
+  """ids [n, K] (distinct per token) and gates: random, or as skewed as top-2 allows."""
+  rng = np.random.default_rng(seed)
+  if kind == "random":
+    ids = np.stack([rng.permutation(E)[:K] for _ in range(n)])
+  else:  # every token on experts 3 and 5: one expert holds M / 2 > C assignments
+    ids = np.tile([3, 5], (n, 1))
+  gates = rng.uniform(0.1, 1.0, (n, K))
+  return jnp.asarray(ids, jnp.int32), jnp.asarray(gates / gates.sum(-1, keepdims=True), jnp.float32)
+
+
+def _loss(fn):
+  def f(x, gates, wg, wu, wd, ids):
+    y = fn(x, ids, gates, wg, wu, wd, E)
+    return jnp.sum(jnp.sin(y) * jnp.arange(y.size).reshape(y.shape) / y.size)
+  return f
+
+
+def _close(a, b):
+  # Same products, other summation order (weight gradients sum over every token): float32
+  # rounding relative to the array's scale. The float64 run below has no such slack.
+  scale = float(np.abs(np.asarray(b)).max())
+  tol = 1e-12 if np.asarray(b).dtype == np.float64 else 1e-5
+  np.testing.assert_allclose(a, b, rtol=0, atol=tol * max(scale, 1.0))
+
+
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("n,kind,x64", [
+    (32, "random", False), (32, "skewed", False), (3, "random", False),
+    # float64: the two paths agree to 1e-12, so the float32 slack is rounding, not a bug.
+    pytest.param(32, "random", True, marks=_SLOW), pytest.param(32, "skewed", True, marks=_SLOW),
+    pytest.param(200, "random", False, marks=_SLOW)])
+def test_forward_and_grads_equal_ragged(n, kind, x64):
+  with jax.enable_x64(x64):
+    _check(n, kind, jnp.float64 if x64 else jnp.float32)
+
+
+def _check(n, kind, dtype):
+  x = jax.random.normal(jax.random.key(1), (n, D), dtype)
+  ids, gates = _routing(n, kind)
+  gates = gates.astype(dtype)
+  ws = tuple(w.astype(dtype) for w in _weights())
+  m = n * K
+  c = moe_lib.capacity_slots(m, E)
+  loads = np.bincount(np.asarray(ids).ravel(), minlength=E)
+  # The case exercises the branch it means to: capacity for random routing, fallback when skewed.
+  assert (loads.max() <= c) == (kind == "random"), (loads, c)
+  want = moe_lib.ragged_experts(x, ids, gates, *ws, E)
+  got = jax.jit(moe_lib.dropless_experts, static_argnums=6)(x, ids, gates, *ws, E)
+  _close(got, want)
+  if c < m:  # the slab alone (no cond) on routing that fits, too
+    if kind == "random":
+      slab = moe_lib._capacity_experts(x, ids, gates, *ws, E, c)  # pylint: disable=protected-access
+      _close(slab, want)
+  g_want = jax.grad(_loss(moe_lib.ragged_experts), argnums=(0, 1, 2, 3, 4))(x, gates, *ws, ids)
+  g_got = jax.jit(jax.grad(_loss(moe_lib.dropless_experts), argnums=(0, 1, 2, 3, 4)))(x, gates, *ws, ids)
+  for a, b in zip(g_got, g_want):
+    _close(a, b)
+
+
+def test_capacity_slots():
+  assert moe_lib.capacity_slots(64, 8) == 16  # 2 x the mean load of 8
+  assert moe_lib.capacity_slots(6, 8) == 6  # never more than M: then no fallback is needed
+  assert moe_lib.capacity_slots(1000, 8) == 256
+
+
+@pytest.mark.parametrize("replay", [pytest.param(False, marks=_SLOW), True])
+def test_moe_layer_with_replay_equals_ragged(replay, monkeypatch):
+  """The whole MoE layer (router, replay, aux loss) and its gradients match the ragged reference;
+  replay forces every masked token onto experts 0 and 1 (the fallback branch)."""
+  cfg = ModelConfig(vocab_size=32, d_model=D, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32,
+                    n_experts=E, n_experts_per_tok=K, moe_d_ff=F, init_std=0.3)
+  layer = moe_lib.MoE(cfg, rngs=nnx.Rngs(0))
+  b, s = 2, 12
+  x = jax.random.normal(jax.random.key(2), (b, s, D))
+  valid = jnp.ones((b, s), bool)
+  r_ids = jnp.tile(jnp.asarray([0, 1], jnp.int32), (b, s, 1)) if replay else None
+  r_mask = (jnp.arange(s) < 9)[None].repeat(b, 0) if replay else None
+  graphdef, state = nnx.split(layer)
+
+  def run(state, x):
+    y, ids, logits, aux = nnx.merge(graphdef, state)(x, valid, r_ids, r_mask)
+    return jnp.sum(jnp.cos(y)) + aux, (y, ids)
+
+  (l_got, (y_got, ids_got)), g_got = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(state, x)
+  monkeypatch.setattr(moe_lib, "dropless_experts", moe_lib.ragged_experts)
+  (l_want, (y_want, ids_want)), g_want = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(state, x)
+  np.testing.assert_array_equal(ids_got, ids_want)
+  _close(y_got, y_want)
+  _close(l_got, l_want)
+  for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+    _close(a, b)
