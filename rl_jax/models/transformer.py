@@ -129,6 +129,13 @@ class Transformer(nnx.Module):
       return dense(self.embedding.get_value(), dtype).T
     return dense(self.w_unembed.get_value(), dtype)
 
+  def logits(self, h_XD: jax.Array) -> jax.Array:
+    """Float32 logits [..., V] of final-normed hidden states [..., D] (the forward's own head)."""
+    if self.cfg.tie_embeddings:
+      return jnp.einsum("...d,vd->...v", h_XD, self.embedding.get_value().astype(h_XD.dtype),
+                        preferred_element_type=jnp.float32)
+    return linear(h_XD, self.w_unembed.get_value()).astype(jnp.float32)
+
   def __call__(self, tokens_BS, positions_BS=None, valid_BS=None, *, cache=None, cache_index=None,
                kv_valid_BC=None, replay_ids_BSLK=None, replay_mask_BS=None,
                return_router_logits=False, return_hidden=False, compute_logits=True) -> ModelOutput:
@@ -186,13 +193,7 @@ class Transformer(nnx.Module):
     router_logits_BSLE = None
     if return_router_logits and router_all:
       router_logits_BSLE = jnp.stack(router_all, axis=2)
-    logits_BSV = None
-    if compute_logits:
-      if cfg.tie_embeddings:
-        logits_BSV = jnp.einsum("bsd,vd->bsv", h_BSD, self.embedding.get_value().astype(dtype),
-                                preferred_element_type=jnp.float32)
-      else:
-        logits_BSV = linear(h_BSD, self.w_unembed.get_value()).astype(jnp.float32)
+    logits_BSV = self.logits(h_BSD) if compute_logits else None
     if cfg.n_moe_layers:
       aux_total = aux_total / cfg.n_moe_layers
     return ModelOutput(logits_BSV=logits_BSV, hidden_BSD=h_BSD if return_hidden else None,
