@@ -18,13 +18,17 @@ HF: the same weights written by `rl_jax.models.hf.save_hf_checkpoint`, loaded by
 `transformers.AutoModelForCausalLM.from_pretrained` (float32, torch CPU,
 `torch.set_num_threads(--threads)`); logits only at the T response slots
 (`logits_to_keep=T + 1`), log_softmax, gather, the same PG loss, `loss.backward()`,
-`torch.optim.AdamW` (foreach), `zero_grad(set_to_none=True)`.
+`torch.optim.AdamW` (foreach), `zero_grad(set_to_none=True)`. MoE experts run with
+transformers' 'eager' experts_implementation, the fastest here: 'grouped_mm' was ~3x and
+'batched_mm' ~15x slower on CPU, and 'batched_mm' gathers one weight matrix per (token,
+expert) pair (~10 GB at 8 x 160 tokens; the full batch runs out of a 24 GiB machine).
 
 Like for like: before timing, the two losses (and p_old) at the initial weights must agree
 to LOSS_RTOL, and (unless --no-grad-check) every gradient tensor to GRAD_RTOL of its own
 max-abs (the rl_jax gradients are written with the same HF writer and read back by
 transformers, so the name / layout mapping is the project's and transformers' own). Then
-rounds alternate the order (rl_jax, torch / torch, rl_jax); medians of the per-round times;
+rounds alternate the order (rl_jax, torch / torch, rl_jax), with a --settle pause before each
+timed call; medians of the per-round times (and the best round, and process CPU seconds);
 tokens/s counts all B * (P + T) tokens the step processes. Ratios > 1: rl_jax faster.
 """
 from __future__ import annotations
@@ -218,9 +222,10 @@ def check_like_for_like(name, ours: Ours, theirs: Theirs, root, grad_check: bool
 
 
 def timed(fn):
-  t0 = time.perf_counter()
+  """(wall seconds, process CPU seconds over all threads) of one call."""
+  c0, t0 = time.process_time(), time.perf_counter()
   fn()
-  return time.perf_counter() - t0
+  return time.perf_counter() - t0, time.process_time() - c0
 
 
 def bench(name, cfg, data, p, args, root):
@@ -236,9 +241,17 @@ def bench(name, cfg, data, p, args, root):
   for r in range(args.rounds):
     order = [("ours", ours), ("theirs", theirs)]
     for who, obj in (order if r % 2 == 0 else order[::-1]):
+      # A pause before each timed call: the other framework's worker threads (XLA's pool,
+      # torch's OpenMP team) keep spinning for a while after their work, and on 2 cores
+      # that steals the next call's cores.
+      time.sleep(args.settle)
       t[f"{who}_upd"].append(timed(obj.step))
+      time.sleep(args.settle)
       t[f"{who}_old"].append(timed(obj.p_old))
-  return {k: statistics.median(v) for k, v in t.items()}, t
+  wall = {k: statistics.median(w for w, _ in v) for k, v in t.items()}
+  cpu = {k: statistics.median(c for _, c in v) for k, v in t.items()}
+  best = {k: min(w for w, _ in v) for k, v in t.items()}
+  return wall, cpu, best, t
 
 
 def flops_per_token(cfg: ModelConfig, s: int, t: int) -> dict:
@@ -249,7 +262,7 @@ def flops_per_token(cfg: ModelConfig, s: int, t: int) -> dict:
     ffn_used = cfg.n_experts_per_tok * 3 * d * cfg.moe_d_ff + d * cfg.n_experts
   else:
     ffn_used = 3 * d * cfg.d_ff
-  scores = 2 * cfg.n_heads * hd * s  # QK^T and PV over all S keys (a dense causal mask)
+  scores = 2 * cfg.n_heads * hd * s  # QK^T and PV over S keys; halved below: the causal half
   layers = cfg.n_layers * 2 * (attn_proj + ffn_used + scores / 2)
   unembed = 2 * d * cfg.vocab_size * t / s  # logits only at the T response slots
   return dict(layers=layers, unembed=unembed, total=layers + unembed)
@@ -264,6 +277,8 @@ def main():
   ap.add_argument("--response", type=int, default=128)
   ap.add_argument("--rounds", type=int, default=7)
   ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+  ap.add_argument("--settle", type=float, default=1.0,
+                  help="seconds of pause before each timed call (lets spinning worker threads sleep)")
   ap.add_argument("--hf-attn", default="sdpa", help="transformers attn_implementation")
   ap.add_argument("--hf-experts", default="eager",
                   help="transformers experts_implementation (MoE)")
@@ -283,24 +298,26 @@ def main():
     for name in args.models.split(","):
       cfg = ModelConfig(**MODELS[name])
       data = make_batch(b, p, t, cfg.vocab_size)
-      med, raw = bench(name, cfg, data, p, args, root)
+      med, cpu, best, raw = bench(name, cfg, data, p, args, root)
       fl = flops_per_token(cfg, s, t)
-      rows.append((name, med, fl, ModelConfig(**MODELS[name]).remat if args.remat is None else bool(args.remat)))
-      print(f"[{name}] per-round update s: rl_jax {[round(x, 3) for x in raw['ours_upd']]} "
-            f"HF {[round(x, 3) for x in raw['theirs_upd']]}")
+      rows.append((name, med, cpu, best, fl, cfg.remat if args.remat is None else bool(args.remat)))
+      print(f"[{name}] per-round update wall s: rl_jax {[round(x, 3) for x, _ in raw['ours_upd']]} "
+            f"HF {[round(x, 3) for x, _ in raw['theirs_upd']]}")
   n_tok = b * s
   print(f"\n{'model':6} {'phase':7} {'rl_jax s':>9} {'HF s':>8} {'rl_jax tok/s':>13} {'HF tok/s':>10} "
-        f"{'ratio':>6} {'rl_jax GFLOP/s':>15}")
-  for name, med, fl, remat in rows:
+        f"{'ratio':>6} {'best-of ratio':>13} {'CPU-s ratio':>12} {'rl_jax GFLOP/s':>15}")
+  for name, med, cpu, best, fl, remat in rows:
     for phase, mult in (("update", 3), ("p_old", 1)):
       ko, kt = ("ours_upd", "theirs_upd") if phase == "update" else ("ours_old", "theirs_old")
       gflops = fl["total"] * mult * n_tok / med[ko] / 1e9
       print(f"{name:6} {phase:7} {med[ko]:9.4f} {med[kt]:8.4f} {n_tok / med[ko]:13.0f} "
-            f"{n_tok / med[kt]:10.0f} {med[kt] / med[ko]:6.2f} {gflops:15.1f}")
-  print("ratio = HF time / rl_jax time (> 1: rl_jax faster; target for the update >= 1.5). "
-        "GFLOP/s: useful matmul FLOPs (forward per token x 1 for p_old, x 3 for the update, "
-        "MoE counting the top-k experts only) per second.")
-  for name, _, fl, remat in rows:
+            f"{n_tok / med[kt]:10.0f} {med[kt] / med[ko]:6.2f} {best[kt] / best[ko]:13.2f} "
+            f"{cpu[kt] / cpu[ko]:12.2f} {gflops:15.1f}")
+  print("ratio = HF wall time / rl_jax wall time, medians (> 1: rl_jax faster; target for the "
+        "update >= 1.5); best-of: of the fastest round each (the least disturbed by other load); CPU-s ratio: the same with each process's CPU seconds (all threads), "
+        "steadier than wall time on a shared machine. GFLOP/s: useful matmul FLOPs (forward per "
+        "token x 1 for p_old, x 3 for the update, MoE counting the top-k experts only) per wall second.")
+  for name, _, _, _, fl, remat in rows:
     print(f"  {name}: {fl['total'] / 1e6:.2f} MFLOP/token forward (layers {fl['layers'] / 1e6:.2f}, "
           f"unembedding {fl['unembed'] / 1e6:.2f}); model.remat={remat}")
 
