@@ -81,10 +81,17 @@ def routing_agreement(trainer_ids_BSLK, sampler_ids_BSLK, valid_BS):
   return masked_mean(hit.astype(jnp.float32), mask)
 
 
-def _forward(model, batch: TrainBatch, chunk_size: int, **kw):
-  chunked = chunk_size > 0  # never materialize [B, S, V] logits for long responses
-  return model(batch.tokens_BS, batch.positions_BS, batch.valid_BS, return_hidden=chunked,
-               compute_logits=not chunked, **kw)
+def _forward(model, batch: TrainBatch, **kw):
+  # Hidden states only: the head runs at the T response slots alone (`_response_logits`),
+  # not at all S positions. Slicing [B, S, V] logits instead costs the prompt slots' share
+  # of the unembedding matmuls and, in the backward, a padded [B, S, V] cotangent.
+  return model(batch.tokens_BS, batch.positions_BS, batch.valid_BS, return_hidden=True,
+               compute_logits=False, **kw)
+
+
+def _response_logits(model, out, batch: TrainBatch) -> jax.Array:
+  """Float32 logits [B, T, V] at the response slots (unchunked losses)."""
+  return model.logits(batch.response_slots(out.hidden_BSD))
 
 
 def _replay_kw(batch: TrainBatch) -> dict:
@@ -103,7 +110,7 @@ def _sampled_logp(model, out, batch: TrainBatch, loss_cfg: LossConfig) -> jax.Ar
     return chunked_logprobs(hidden_BTD, model.unembed_weight(), targets_BT1, temp,
                             loss_cfg.chunk_size)[0][..., 0]
   # The function the loss computes log p with (chunked or not): p_old and p agree in form.
-  return gather_logprobs(batch.response_slots(out.logits_BSV), targets_BT1, temp)[0][..., 0]
+  return gather_logprobs(_response_logits(model, out, batch), targets_BT1, temp)[0][..., 0]
 
 
 def _rl_loss(model, out, batch: TrainBatch, loss_cfg: LossConfig):
@@ -113,7 +120,7 @@ def _rl_loss(model, out, batch: TrainBatch, loss_cfg: LossConfig):
              topk_logq_BTK=batch.topk_logq_BTK)
   if loss_cfg.chunk_size > 0:
     return rl_loss_from_hidden(batch.response_slots(out.hidden_BSD), model.unembed_weight(), *args, **opt)
-  return rl_loss(batch.response_slots(out.logits_BSV), *args, **opt)
+  return rl_loss(_response_logits(model, out, batch), *args, **opt)
 
 
 def old_forward(params, batch: TrainBatch, sampler_ids_BSLK=None, sampler_valid_BS=None, *,
@@ -135,7 +142,7 @@ def old_forward(params, batch: TrainBatch, sampler_ids_BSLK=None, sampler_valid_
   kw = {}
   if r3:
     kw = dict(replay_ids_BSLK=sampler_ids_BSLK, replay_mask_BS=sampler_valid_BS, return_router_logits=True)
-  out = _forward(model, batch, loss_cfg.chunk_size, **kw)
+  out = _forward(model, batch, **kw)
   logp_old_BT = _sampled_logp(model, out, batch, loss_cfg)
   own_ids_BSLK = out.expert_ids_BSLK
   if r3 and own_ids_BSLK is not None:
@@ -162,7 +169,7 @@ def old_forward(params, batch: TrainBatch, sampler_ids_BSLK=None, sampler_valid_
 def loss_fn(params, batch: TrainBatch, *, graphdef: nnx.GraphDef, loss_cfg: LossConfig, aux_coef: float):
   """Loss of one mini-batch and its metrics; routing replay is on iff `batch.replay_ids_BSLK` is set."""
   model = nnx.merge(graphdef, params)
-  out = _forward(model, batch, loss_cfg.chunk_size, **_replay_kw(batch))
+  out = _forward(model, batch, **_replay_kw(batch))
   loss, metrics = _rl_loss(model, out, batch, loss_cfg)
   # The load-balancing loss uses the trainer's own routing, also under replay (models/moe.py).
   return loss + aux_coef * out.aux_loss, dict(metrics, aux_loss=out.aux_loss)
@@ -188,7 +195,7 @@ def first_order(params, batch: TrainBatch, *, graphdef: nnx.GraphDef, loss_cfg: 
 
   def objectives(p):
     model = nnx.merge(graphdef, p)
-    out = _forward(model, batch, loss_cfg.chunk_size, **_replay_kw(batch))
+    out = _forward(model, batch, **_replay_kw(batch))
     loss, _ = _rl_loss(model, out, batch, loss_cfg)
     logp_BT = _sampled_logp(model, out, batch, loss_cfg)
     j_seq, _ = meters.seq_objective_surrogate(logp_BT, batch.logq_BT, batch.adv_B, mask_BT, z)

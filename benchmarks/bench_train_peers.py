@@ -1,0 +1,333 @@
+"""Train-step tokens/s of rl_jax's update vs HF transformers + torch AdamW on the same weights and batch.
+
+Usage:
+  PYTHONPATH=. python benchmarks/bench_train_peers.py            # issue 15's models and batch
+  PYTHONPATH=. python benchmarks/bench_train_peers.py --small    # quick check (smaller batch, 3 rounds)
+  PYTHONPATH=. python benchmarks/bench_train_peers.py --models dense --rounds 9
+
+Models (issue 15): random Qwen3, vocab 4096, hidden 256, 4 layers, 8 heads x 32, 4 KV heads,
+fp32, tied embeddings; 'dense' FFN 768, 'moe' 8 experts top-2, expert FFN 256, every layer MoE.
+Batch: B sequences of P prompt + T response tokens (default 32 x (32 + 128)), response
+lengths random in [T/2, T] (the mask), advantages fixed.
+
+rl_jax: the trainer's own jitted `rl_jax.rl.step.update` (forward, backward, AdamW, params
+and optimizer state donated) on a `TrainBatch` with `logp_old_BT` from `step.old_forward`
+(as `RLTrainer.prepare` builds it), loss.method='pg', no score centering, aggregation
+'batch_tokens'. The p_old forward is timed too (`step.old_forward` vs torch under no_grad).
+HF: the same weights written by `rl_jax.models.hf.save_hf_checkpoint`, loaded by
+`transformers.AutoModelForCausalLM.from_pretrained` (float32, torch CPU,
+`torch.set_num_threads(--threads)`); logits only at the T response slots
+(`logits_to_keep=T + 1`), log_softmax, gather, the same PG loss, `loss.backward()`,
+`torch.optim.AdamW` (foreach), `zero_grad(set_to_none=True)`. MoE experts run with
+transformers' 'eager' experts_implementation, the fastest here: 'grouped_mm' was ~3x and
+'batched_mm' ~15x slower on CPU, and 'batched_mm' gathers one weight matrix per (token,
+expert) pair (~10 GB at 8 x 160 tokens; the full batch runs out of a 24 GiB machine).
+
+Like for like: before timing, the two losses (and p_old) at the initial weights must agree
+to LOSS_RTOL, and (unless --no-grad-check) every gradient tensor to GRAD_RTOL of its own
+max-abs (the rl_jax gradients are written with the same HF writer and read back by
+transformers, so the name / layout mapping is the project's and transformers' own). Then
+rounds alternate the order (rl_jax, torch / torch, rl_jax), with a --settle pause before each
+timed call; medians of the per-round times (and the best round, and process CPU seconds);
+tokens/s counts all B * (P + T) tokens the step processes. Ratios > 1: rl_jax faster.
+
+Measured (2 shared CPU cores, load average 5-11 from other jobs, default settings; torch's
+OpenMP team slows far more than XLA under that load, so the medians swing with it):
+dense update 2.49x HF (median wall; best round 1.17x; CPU seconds 2.22x), p_old 2.38x;
+MoE update 1.26x (best 1.17x, CPU 1.19x), p_old 1.41x, measured before the dense-MLP change
+(the MoE model has no dense MLP) with models/moe.py's dense `ragged_dot` lowering (4x the
+expert FLOPs of top-2 of 8). Losses equal to 0-4e-7 relative, gradients to 2.4e-6.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# pylint: disable=wrong-import-position
+from flax import nnx
+
+from rl_jax.experiment import init_params
+from rl_jax.models import hf
+from rl_jax.models.config import ModelConfig
+from rl_jax.optim import OptimConfig, make_optimizer
+from rl_jax.rl import step as step_lib
+from rl_jax.rl.loss_config import LossConfig
+from rl_jax.rl.step import TrainBatch
+
+LOSS_RTOL = 1e-5   # fp32, two implementations: measured ~1e-7
+GRAD_RTOL = 1e-4   # per tensor, of its max |g|: measured ~1e-6 (sums over 5k tokens in fp32)
+
+BASE = dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32,
+            dtype="float32", param_dtype="float32", tie_embeddings=True)
+MODELS = {
+    "dense": dict(BASE, d_ff=768),
+    "moe": dict(BASE, d_ff=768, n_experts=8, n_experts_per_tok=2, moe_d_ff=256,
+                norm_topk_prob=True),
+}
+LOSS = LossConfig(method="pg", score_centering="none", aggregation="batch_tokens")
+OPTIM = OptimConfig(name="adamw", lr=1e-5, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
+
+
+def make_batch(b, p, t, v, seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(3, v, (b, p + t), dtype=np.int32)
+  lengths = rng.integers(t // 2, t + 1, (b,))
+  mask = (np.arange(t)[None] < lengths[:, None])
+  adv = rng.normal(size=(b,)).astype(np.float32)
+  logq = (-3.0 - rng.exponential(size=(b, t))).astype(np.float32)  # pg reads it only in diagnostics
+  return dict(tokens=tokens, mask=mask, adv=adv, logq=logq)
+
+
+# --- rl_jax ---------------------------------------------------------------------------------
+
+class Ours:
+  def __init__(self, cfg: ModelConfig, data, p, seed=0, remat=None):
+    if remat is not None:
+      cfg = dataclasses.replace(cfg, remat=remat)
+    self.cfg = cfg
+    self.graphdef, self.params = init_params(cfg, seed)
+    self.optimizer = make_optimizer(OPTIM)
+    self.opt_state = self.optimizer.init(self.params)
+    b, s = data["tokens"].shape
+    tokens = jnp.asarray(data["tokens"])
+    self.batch = TrainBatch(
+        prompt_len=p, tokens_BS=tokens,
+        positions_BS=jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
+        valid_BS=jnp.ones((b, s), bool), response_BT=tokens[:, p:],
+        response_mask_BT=jnp.asarray(data["mask"]), logq_BT=jnp.asarray(data["logq"]),
+        adv_B=jnp.asarray(data["adv"]))
+    kw = dict(graphdef=self.graphdef, loss_cfg=LOSS)
+    # The trainer's jits (RLTrainer._build_steps), single device.
+    self.old_forward = jax.jit(lambda pr, bt: step_lib.old_forward(pr, bt, **kw)[0])
+    self.update = jax.jit(lambda pr, o, bt: step_lib.update(pr, o, bt, **kw, optimizer=self.optimizer,
+                                                            aux_coef=0.0), donate_argnums=(0, 1))
+    self.loss_and_grad = jax.jit(jax.value_and_grad(
+        lambda pr, bt: step_lib.loss_fn(pr, bt, **kw, aux_coef=0.0), has_aux=True))
+    self.batch = self.batch.replace(logp_old_BT=self.old_forward(self.params, self.batch))
+
+  def p_old(self):
+    return jax.block_until_ready(self.old_forward(self.params, self.batch))
+
+  def step(self):
+    self.params, self.opt_state, m = self.update(self.params, self.opt_state, self.batch)
+    return float(m["loss"])  # the trainer fetches the metrics every update, too
+
+  def loss_grads(self):
+    (loss, _), g = self.loss_and_grad(self.params, self.batch)
+    return float(loss), g
+
+  def model(self, params=None):
+    return nnx.merge(self.graphdef, self.params if params is None else params)
+
+
+# --- HF transformers + torch ----------------------------------------------------------------
+
+class Theirs:
+  def __init__(self, path, data, p, threads, attn, experts):
+    import torch  # pylint: disable=g-import-not-at-top
+    import transformers  # pylint: disable=g-import-not-at-top
+    self.torch = torch
+    torch.set_num_threads(threads)
+    transformers.utils.logging.disable_progress_bar()
+    kw = dict(attn_implementation=attn)
+    if experts:
+      kw["experts_implementation"] = experts
+    self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    self.model.train()  # no dropout in Qwen3; train() as a trainer would
+    self.opt = torch.optim.AdamW(self.model.parameters(), lr=OPTIM.lr, betas=(OPTIM.b1, OPTIM.b2),
+                                 eps=OPTIM.eps, weight_decay=OPTIM.weight_decay, foreach=True)
+    self.tokens = torch.from_numpy(data["tokens"].astype(np.int64))
+    self.attn_mask = torch.ones_like(self.tokens)
+    self.mask = torch.from_numpy(data["mask"].astype(np.float32))
+    self.adv = torch.from_numpy(data["adv"])
+    self.p = p
+    self.t = self.tokens.shape[1] - p
+
+  def _logp(self):
+    # Slots p-1 .. S-2 predict the response tokens p .. S-1: the last T + 1 logits minus one.
+    out = self.model(input_ids=self.tokens, attention_mask=self.attn_mask, logits_to_keep=self.t + 1,
+                     use_cache=False)
+    logits = out.logits[:, :-1].float()
+    logp = torch_log_softmax(self.torch, logits)
+    return logp.gather(-1, self.tokens[:, self.p:, None])[..., 0]
+
+  def loss(self):
+    logp = self._logp()
+    return -(self.adv[:, None] * logp * self.mask).sum() / self.mask.sum().clamp(min=1.0)
+
+  def p_old(self):
+    with self.torch.no_grad():
+      return self._logp()
+
+  def step(self):
+    loss = self.loss()
+    loss.backward()
+    self.opt.step()
+    self.opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+  def loss_grads(self):
+    loss = self.loss()
+    loss.backward()
+    grads = {n: q.grad.detach().numpy().copy() for n, q in self.model.named_parameters()}
+    self.opt.zero_grad(set_to_none=True)
+    return float(loss.detach()), grads
+
+
+def torch_log_softmax(torch, x):
+  return torch.log_softmax(x, dim=-1)
+
+
+# --- checks and timing -------------------------------------------------------------------------
+
+def check_like_for_like(name, ours: Ours, theirs: Theirs, root, grad_check: bool):
+  import transformers  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  lp_ours = np.asarray(ours.p_old())
+  lp_theirs = theirs.p_old().numpy()
+  mask = np.asarray(ours.batch.response_mask_BT)
+  lp_err = np.abs(lp_ours - lp_theirs)[mask].max()
+  l_ours, g_ours = ours.loss_grads()
+  if grad_check:
+    l_theirs, g_theirs = theirs.loss_grads()
+  else:
+    l_theirs = float(theirs.loss().detach())
+  rel = abs(l_ours - l_theirs) / abs(l_theirs)
+  print(f"[{name}] loss rl_jax {l_ours:.8f} HF {l_theirs:.8f} (rel diff {rel:.1e}, tol {LOSS_RTOL}); "
+        f"p_old max |diff| {lp_err:.1e}")
+  if rel > LOSS_RTOL or lp_err > LOSS_RTOL * 10:
+    raise SystemExit(f"[{name}] the two steps do not compute the same loss: not comparable")
+  if not grad_check:
+    return
+  # rl_jax's gradients as a model, through the project's HF writer, read back by transformers:
+  # the same (name, layout) transformers holds its own gradients in.
+  path = os.path.join(root, f"{name}_grads")
+  hf.save_hf_checkpoint(ours.model(g_ours), path)
+  g_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+  ours_np = {n: q.detach().numpy() for n, q in g_model.named_parameters()}
+  if ours_np.keys() != g_theirs.keys():
+    raise SystemExit(f"[{name}] gradient names differ: {sorted(ours_np.keys() ^ g_theirs.keys())}")
+  worst, where = 0.0, ""
+  for n, g in g_theirs.items():
+    err = np.abs(ours_np[n] - g).max() / max(np.abs(g).max(), 1e-30)
+    if err > worst:
+      worst, where = err, n
+  print(f"[{name}] gradients: {len(g_theirs)} tensors, worst max|diff| / max|g| = {worst:.1e} "
+        f"({where}), tol {GRAD_RTOL}")
+  if worst > GRAD_RTOL:
+    raise SystemExit(f"[{name}] gradients disagree: not comparable")
+
+
+def timed(fn):
+  """(wall seconds, process CPU seconds over all threads) of one call."""
+  c0, t0 = time.process_time(), time.perf_counter()
+  fn()
+  return time.perf_counter() - t0, time.process_time() - c0
+
+
+def bench(name, cfg, data, p, args, root):
+  ours = Ours(cfg, data, p, remat=args.remat)
+  path = os.path.join(root, name)
+  hf.save_hf_checkpoint(ours.model(), path)
+  theirs = Theirs(path, data, p, args.threads, args.hf_attn, args.hf_experts if cfg.n_experts else None)
+  check_like_for_like(name, ours, theirs, root, not args.no_grad_check)
+  # Warm-up: compilation (rl_jax) and allocator / thread-pool warm-up (torch).
+  for _ in range(2):
+    ours.step(), theirs.step(), ours.p_old(), theirs.p_old()
+  t = {k: [] for k in ("ours_upd", "theirs_upd", "ours_old", "theirs_old")}
+  for r in range(args.rounds):
+    order = [("ours", ours), ("theirs", theirs)]
+    for who, obj in (order if r % 2 == 0 else order[::-1]):
+      # A pause before each timed call: the other framework's worker threads (XLA's pool,
+      # torch's OpenMP team) keep spinning for a while after their work, and on 2 cores
+      # that steals the next call's cores.
+      time.sleep(args.settle)
+      t[f"{who}_upd"].append(timed(obj.step))
+      time.sleep(args.settle)
+      t[f"{who}_old"].append(timed(obj.p_old))
+  wall = {k: statistics.median(w for w, _ in v) for k, v in t.items()}
+  cpu = {k: statistics.median(c for _, c in v) for k, v in t.items()}
+  best = {k: min(w for w, _ in v) for k, v in t.items()}
+  return wall, cpu, best, t
+
+
+def flops_per_token(cfg: ModelConfig, s: int, t: int) -> dict:
+  """Forward matmul FLOPs per token (2 per multiply-add): projections, attention, unembedding."""
+  d, hd = cfg.d_model, cfg.head_dim
+  attn_proj = d * (cfg.n_heads + 2 * cfg.n_kv_heads) * hd + cfg.n_heads * hd * d
+  if cfg.n_experts:
+    ffn_used = cfg.n_experts_per_tok * 3 * d * cfg.moe_d_ff + d * cfg.n_experts
+  else:
+    ffn_used = 3 * d * cfg.d_ff
+  scores = 2 * cfg.n_heads * hd * s  # QK^T and PV over S keys; halved below: the causal half
+  layers = cfg.n_layers * 2 * (attn_proj + ffn_used + scores / 2)
+  unembed = 2 * d * cfg.vocab_size * t / s  # logits only at the T response slots
+  return dict(layers=layers, unembed=unembed, total=layers + unembed)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__)
+  ap.add_argument("--small", action="store_true", help="8 x (32 + 64) tokens, 3 rounds")
+  ap.add_argument("--models", default="dense,moe")
+  ap.add_argument("--batch", type=int, default=32)
+  ap.add_argument("--prompt", type=int, default=32)
+  ap.add_argument("--response", type=int, default=128)
+  ap.add_argument("--rounds", type=int, default=7)
+  ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+  ap.add_argument("--settle", type=float, default=1.0,
+                  help="seconds of pause before each timed call (lets spinning worker threads sleep)")
+  ap.add_argument("--hf-attn", default="sdpa", help="transformers attn_implementation")
+  ap.add_argument("--hf-experts", default="eager",
+                  help="transformers experts_implementation (MoE)")
+  ap.add_argument("--remat", type=int, choices=(0, 1), default=None,
+                  help="override model.remat (default: the ModelConfig default)")
+  ap.add_argument("--no-grad-check", action="store_true")
+  args = ap.parse_args()
+  if args.small:
+    args.batch, args.response, args.rounds = 8, 64, 3
+  b, p, t = args.batch, args.prompt, args.response
+  s = p + t
+  print(f"train step: {b} x ({p} + {t}) tokens, PG over the response tokens, AdamW; "
+        f"jax {jax.__version__} {jax.devices()[0].platform}; torch threads {args.threads}, "
+        f"HF attn={args.hf_attn}, experts={args.hf_experts}; {args.rounds} interleaved rounds")
+  rows = []
+  with tempfile.TemporaryDirectory(prefix="bench_train_peers_") as root:
+    for name in args.models.split(","):
+      cfg = ModelConfig(**MODELS[name])
+      data = make_batch(b, p, t, cfg.vocab_size)
+      med, cpu, best, raw = bench(name, cfg, data, p, args, root)
+      fl = flops_per_token(cfg, s, t)
+      rows.append((name, med, cpu, best, fl, cfg.remat if args.remat is None else bool(args.remat)))
+      print(f"[{name}] per-round update wall s: rl_jax {[round(x, 3) for x, _ in raw['ours_upd']]} "
+            f"HF {[round(x, 3) for x, _ in raw['theirs_upd']]}")
+  n_tok = b * s
+  print(f"\n{'model':6} {'phase':7} {'rl_jax s':>9} {'HF s':>8} {'rl_jax tok/s':>13} {'HF tok/s':>10} "
+        f"{'ratio':>6} {'best-of ratio':>13} {'CPU-s ratio':>12} {'rl_jax GFLOP/s':>15}")
+  for name, med, cpu, best, fl, remat in rows:
+    for phase, mult in (("update", 3), ("p_old", 1)):
+      ko, kt = ("ours_upd", "theirs_upd") if phase == "update" else ("ours_old", "theirs_old")
+      gflops = fl["total"] * mult * n_tok / med[ko] / 1e9
+      print(f"{name:6} {phase:7} {med[ko]:9.4f} {med[kt]:8.4f} {n_tok / med[ko]:13.0f} "
+            f"{n_tok / med[kt]:10.0f} {med[kt] / med[ko]:6.2f} {best[kt] / best[ko]:13.2f} "
+            f"{cpu[kt] / cpu[ko]:12.2f} {gflops:15.1f}")
+  print("ratio = HF wall time / rl_jax wall time, medians (> 1: rl_jax faster; target for the "
+        "update >= 1.5); best-of: of the fastest round each (the least disturbed by other load); CPU-s ratio: the same with each process's CPU seconds (all threads), "
+        "steadier than wall time on a shared machine. GFLOP/s: useful matmul FLOPs (forward per "
+        "token x 1 for p_old, x 3 for the update, MoE counting the top-k experts only) per wall second.")
+  for name, _, _, _, fl, remat in rows:
+    print(f"  {name}: {fl['total'] / 1e6:.2f} MFLOP/token forward (layers {fl['layers'] / 1e6:.2f}, "
+          f"unembedding {fl['unembed'] / 1e6:.2f}); model.remat={remat}")
+
+
+if __name__ == "__main__":
+  main()
