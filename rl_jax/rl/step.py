@@ -15,6 +15,7 @@ from flax import nnx
 
 from rl_jax import rollout as rollout_lib
 from rl_jax.logprobs import chunked_logprobs, gather_logprobs
+from rl_jax.models.transformer import constrain_batch
 from rl_jax.rl import meters
 from rl_jax.rl.loss_config import LossConfig
 from rl_jax.rl.losses import rl_loss, rl_loss_from_hidden
@@ -152,7 +153,9 @@ def old_forward(params, batch: TrainBatch, sampler_ids_BSLK=None, sampler_valid_
     # see hidden states shaped by the replayed experts of earlier ones, so this is the
     # layer-local agreement (identical at the first MoE layer); a second, un-replayed forward
     # only for a diagnostic would cost as much as the p_old forward itself.
-    probs_BSLE = jax.nn.softmax(out.router_logits_BSLE.astype(jnp.float32), axis=-1)
+    # Batch-sharded like the residual stream: unconstrained, GSPMD gathered the global batch's
+    # [B, S, L, E] router probabilities on every device for the top-k (the 30B plan: 120 GiB).
+    probs_BSLE = constrain_batch(jax.nn.softmax(out.router_logits_BSLE.astype(jnp.float32), axis=-1))
     own_ids_BSLK = jax.lax.top_k(probs_BSLE, own_ids_BSLK.shape[-1])[1].astype(jnp.int32)
   mask = batch.response_mask_BT
   log_x = logp_old_BT - batch.logq_BT
