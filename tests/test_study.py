@@ -98,6 +98,11 @@ def test_runner_skips_resumes_and_aggregates(tmp_path):
   assert fake.calls == [("warm_start", 0), ("fp32/pg", 0), ("fp32/tis", 0), ("fp32/pg", 1), ("fp32/tis", 1)]
   assert runner.status(p.launches[3]) == "resume@1"
   assert json.load(open(tmp_path / "fp32/tis/seed1/failed.json"))["rc"] == 1
+  # Aggregating now leaves the stopped run out of every number and names it.
+  runner.aggregate_study(p)
+  assert {r["name"]: r["seeds"] for r in json.load(open(tmp_path / "table.json"))}["fp32/tis"] == [0]
+  assert "**Unfinished: 1 of 4 runs**" in open(tmp_path / "verdict.md").read()
+  assert "fp32/tis/seed1" in open(tmp_path / "verdict.md").read()
   # Rerun: the warm start and finished runs are skipped, the crashed one resumes and finishes.
   fake.calls.clear()
   assert runner.run_study(p, executor=fake, progress=False) == {"skipped": 3, "ok": 1, "failed": 0}

@@ -261,12 +261,24 @@ def run_study(p: Plan, executor: Executor = subprocess_executor, jobs: int = 1,
   return counts
 
 
+FINISHED = ("done", "collapsed")
+
+
+def unfinished(p: Plan) -> list[Launch]:
+  """The grid's launches that have not finished (new, or stopped part-way)."""
+  return [launch for launch in p.launches if status(launch) not in FINISHED]
+
+
 def groups_of(p: Plan) -> list[runs_lib.Group]:
-  """The study's runs that logged anything, one group per grid cell, labelled by the study."""
+  """The study's finished runs, one group per grid cell, labelled by the study.
+
+  A run still going (or stopped part-way) is left out: its last evaluation is not the final one,
+  and a mean over seeds must compare runs at the same step.
+  """
   groups = []
   for run in p.study.runs():
     rs = [runs_lib.load_run(launch.workdir, name=run.name) for launch in p.launches
-          if launch.run is not None and launch.run.name == run.name]
+          if launch.run is not None and launch.run.name == run.name and status(launch) in FINISHED]
     rs = [r for r in rs if r.rows]
     if rs:
       groups.append(runs_lib.Group(name=run.name, panel=run.panel, line=run.line, runs=rs))
@@ -282,11 +294,15 @@ def verdict_skeleton(p: Plan, summaries: Sequence[aggregate.GroupSummary], comma
   lines = [f"# Study `{p.study.name}`", "", p.study.description, "",
            f"Command: `{command}`", "",
            f"Runs: {len(p.launches)} ({len(summaries)} configurations with results); summed run wall "
-           f"time {wall_s / 60:.1f} min; base config `{p.study.base}`.", "",
-           f"Collapse: first of {aggregate.COLLAPSE_PATIENCE} consecutive evaluations with held-out greedy "
-           f"accuracy below {aggregate.COLLAPSE_FRACTION} x its running best, or a non-finite value "
-           "(rl_jax/analysis/aggregate.py).", "", "## Numbers (mean +- s.e. over seeds)", "",
-           tables.markdown(summaries), "## Final held-out greedy accuracy, best first, per panel", ""]
+           f"time {wall_s / 60:.1f} min; base config `{p.study.base}`.", ""]
+  left = unfinished(p)
+  if left:
+    lines += [f"**Unfinished: {len(left)} of {len(p.launches)} runs** had not finished and are left out of "
+              "every number below: " + ", ".join(f"{launch.name}/seed{launch.seed}" for launch in left) + ".", ""]
+  lines += [f"Collapse: first of {aggregate.COLLAPSE_PATIENCE} consecutive evaluations with held-out greedy "
+            f"accuracy below {aggregate.COLLAPSE_FRACTION} x its running best, or a non-finite value "
+            "(rl_jax/analysis/aggregate.py).", "", "## Numbers (mean +- s.e. over seeds)", "",
+            tables.markdown(summaries), "## Final held-out greedy accuracy, best first, per panel", ""]
   for panel in dict.fromkeys(s.panel for s in summaries):
     row = sorted((s for s in summaries if s.panel == panel),
                  key=lambda s: -s.final_accuracy[0] if s.final_accuracy[2] else float("inf"))
