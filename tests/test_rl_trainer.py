@@ -246,8 +246,10 @@ def test_eval_sampled_mean_and_pass_at_k_line_up_with_their_prompts(tmp_path, mo
   assert outcomes and abs(sum(outcomes) - 1.0) < 1e-9, out
   tr.eval_sampled_cfg = dataclasses.replace(tr.eval_sampled_cfg, temperature=5.0)
   hot = tr.evaluate()
-  assert hot["eval_pass_at_k"] >= hot["eval_sampled_accuracy"], hot
-  assert hot["eval_sampled_accuracy"] != out["eval_sampled_accuracy"], hot
+  # Hot samples differ from greedy: some prompt's k samples disagree, so pass@k exceeds mean@k
+  # (equal at the near-zero temperature above). Comparing mean@k with the cold run's instead
+  # is a coin flip: 8 x 3 parity rewards land on the same 12/24 about one time in six.
+  assert hot["eval_pass_at_k"] > hot["eval_sampled_accuracy"], hot
 
 
 @pytest.mark.slow
