@@ -26,7 +26,7 @@ def test_alarm_step_up_down_and_edge_cases():
   assert P.alarm_step(steps, [0.9, 0.8, 0.5, 0.4, 0.3, 0.1], "down", 0.5) == 30       # 0.4 <= 0.85 / 2
   assert P.alarm_step(steps, [0.9, 0.8, 0.5, float("nan"), 0.5, 0.5], "down", 0.5) == 30
   assert P.alarm_step(steps, [0.0, 0.0, 1.0, 1.0, 1.0, 1.0], "up", 2.0) is None      # nothing to scale
-  assert P.alarm_step([30, 40], [0.1, 0.5], "up", 2.0) is None                        # no baseline logged
+  assert P.alarm_step([30, 40], [0.1, 0.5], "up", 2.0) == 40                          # first reading is the baseline
   with pytest.raises(ValueError, match="direction"):
     P.alarm_step(steps, [0.1] * 6, "sideways", 2.0)
 
@@ -56,12 +56,15 @@ def test_kinds_leads_and_table():
     if row.get("first_order/cosine") == 0.0:
       row["first_order/norm_ratio"] = 0.4   # a real gradient whose direction is orthogonal: an alarm
   assert [p.alarm for p in P.run_precursors(no_reward) if p.meter == P.COSINE] == [30]
-  # A meter first read after the baseline window (e.g. rl.meter_every = 40) is left out, not "missed".
-  unread = _run("d", 0, collapsing, tv=[0.05] * 81, cos=[])
-  for row in unread.rows:
+  # A meter first read after the baseline window (rl.meter_every = 40) takes its first reading as
+  # the baseline: 0.9 at step 40, 0.3 at step 80 is an alarm at 80 (after the collapse at 60: late).
+  sparse = _run("d", 0, collapsing, tv=[0.05] * 81, cos=[])
+  for row in sparse.rows:
     if row["step"] in (40, 80):
-      row["first_order/cosine"] = 0.1
-  assert [p.meter for p in P.run_precursors(unread)] == [P.DRIFT]
+      row["first_order/cosine"] = 0.9 if row["step"] == 40 else 0.3
+  cos_p = [p for p in P.run_precursors(sparse) if p.meter == P.COSINE]
+  assert [(p.alarm, p.kind) for p in cos_p] == [(80, "late")]
+  assert P.alarm_step([40, 80], [float("nan"), float("nan")], "down", 0.5) is None
   table = P.markdown([Group("a", "p", "a", [warned, late]), Group("b", "p", "b", [false_alarm, quiet])])
   assert "| a | drift/tv_mean | 2/2 | 1 (30) | 1 | 0 | 0/0 |" in table
   assert "| a | first_order/cosine | 2/2 | 1 (30) | 0 | 1 | 0/0 |" in table

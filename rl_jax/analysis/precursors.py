@@ -2,7 +2,8 @@
 
 For one run and one meter:
   baseline = median of the meter's values logged at steps < `baseline_steps` (the run's start,
-             before the policy has moved far from its warm start);
+             before the policy has moved far from its warm start); a meter first read later
+             (every `rl.meter_every` >= baseline_steps steps) takes its first reading;
   alarm    = the first later step at which the meter crosses `factor` x baseline: upward for the
              drift meter (`drift/tv_mean`, which grows as trainer and sampler part), downward for the
              first-order cosine (`first_order/cosine`, which falls as the token-level objective stops
@@ -37,9 +38,19 @@ Direction = Literal["up", "down"]
 METERS: dict[str, tuple[Direction, float]] = {DRIFT: ("up", DRIFT_FACTOR), COSINE: ("down", COSINE_FACTOR)}
 
 
+def baseline_window(steps: Sequence[int], values: Sequence[float], baseline_steps: int = BASELINE_STEPS) -> int:
+  """End (exclusive step) of the baseline window: `baseline_steps`, or, for a meter first read at or
+  after it (logged every `rl.meter_every` >= baseline_steps steps), just past its first finite reading."""
+  finite = [s for s, v in zip(steps, values) if math.isfinite(v)]
+  if not finite or finite[0] < baseline_steps:
+    return baseline_steps
+  return finite[0] + 1
+
+
 def baseline(steps: Sequence[int], values: Sequence[float], baseline_steps: int = BASELINE_STEPS) -> float | None:
-  """Median of the finite values logged at steps < baseline_steps; None when there are none."""
-  early = [v for s, v in zip(steps, values) if s < baseline_steps and math.isfinite(v)]
+  """Median of the finite values logged in the baseline window; None when there are none."""
+  end = baseline_window(steps, values, baseline_steps)
+  early = [v for s, v in zip(steps, values) if s < end and math.isfinite(v)]
   return float(np.median(early)) if early else None
 
 
@@ -54,8 +65,9 @@ def alarm_step(steps: Sequence[int], values: Sequence[float], direction: Directi
   base = baseline(steps, values, baseline_steps)
   if base is None or base <= 0:
     return None
+  end = baseline_window(steps, values, baseline_steps)
   for s, v in zip(steps, values):
-    if s < baseline_steps:
+    if s < end:
       continue
     if not math.isfinite(v):
       return int(s)
@@ -90,8 +102,7 @@ class RunPrecursor:
 
 def run_precursors(run: Run, meters: dict[str, tuple[Direction, float]] = METERS,
                    baseline_steps: int = BASELINE_STEPS) -> list[RunPrecursor]:
-  """One RunPrecursor per meter the run logged with a baseline (a meter first read at or after
-  `baseline_steps`, e.g. `rl.meter_every` >= it, can raise no alarm and is left out)."""
+  """One RunPrecursor per meter the run logged (one with no finite reading is left out)."""
   collapse = aggregate.run_collapse(run)
   out = []
   for meter, (direction, factor) in meters.items():
