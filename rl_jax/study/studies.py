@@ -87,6 +87,15 @@ TOPK_SC: dict[str, Overrides] = {
 }
 MINIRL = dict(sweeps.MINIRL)
 
+# -- budget cuts (issue 14 allows fewer methods per panel; each cut is named in its study) -------
+# Fig. 3's noise 0.1 / 0.4 panels and Fig. 4 run the plain, the IS-corrected and the score-centered
+# lines; PPO, DPPO and SC+MIS run only in Fig. 3's calibrated panel (noise 0.2), where all 8 ran first.
+SIDE_PANEL_LINES = ("pg", "tis", "mis", "sc", "sc_tis")
+FIG4_LINES = ("pg", "tis", "sc", "sc_tis")
+# [MiniRL] Figs. 2-4 at the two ends of off-policiness: clipping with each replay, and the unclipped baseline.
+OFF_POLICY_N = (2, 8)
+OFF_POLICY_LINES = (("clip", "none"), ("clip", "R2"), ("clip", "R3"), ("no_clip", "none"))
+
 
 @dataclasses.dataclass(frozen=True)
 class RunDef:
@@ -180,16 +189,19 @@ _add(Study(
     description="[SC] Fig. 3: relative weight noise at three scales x PG / TIS / MIS / PPO / DPPO / SC / SC+TIS / "
                 "SC+MIS, {+1/0} rewards, small batch; clean fp32 PG as the reference.",
     panels=(("fp32", FP32),) + tuple((f"noise_{s:g}", noise(s)) for s in NOISE_SIGMAS), lines=_t(METHODS_001),
-    # The clean reference: PG alone (every correction equals PG on-policy, docs/math.md#correction-methods).
-    skip=tuple(("fp32", m) for m in METHODS_001 if m != "pg"),
+    # The clean reference: PG alone (every correction equals PG on-policy, docs/math.md#correction-methods);
+    # the side panels run SIDE_PANEL_LINES (budget).
+    skip=tuple(("fp32", m) for m in METHODS_001 if m != "pg")
+    + tuple((f"noise_{s:g}", m) for s in (NOISE_SIGMAS[0], NOISE_SIGMAS[2]) for m in METHODS_001
+            if m not in SIDE_PANEL_LINES),
     common=dict(BUDGET, **REWARD_01_RAW)))
 
 _add(Study(
     name="fig4_quant_stale",
-    description=f"[SC] Fig. 4: a severe quantized sampler ({SEVERE_QUANT}) and staleness K={STALENESS} x the "
-                "methods of Fig. 3, {+1/0} rewards, small batch.",
+    description=f"[SC] Fig. 4: a severe quantized sampler ({SEVERE_QUANT}) and staleness K={STALENESS} x PG / "
+                "TIS / SC / SC+TIS (budget: 4 of Fig. 3's 8 methods), {+1/0} rewards, small batch.",
     panels=((SEVERE_QUANT, quant(SEVERE_QUANT)), (f"stale_{STALENESS}", stale(STALENESS))),
-    lines=_t(METHODS_001), common=dict(BUDGET, **REWARD_01_RAW)))
+    lines=tuple((m, METHODS_001[m]) for m in FIG4_LINES), common=dict(BUDGET, **REWARD_01_RAW)))
 
 _add(Study(
     name="fig2_online_offline",
@@ -201,10 +213,9 @@ _add(Study(
 
 _add(Study(
     name="fig5_topk_sc",
-    description="[SC] Fig. 5: top-k score centering with k in {4, 16, full} (and PG without) in the regimes "
-                "of Figs. 3-4.",
-    panels=((f"noise_{NOISE_SIGMAS[1]:g}", noise(NOISE_SIGMAS[1])), (SEVERE_QUANT, quant(SEVERE_QUANT)),
-            (f"stale_{STALENESS}", stale(STALENESS))),
+    description="[SC] Fig. 5: top-k score centering with k in {4, 16, full} (and PG without) in the regime "
+                "that bites (noise 0.2; budget: calibration found the quantized and stale samplers do not).",
+    panels=((f"noise_{NOISE_SIGMAS[1]:g}", noise(NOISE_SIGMAS[1])),),
     lines=_t(TOPK_SC), common=dict(BUDGET, **REWARD_01_RAW)))
 
 _add(Study(
@@ -220,11 +231,12 @@ _add(Study(
 
 _add(Study(
     name="minirl_off_policy",
-    description="[MiniRL] Figs. 2-4: off-policy N in {2, 4, 8} mini-batches x MiniRL with / without clipping x "
-                "routing replay none / R2 / R3, under a mismatch that moves routing.",
-    panels=tuple((f"n{n}", dict(ROUTING_MISMATCH, **{"rl.n_minibatches": n})) for n in (2, 4, 8)),
+    description="[MiniRL] Figs. 2-4: off-policy N in {2, 8} mini-batches x MiniRL with clipping and routing "
+                "replay none / R2 / R3, and without clipping or replay (budget: N=4 and the unclipped R2 / "
+                "R3 lines left out), under a mismatch that moves routing.",
+    panels=tuple((f"n{n}", dict(ROUTING_MISMATCH, **{"rl.n_minibatches": n})) for n in OFF_POLICY_N),
     lines=tuple((f"{clip}_{r}", dict(MINIRL, **{"loss.minirl_clip": clip == "clip", "rl.routing_replay": r}))
-                for clip in ("clip", "no_clip") for r in ("none", "R2", "R3")),
+                for clip, r in OFF_POLICY_LINES),
     common=dict(BUDGET)))
 
 
