@@ -77,7 +77,7 @@ def _timed(fn) -> float:
 
 
 def bench(name: str, mcfg: ModelConfig, batch: int, prompt_len: int, new_tokens: int, reps: int,
-          hf_impls: list[tuple[str, str]], hf_threads: list[int], tmp: str) -> list[dict]:
+          hf_impls: list[tuple[str, str]], hf_threads: list[int], tmp: str, phases: dict) -> list[dict]:
   model = Transformer(mcfg, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
   path = f"{tmp}/{name}"
@@ -91,7 +91,7 @@ def bench(name: str, mcfg: ModelConfig, batch: int, prompt_len: int, new_tokens:
   rows = []
   for mode in ("greedy", "T=1"):
     base = SamplerConfig(max_prompt_len=prompt_len, max_new_tokens=new_tokens, temperature=1.0,
-                         greedy=mode == "greedy", eos_id=EOS_ID)
+                         greedy=mode == "greedy", eos_id=EOS_ID, **phases)
     variants = {"off": dataclasses.replace(base, record_topk=0, record_experts=False),
                 "on": dataclasses.replace(base, record_topk=128, record_experts=True)}
     run_jax = {v: (lambda c=c: gen.generate(graphdef, state, prompts_j, valid_j, key, c).tokens_BS)
@@ -138,7 +138,10 @@ def main():
   parser.add_argument("--hf_threads", default="2,1",
                       help="torch thread counts to time HF with (the best is the peer): on a shared 2-core host "
                            "torch's 2-thread OpenMP barriers can be >10x slower than 1 thread")
+  parser.add_argument("--decode_phases", type=int, default=None,
+                      help="sampler.decode_phases (default: the config's); 1 = one loop over the whole KV cache")
   args = parser.parse_args()
+  phases = {} if args.decode_phases is None else {"decode_phases": args.decode_phases}
   transformers.utils.logging.disable_progress_bar()
   transformers.utils.logging.set_verbosity_error()
   batch, prompt_len, new_tokens = (8, 16, 32) if args.small else (32, 32, 128)
@@ -152,7 +155,7 @@ def main():
   with tempfile.TemporaryDirectory() as tmp:
     for name, mcfg in _models(args.small).items():
       if name in args.models.split(","):
-        rows += bench(name, mcfg, batch, prompt_len, new_tokens, reps, impls, threads, tmp)
+        rows += bench(name, mcfg, batch, prompt_len, new_tokens, reps, impls, threads, tmp, phases)
   print("\n| model | mode | rl_jax / best HF, recording off | recording on | recording cost |")
   print("|---|---|---|---|---|")
   for r in rows:

@@ -190,7 +190,10 @@ def test_greedy_kv_cache_equals_full_recompute(model):
   counts[np.unique(free[:, :2])] = 0  # not in the first two steps of any row
   eos = int(np.argmax(counts))
   assert counts[eos] > 0
-  cfg = SamplerConfig(max_prompt_len=P, max_new_tokens=T, greedy=True, record_topk=4, eos_id=eos, pad_id=0)
+  # Three decode phases (caches of 16, 16, 18 slots): rows stop at EOS inside and across them.
+  cfg = SamplerConfig(max_prompt_len=P, max_new_tokens=T, greedy=True, record_topk=4, eos_id=eos, pad_id=0,
+                      decode_phases=3, min_phase_steps=1)
+  assert [c for _, c in cfg.phase_bounds()] == [16, 16, 18]
   r = gen.generate(graphdef, state, toks, valid, jax.random.key(0), cfg)
   ref = greedy_reference(model, left, lvalid, T, eos_id=eos, pad_id=0)
   np.testing.assert_array_equal(r.response_BT, ref)
@@ -265,8 +268,10 @@ def test_sharded_equals_unsharded():
   assert jax.device_count() == 8, "tests/conftest.py forces 8 host devices"
   model = _model(moe=True)
   graphdef, state = nnx.split(model)
-  # The zero-mismatch test's MoE config and batch shape: the unsharded program is reused.
-  cfg = SamplerConfig(max_prompt_len=P, max_new_tokens=T, temperature=0.7, top_p=0.9, record_topk=V, eos_id=1)
+  # The zero-mismatch test's MoE config and batch shape, in two decode phases (the grown cache
+  # keeps its batch / heads sharding).
+  cfg = SamplerConfig(max_prompt_len=P, max_new_tokens=T, temperature=0.7, top_p=0.9, record_topk=V, eos_id=1,
+                      decode_phases=2, min_phase_steps=1)
   toks, valid = _prompts([3, 8, 5, 1], seed=4)
   mesh = make_mesh(MeshConfig(data=2, fsdp=1, expert=2, tensor=2))
   r = gen.generate(graphdef, state, toks, valid, jax.random.key(3), cfg)
@@ -313,3 +318,47 @@ def test_quantized_kv_cache_follows_the_backend_switch(model, monkeypatch, fmt):
     assert ("pallas" in seen) == (backend == "pallas"), (backend, seen)
   np.testing.assert_array_equal(out["pallas"].response_BT, out["xla"].response_BT)
   np.testing.assert_array_equal(out["pallas"].logq_BT, out["xla"].logq_BT)
+
+
+# ---------------------------------------------------------------------- decode phases
+
+
+def test_phase_bounds_cover_every_step_and_the_slots_it_reads():
+  for p, t, n, m in [(8, 10, 3, 1), (32, 128, 4, 32), (64, 100, 4, 32), (8, 10, 4, 32), (5, 7, 10, 1)]:
+    cfg = SamplerConfig(max_prompt_len=p, max_new_tokens=t, decode_phases=n, min_phase_steps=m)
+    bounds = cfg.phase_bounds()
+    assert len(bounds) == max(1, min(n, t // m))
+    ends, slots = [e for e, _ in bounds], [c for _, c in bounds]
+    assert ends[-1] == t and ends == sorted(set(ends)) and ends[0] >= 1
+    # A phase ending before step e feeds slots up to P+e-2, so it needs P+e-1 slots; never more than S.
+    assert all(p + e - 1 <= c <= p + t for e, c in bounds), bounds
+    assert slots == sorted(slots)
+  assert SamplerConfig(max_prompt_len=32, max_new_tokens=128).phase_bounds() == [
+      (32, 64), (64, 96), (96, 128), (128, 160)]
+  with pytest.raises(ConfigError, match="sampler.decode_phases"):
+    SamplerConfig(decode_phases=0)
+
+
+@pytest.mark.parametrize("kv", ["fp32", "fp4"])
+def test_decode_phases_equal_one_phase(model, kv):
+  """Phases only drop cache slots that no step of the phase can see: same tokens, top-k ids and
+  experts as one loop over the whole cache, log-probs to float tolerance (shorter sums)."""
+  from rl_jax.quant.config import KVSpec  # pylint: disable=g-import-not-at-top
+  graphdef, state = nnx.split(model)
+  toks, valid = _prompts([3, 8, 5, 1], seed=6)
+  # fp4 with e8m0 block scales: the grown slots get the unit scales a fresh cache has.
+  quant = QuantConfig(kv=KVSpec("fp4", block_size=8)) if kv == "fp4" else "none"
+  out = {}
+  for n in (1, 3):
+    cfg = SamplerConfig(max_prompt_len=P, max_new_tokens=T, temperature=0.7, record_topk=8, eos_id=1,
+                        quant=quant, decode_phases=n, min_phase_steps=1)
+    assert len(cfg.phase_bounds()) == n
+    out[n] = gen.generate(graphdef, state, toks, valid, jax.random.key(3), cfg)
+  one, three = out[1], out[3]
+  np.testing.assert_array_equal(three.tokens_BS, one.tokens_BS)
+  np.testing.assert_array_equal(three.response_mask_BS, one.response_mask_BS)
+  np.testing.assert_array_equal(three.topk_ids_BTK, one.topk_ids_BTK)
+  np.testing.assert_allclose(three.logq_BT, one.logq_BT, atol=LOGQ_ATOL)
+  np.testing.assert_allclose(three.topk_logq_BTK, one.topk_logq_BTK, atol=LOGQ_ATOL)
+  if model.cfg.is_moe:
+    np.testing.assert_array_equal(three.expert_ids_BSLK, one.expert_ids_BSLK)

@@ -85,6 +85,31 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, kv
   return stack_cache(cfg, layers) if cfg.scan_layers else layers
 
 
+def cache_len(cache: list[LayerKV]) -> int:
+  """Slots C of a cache (`init_cache` layout, unrolled or stacked)."""
+  return cache[0].k.shape[-3]
+
+
+def grow_cache(cache: list[LayerKV], slots: int) -> list[LayerKV]:
+  """The cache with `slots` >= C slots: new slots as `init_cache` makes them (zero values,
+  unit scales), existing ones unchanged."""
+  c = cache_len(cache)
+  if slots == c:
+    return cache
+  if slots < c:
+    raise ValueError(f"grow_cache: {slots} slots < the cache's {c}")
+
+  def pad(x, value):
+    widths = [(0, 0)] * x.ndim
+    widths[x.ndim - 3] = (0, slots - c)  # slot axis of [(layers,) B, C, G, *]
+    return jnp.pad(x, widths, constant_values=value)
+
+  return [dataclasses.replace(kv, k=pad(kv.k, 0), v=pad(kv.v, 0),
+                              k_scale=None if kv.k_scale is None else pad(kv.k_scale, 1),
+                              v_scale=None if kv.v_scale is None else pad(kv.v_scale, 1))
+          for kv in cache]
+
+
 def stack_cache(cfg: ModelConfig, layers: list[LayerKV]) -> list[LayerKV]:
   """Per-layer caches -> one stacked LayerKV per scanned layer group (`cfg.layer_groups`)."""
   if len(layers) != cfg.n_layers:

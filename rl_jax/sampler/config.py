@@ -40,6 +40,11 @@ class SamplerConfig:
   quant: QuantConfig | str = dataclasses.field(default_factory=_default_quant)
   eos_id: int = 1
   pad_id: int = 0
+  # Decode in up to this many phases, each a loop whose attention reads only the cache slots
+  # filled by its end (static lengths: one compiled decode step per phase, so phases are at
+  # least `min_phase_steps` long). 1 = every step reads the whole cache.
+  decode_phases: int = 4
+  min_phase_steps: int = 32
 
   def __post_init__(self):
     require(self.max_prompt_len >= 1, "sampler.max_prompt_len", f"must be >= 1, got {self.max_prompt_len}")
@@ -54,6 +59,8 @@ class SamplerConfig:
             f"noise={self.noise!r} needs noise_sigma > 0")
     require(self.eos_id >= 0, "sampler.eos_id", f"must be >= 0, got {self.eos_id}")
     require(self.pad_id >= 0, "sampler.pad_id", f"must be >= 0, got {self.pad_id}")
+    require(self.decode_phases >= 1, "sampler.decode_phases", f"must be >= 1, got {self.decode_phases}")
+    require(self.min_phase_steps >= 1, "sampler.min_phase_steps", f"must be >= 1, got {self.min_phase_steps}")
     quant = self.quant
     if quant is None:
       quant = QuantConfig.preset("none")
@@ -76,6 +83,14 @@ class SamplerConfig:
     for key in ("eos_id", "pad_id"):
       require(getattr(self, key) < vocab_size, f"sampler.{key}",
               f"{getattr(self, key)} is not a token id of a {vocab_size}-token vocabulary")
+
+  def phase_bounds(self) -> list[tuple[int, int]]:
+    """(end step, cache slots read) per decode phase: step j feeds slot P-1+j, so a phase
+    ending before step e reads slots [0, P+e-1), rounded up to a multiple of 8."""
+    t, p = self.max_new_tokens, self.max_prompt_len
+    n = max(1, min(self.decode_phases, t // self.min_phase_steps))
+    ends = [-(-t * (i + 1) // n) for i in range(n)]
+    return [(e, min(self.max_len, -(-(p + e - 1) // 8) * 8)) for e in ends]
 
   @property
   def max_len(self) -> int:

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rl_jax.logprobs import next_token_logq
-from rl_jax.models.kv_cache import LayerKV, init_cache
+from rl_jax.models.kv_cache import LayerKV, cache_len, grow_cache, init_cache
 from rl_jax.models.layers import dtype_of
 from rl_jax.models.transformer import default_positions
 # The contract (layout, alignment) lives in rl_jax.rollout.
@@ -213,7 +213,8 @@ def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: Sampler
   # Keys of response slots are valid; the causal `slot <= query slot` rule hides the
   # future ones. Rows that finished keep decoding garbage that nobody reads.
   kv_valid_BC = jnp.concatenate([pvalid_BP, jnp.ones((b, t), bool)], axis=1)
-  cache = constrain(init_cache(mcfg, b, s, dtype_of(mcfg.dtype), kv_spec,
+  # The cache starts at the first decode phase's slots (the prefill's p-1 fit in them).
+  cache = constrain(init_cache(mcfg, b, cfg.phase_bounds()[0][1], dtype_of(mcfg.dtype), kv_spec,
                                backend=getattr(cfg.quant, "backend", "auto")))
   experts_BSLK = jnp.zeros((b, s, n_moe, k_exp), jnp.int32) if record_experts else None
 
@@ -222,7 +223,7 @@ def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: Sampler
   # decode step, so every logged distribution comes out of the same T=1 code path.
   if p > 1:
     out = model(tokens_BP[:, :p - 1], positions_BP[:, :p - 1], pvalid_BP[:, :p - 1], cache=cache,
-                cache_index=0, kv_valid_BC=kv_valid_BC, compute_logits=False)
+                cache_index=0, kv_valid_BC=kv_valid_BC[:, :cache_len(cache)], compute_logits=False)
     cache = constrain(out.cache)
     if record_experts:
       experts_BSLK = jax.lax.dynamic_update_slice(experts_BSLK, out.expert_ids_BSLK, (0, 0, 0, 0))
@@ -242,15 +243,13 @@ def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: Sampler
       pending_active_B=jnp.zeros((b,), bool) if k_rec else None)
   carry = constrain(carry)
 
-  def cond(c):
-    return (c["step"] < t) & ~jnp.all(c["done_B"])
-
   def body(c):
     j = c["step"]
     slot = p - 1 + j
     tok_B1 = jax.lax.dynamic_slice_in_dim(c["tokens_BS"], slot, 1, axis=1)
     pos_B1 = jax.lax.dynamic_slice_in_dim(positions_BS, slot, 1, axis=1)
-    out = model(tok_B1, pos_B1, cache=c["cache"], cache_index=slot, kv_valid_BC=kv_valid_BC)
+    out = model(tok_B1, pos_B1, cache=c["cache"], cache_index=slot,
+                kv_valid_BC=kv_valid_BC[:, :cache_len(c["cache"])])
     logits_BV = out.logits_BSV[:, 0]
     logq_BV = next_token_logq(logits_BV, cfg.temperature)
     active_B = ~c["done_B"]
@@ -279,7 +278,15 @@ def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: Sampler
                                                          (0, slot, 0, 0))
     return constrain(new)
 
-  c = jax.lax.while_loop(cond, body, carry)
+  # Decode phases: attention over the whole static cache at every step reads, on average,
+  # twice the filled slots. Phase i's loop carries a cache of only the slots filled by its
+  # last step (`SamplerConfig.phase_bounds`), grown between phases: a cache sliced inside
+  # the loop instead makes XLA copy it whole at every step to keep the update in place.
+  # A phase that finds every row done runs no step.
+  c = carry
+  for end, cache_slots in cfg.phase_bounds():
+    c = constrain(dict(c, cache=grow_cache(c["cache"], cache_slots)))
+    c = jax.lax.while_loop(lambda c, end=end: (c["step"] < end) & ~jnp.all(c["done_B"]), body, c)
   if k_rec:  # the last step's top-k (step >= 1: the loop runs at least once)
     c = {**c, **_record_topk(c, c["pending_logq_BV"], c["pending_active_B"], c["step"] - 1, k_rec)}
 
@@ -366,9 +373,10 @@ def generate(graphdef: nnx.GraphDef, sampler_state: Any, prompts_BP, prompt_vali
   Returns a `Rollout` (see its docstring for the slot alignment).
 
   The program: re-layout, one batched prefill of slots [0, P-1) into a static KV cache
-  of S = P + T slots (no logits), then a `lax.while_loop` whose step j feeds slot
-  P-1+j (the last prompt token at j = 0) and samples token j into slot P+j; it stops
-  at T steps or when every row has emitted EOS. Feeding the last prompt token through
+  (no logits), then `lax.while_loop`s whose step j feeds slot P-1+j (the last prompt
+  token at j = 0) and samples token j into slot P+j; they stop at T steps or when
+  every row has emitted EOS. There is one loop per decode phase (`cfg.decode_phases`),
+  and phase i's cache holds only the slots its steps fill (S = P + T in the last one). Feeding the last prompt token through
   the decode step means every logged distribution comes from one T=1 code path, and
   the prefill never materializes `[B, P, V]` logits. Call it from Python (it checks the
   prompts on the host); `_generate` is the jitted program for use inside other jits.
