@@ -199,3 +199,10 @@ def test_micro_study_end_to_end(tmp_path):
     assert (tmp_path / k).exists()
   rerun = subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True)
   assert "0 ran, 4 already finished" in rerun.stdout
+
+
+def test_verdict_names_the_command_that_runs_the_study():
+  """Re-aggregating and publishing must not change the verdict's command into one that runs nothing."""
+  argv = ["fig3_weight_noise", "--root", "R", "--panels", "noise_0.2", "--aggregate_only", "--publish", "docs/results",
+          "--jobs", "2", "--publish=x"]
+  assert cli._run_argv(argv) == ["fig3_weight_noise", "--root", "R", "--panels", "noise_0.2", "--jobs", "2"]  # pylint: disable=protected-access

@@ -23,6 +23,22 @@ def _listing() -> str:
   return "\n".join(lines)
 
 
+def _run_argv(argv: list[str]) -> list[str]:
+  """The command line that runs the study: `--aggregate_only` and `--publish DIR` dropped, so a
+  verdict written by re-aggregating still names the command that reproduces its runs."""
+  out, skip = [], False
+  for a in argv:
+    if skip:
+      skip = False
+    elif a == "--aggregate_only" or a.startswith("--publish="):
+      pass
+    elif a == "--publish":
+      skip = True
+    else:
+      out.append(a)
+  return out
+
+
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m rl_jax.study", description=__doc__.split("\n")[0],
                               epilog=_listing(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.print_commands:
     runner.print_commands(plan)
     return 0
-  command = " ".join(shlex.quote(a) for a in ["python", "-m", "rl_jax.study"] + list(
+  command = " ".join(shlex.quote(a) for a in ["python", "-m", "rl_jax.study"] + _run_argv(
       sys.argv[1:] if argv is None else argv))
   rc = 0
   if not args.aggregate_only:
