@@ -15,6 +15,12 @@ eager and grouped_mm experts) with recording off and with recording on (top-k 12
 must equal HF's exactly (the script fails otherwise). Variants run interleaved
 (A B C A B C ...) in one process and the figures are medians of the per-round ratios,
 so a burst of load from other processes hits every variant alike.
+
+Measured (2 cores shared with two study runs, `--hf_threads 1`: torch at 2 threads was far slower
+under that load; 3 rounds): rl_jax / best HF with recording on, decode phases 4 (the default) against 1
+(one loop over the whole cache), each in its own run: dense greedy 1.18x (0.99x), dense T=1 1.47x
+(1.19x), MoE greedy 1.29x (1.05x), MoE T=1 1.42x (1.31x); recording cost 13-22% under that load (5-15% on a
+quieter box: the top-k runs on one thread beside the forward, and the load takes that thread's core).
 """
 from __future__ import annotations
 
