@@ -376,8 +376,9 @@ def generate(graphdef: nnx.GraphDef, sampler_state: Any, prompts_BP, prompt_vali
   (no logits), then `lax.while_loop`s whose step j feeds slot P-1+j (the last prompt
   token at j = 0) and samples token j into slot P+j; they stop at T steps or when
   every row has emitted EOS. There is one loop per decode phase (`cfg.decode_phases`),
-  and phase i's cache holds only the slots its steps fill (S = P + T in the last one). Feeding the last prompt token through
-  the decode step means every logged distribution comes from one T=1 code path, and
+  and phase i's cache holds only the slots its steps fill (about S = P + T in the last
+  one). Feeding the last prompt token through the decode step means every logged
+  distribution comes from one T=1 code path, and
   the prefill never materializes `[B, P, V]` logits. Call it from Python (it checks the
   prompts on the host); `_generate` is the jitted program for use inside other jits.
   """

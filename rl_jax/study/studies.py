@@ -43,7 +43,7 @@ REWARD_01_RAW = {"advantage.reward_mode": "01", "advantage.mode": "raw"}
 
 # -- budgets (~1 hour per study on 2 cores) ----------------------------------------------------
 # 16 prompts x 8 and 120 steps: ~65 s of the whole 2-core machine per run (two runs at a time), so
-# e.g. Fig. 3's 72 runs take ~80 min. Under noise 0.2 PG collapses by step 80 in calibration, so
+# e.g. Fig. 3's 57 runs take ~60 min. Under noise 0.2 PG collapses by step 80 in calibration, so
 # 120 steps see it. Evaluations and the first-order meter every 20 steps (base: 40) give a collapse
 # step and a cosine curve 7 points long, for ~6% more time.
 SMALL_BATCH = {"rl.prompts_per_step": 16, "rl.group_size": 8}
@@ -186,8 +186,9 @@ CALIBRATE = _add(Study(
 
 _add(Study(
     name="fig3_weight_noise",
-    description="[SC] Fig. 3: relative weight noise at three scales x PG / TIS / MIS / PPO / DPPO / SC / SC+TIS / "
-                "SC+MIS, {+1/0} rewards, small batch; clean fp32 PG as the reference.",
+    description="[SC] Fig. 3: relative weight noise 0.2 x PG / TIS / MIS / PPO / DPPO / SC / SC+TIS / SC+MIS, "
+                "noise 0.1 and 0.4 x PG / TIS / MIS / SC / SC+TIS (budget), {+1/0} rewards, small batch; clean "
+                "fp32 PG as the reference.",
     panels=(("fp32", FP32),) + tuple((f"noise_{s:g}", noise(s)) for s in NOISE_SIGMAS), lines=_t(METHODS_001),
     # The clean reference: PG alone (every correction equals PG on-policy, docs/math.md#correction-methods);
     # the side panels run SIDE_PANEL_LINES (budget).
