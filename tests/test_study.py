@@ -184,6 +184,13 @@ def test_cli_lists_dry_run_and_commands(tmp_path, capsys):
   with pytest.raises(SystemExit):
     cli.main(["fig3_weight_noise", "--root", str(tmp_path), "--dry_run", "--panels", "noise_9"])
   assert "unknown panels ['noise_9']" in capsys.readouterr().err
+  assert cli.main(["fig3_weight_noise", "--root", str(tmp_path), "--dry_run", "--panels", "noise_0.2",
+                   "--lines", "pg,sc", "--seeds", "6"]) == 0
+  out = capsys.readouterr().out
+  assert "12 runs (2 configs x 6 seeds)" in out and "noise_0.2/sc/seed5" in out and "/tis/" not in out
+  with pytest.raises(SystemExit):
+    cli.main(["fig3_weight_noise", "--root", str(tmp_path), "--dry_run", "--lines", "sgd"])
+  assert "unknown lines ['sgd']" in capsys.readouterr().err
   assert cli.main(["micro", "--root", str(tmp_path), "--print_commands", "--seeds", "1"]) == 0
   lines = [l for l in capsys.readouterr().out.splitlines() if not l.startswith("#")]
   assert len(lines) == 3 and all(shlex.split(l)[:3] == ["python", "-m", "rl_jax.main"] for l in lines)

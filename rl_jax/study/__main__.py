@@ -1,4 +1,4 @@
-"""Study CLI: python -m rl_jax.study STUDY [--root DIR] [--seeds N] [--steps N] [--jobs N] [--dry_run | --print_commands].
+"""Study CLI: python -m rl_jax.study STUDY [--root DIR] [--seeds N] [--steps N] [--jobs N] [--panels A,B] [--lines A,B] [--dry_run | --print_commands].
 
 Runs every (run, seed) of a named study on this machine (or prints one launch command per run
 for a cluster), skipping finished runs and resuming unfinished ones, then writes
@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--jobs", type=int, default=1, help="runs at a time on this machine")
   p.add_argument("--panels", default=None, metavar="A,B",
                  help="only these panels (comma-separated; default: all), e.g. the most telling one first")
+  p.add_argument("--lines", default=None, metavar="A,B",
+                 help="only these lines (methods; comma-separated; default: all), e.g. more seeds for a few")
   p.add_argument("--dry_run", action="store_true", help="list the runs and the estimated CPU time left")
   p.add_argument("--print_commands", action="store_true", help="print one launch command per run")
   p.add_argument("--aggregate_only", action="store_true", help="only redraw the figure and tables")
@@ -65,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
       study = study.only_panels([n for n in args.panels.split(",") if n])
     except KeyError as e:
       p.error(f"--panels: {e.args[0]}")
+  if args.lines:
+    try:
+      study = study.only_lines([n for n in args.lines.split(",") if n])
+    except KeyError as e:
+      p.error(f"--lines: {e.args[0]}")
   root = args.root or os.path.join(DEFAULT_ROOT, study.name)
   plan = runner.plan(study, root, seeds=args.seeds, steps=args.steps, wandb_mode=args.wandb_mode)
   if args.dry_run:

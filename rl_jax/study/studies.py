@@ -132,6 +132,14 @@ class Study:
       raise KeyError(f"study {self.name!r}: unknown panels {unknown or list(names)}; panels: {known}")
     return dataclasses.replace(self, panels=tuple((p, o) for p, o in self.panels if p in names))
 
+  def only_lines(self, names: Sequence[str]) -> "Study":
+    """The same study restricted to the named lines (more seeds for the lines a verdict rests on)."""
+    known = [l for l, _ in self.lines]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+      raise KeyError(f"study {self.name!r}: unknown lines {unknown or list(names)}; lines: {known}")
+    return dataclasses.replace(self, lines=tuple((l, o) for l, o in self.lines if l in names))
+
   def runs(self) -> list[RunDef]:
     out = []
     for panel, po in self.panels:
