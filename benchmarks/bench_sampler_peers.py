@@ -21,6 +21,9 @@ under that load; 3 rounds): rl_jax / best HF with recording on, decode phases 4 
 (one loop over the whole cache), each in its own run: dense greedy 1.18x (0.99x), dense T=1 1.47x
 (1.19x), MoE greedy 1.29x (1.05x), MoE T=1 1.42x (1.31x); recording cost 13-22% under that load (5-15% on a
 quieter box: the top-k runs on one thread beside the forward, and the load takes that thread's core).
+The same script on the idle box right after (default `--hf_threads 2,1`: torch at 2 threads is then the
+best peer): dense greedy 1.11x, dense T=1 1.36x, MoE greedy 1.02x, MoE T=1 1.24x with recording on
+(1.34 / 1.58 / 1.12 / 1.48x off); recording cost 12-22%.
 """
 from __future__ import annotations
 
