@@ -124,21 +124,22 @@ class Study:
   # Lines a panel leaves out (e.g. score centering is incompatible with a method).
   skip: tuple[tuple[str, str], ...] = ()
 
-  def only_panels(self, names: Sequence[str]) -> "Study":
-    """The same study restricted to the named panels (run a grid's most telling panel first)."""
-    known = [p for p, _ in self.panels]
+  def _only(self, field: str, names: Sequence[str]) -> "Study":
+    """The same study with its `field` ('panels' or 'lines') restricted to `names`."""
+    items = getattr(self, field)
+    known = [k for k, _ in items]
     unknown = [n for n in names if n not in known]
     if unknown or not names:
-      raise KeyError(f"study {self.name!r}: unknown panels {unknown or list(names)}; panels: {known}")
-    return dataclasses.replace(self, panels=tuple((p, o) for p, o in self.panels if p in names))
+      raise KeyError(f"study {self.name!r}: unknown {field} {unknown or list(names)}; {field}: {known}")
+    return dataclasses.replace(self, **{field: tuple((k, o) for k, o in items if k in names)})
+
+  def only_panels(self, names: Sequence[str]) -> "Study":
+    """The same study restricted to the named panels (run a grid's most telling panel first)."""
+    return self._only("panels", names)
 
   def only_lines(self, names: Sequence[str]) -> "Study":
     """The same study restricted to the named lines (more seeds for the lines a verdict rests on)."""
-    known = [l for l, _ in self.lines]
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-      raise KeyError(f"study {self.name!r}: unknown lines {unknown or list(names)}; lines: {known}")
-    return dataclasses.replace(self, lines=tuple((l, o) for l, o in self.lines if l in names))
+    return self._only("lines", names)
 
   def runs(self) -> list[RunDef]:
     out = []
