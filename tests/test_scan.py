@@ -122,7 +122,8 @@ def test_scanned_kv_cache_decode_equals_full_recompute(cfg):
   full = scanned(tok)
   cache = init_cache(scfg, 2, 12)
   assert len(cache) == len(cfg.layer_groups) and all(kv.stacked for kv in cache)
-  assert [kv.k.shape for kv in cache] == [(n, 2, 12, 2, 8) for _, n, _ in cfg.layer_groups]
+  assert [kv.v.shape for kv in cache] == [(n, 2, 2, 12, 8) for _, n, _ in cfg.layer_groups]  # [L, B, G, C, D]
+  assert [kv.k.shape for kv in cache] == [(n, 2, 2, 8, 12) for _, n, _ in cfg.layer_groups]  # keys: [L, B, G, D, C]
   ref_cache = init_cache(cfg, 2, 12)
   out = scanned(tok[:, :5], cache=cache, cache_index=0)
   ref = unrolled(tok[:, :5], cache=ref_cache, cache_index=0)

@@ -13,10 +13,18 @@ from rl_jax.models.config import ModelConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LayerKV:
-  """One layer's cache: k/v `[B, C, G, D]` (C slots, G kv heads), low-bit when `spec` quantizes.
+  """One layer's cache, heads-major: v `[B, G, C, D]` (G kv heads, C slots), k `[B, G, D, C]`.
 
-  `stacked`: every array has a leading layer axis (one scanned layer group, see
-  `ModelConfig.scan_layers`); the scan hands each layer its `[B, C, G, D]` slice.
+  Layout from the decode profile (XLA:CPU): with one query token, attention is two matmuls
+  batched over (b, g), `q [R, D] @ K^T [D, C]` and `p [R, C] @ V [C, D]`; stored this way
+  both read the cache in place as plain row-major operands. Slot-major `[B, C, G, D]` made
+  XLA either copy the whole cache at every step or run multiply-reduces ~3x slower, and
+  `[C, D]` keys made the score product ~1.6x slower than `[D, C]` ones.
+  Quantized (`spec`): k and v both hold `[B, G, C, D']` codes (D' = D, or D/2 packed) with
+  `[B, G, C, n]` scales, since the formats pack and scale along D; the read path
+  dequantizes and hands attention `K^T` all the same. `stacked`: every array has a leading
+  layer axis (one scanned layer group, see `ModelConfig.scan_layers`); the scan hands each
+  layer its slice.
   """
   k: jax.Array
   v: jax.Array
@@ -33,29 +41,33 @@ class LayerKV:
 
   def update(self, k_new_BSGD: jax.Array, v_new_BSGD: jax.Array, index: jax.Array, dtype
              ) -> tuple["LayerKV", jax.Array, jax.Array]:
-    """Writes the new S-token slab at slot `index`; returns (cache', k_BCGD, v_BCGD) as read back.
+    """Writes the new S-token slab at slot `index`; returns (cache', kT_BGDC, v_BGCD) as read back.
 
     Reading back what was written (instead of using the fresh k/v) matches what a
     serving engine with a quantized cache computes for the current token too.
     """
-    start = (0, index, 0, 0)
+    # [B, S, G, D] -> heads-major [B, G, S, D] (quantization is per row of D).
+    k_BGSD, v_BGSD = jnp.swapaxes(k_new_BSGD, 1, 2), jnp.swapaxes(v_new_BSGD, 1, 2)
+    at_slot = (0, 0, index, 0)
     if not self.quantized:
-      k = jax.lax.dynamic_update_slice(self.k, k_new_BSGD.astype(self.k.dtype), start)
-      v = jax.lax.dynamic_update_slice(self.v, v_new_BSGD.astype(self.v.dtype), start)
+      k = jax.lax.dynamic_update_slice(self.k, jnp.swapaxes(k_BGSD, 2, 3).astype(self.k.dtype),
+                                       (0, 0, 0, index))
+      v = jax.lax.dynamic_update_slice(self.v, v_BGSD.astype(self.v.dtype), at_slot)
       new = dataclasses.replace(self, k=k, v=v)
       return new, k.astype(dtype), v.astype(dtype)
     from rl_jax.quant import kv as qkv  # pylint: disable=g-import-not-at-top
-    kq, ks = qkv.kv_quantize(k_new_BSGD, self.spec, self.backend)
-    vq, vs = qkv.kv_quantize(v_new_BSGD, self.spec, self.backend)
+    kq, ks = qkv.kv_quantize(k_BGSD, self.spec, self.backend)
+    vq, vs = qkv.kv_quantize(v_BGSD, self.spec, self.backend)
     new = dataclasses.replace(
         self,
-        k=jax.lax.dynamic_update_slice(self.k, kq, start),
-        v=jax.lax.dynamic_update_slice(self.v, vq, start),
-        k_scale=jax.lax.dynamic_update_slice(self.k_scale, ks.astype(self.k_scale.dtype), start),
-        v_scale=jax.lax.dynamic_update_slice(self.v_scale, vs.astype(self.v_scale.dtype), start))
+        k=jax.lax.dynamic_update_slice(self.k, kq, at_slot),
+        v=jax.lax.dynamic_update_slice(self.v, vq, at_slot),
+        k_scale=jax.lax.dynamic_update_slice(self.k_scale, ks.astype(self.k_scale.dtype), at_slot),
+        v_scale=jax.lax.dynamic_update_slice(self.v_scale, vs.astype(self.v_scale.dtype), at_slot))
+    # The dequantized keys are a fresh array either way: XLA writes them transposed.
     k_all = qkv.kv_dequantize(new.k, new.k_scale, self.spec, dtype, self.backend)
     v_all = qkv.kv_dequantize(new.v, new.v_scale, self.spec, dtype, self.backend)
-    return new, k_all, v_all
+    return new, jnp.swapaxes(k_all, -1, -2), v_all
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, kv_spec=None,
@@ -63,14 +75,16 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, kv
   """Zero cache for every layer; `kv_spec` (a quant FormatSpec) selects low-bit storage and
   `backend` the kernels that write and read it.
 
-  Unrolled layout: one LayerKV per layer. Scanned (`cfg.scan_layers`): one stacked
-  LayerKV per `cfg.layer_groups` entry, arrays `[n_layers_in_group, B, C, G, D]`.
+  Unrolled layout: one LayerKV per layer (its docstring has the array layouts). Scanned
+  (`cfg.scan_layers`): one stacked LayerKV per `cfg.layer_groups` entry, arrays with a
+  leading `[n_layers_in_group]` axis.
   """
-  shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+  shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
   fmt = getattr(kv_spec, "format", None)
   if kv_spec is None or fmt in ("fp32", "bf16"):
     cdt = {"fp32": jnp.float32, "bf16": jnp.bfloat16}.get(fmt, dtype)
-    layers = [LayerKV(jnp.zeros(shape, cdt), jnp.zeros(shape, cdt)) for _ in range(cfg.n_layers)]
+    shape_t = (batch, cfg.n_kv_heads, cfg.head_dim, max_len)  # keys transposed
+    layers = [LayerKV(jnp.zeros(shape_t, cdt), jnp.zeros(shape, cdt)) for _ in range(cfg.n_layers)]
     return stack_cache(cfg, layers) if cfg.scan_layers else layers
   from rl_jax.quant import kv as qkv  # pylint: disable=g-import-not-at-top
   # Quantizing a zero slab gives the stored layout (packing, dtypes, scale shape).
@@ -87,7 +101,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, kv
 
 def cache_len(cache: list[LayerKV]) -> int:
   """Slots C of a cache (`init_cache` layout, unrolled or stacked)."""
-  return cache[0].k.shape[-3]
+  return cache[0].v.shape[-2]  # v: [(layers,) B, G, C, D], packed codes change D only
 
 
 def grow_cache(cache: list[LayerKV], slots: int) -> list[LayerKV]:
@@ -99,12 +113,12 @@ def grow_cache(cache: list[LayerKV], slots: int) -> list[LayerKV]:
   if slots < c:
     raise ValueError(f"grow_cache: {slots} slots < the cache's {c}")
 
-  def pad(x, value):
+  def pad(x, value, axis=-2):  # the slot axis: -2 of [(layers,) B, G, C, *], -1 of unquantized keys
     widths = [(0, 0)] * x.ndim
-    widths[x.ndim - 3] = (0, slots - c)  # slot axis of [(layers,) B, C, G, *]
+    widths[axis] = (0, slots - c)
     return jnp.pad(x, widths, constant_values=value)
 
-  return [dataclasses.replace(kv, k=pad(kv.k, 0), v=pad(kv.v, 0),
+  return [dataclasses.replace(kv, k=pad(kv.k, 0, -2 if kv.quantized else -1), v=pad(kv.v, 0),
                               k_scale=None if kv.k_scale is None else pad(kv.k_scale, 1),
                               v_scale=None if kv.v_scale is None else pad(kv.v_scale, 1))
           for kv in cache]

@@ -81,40 +81,44 @@ class Attention(nnx.Module):
     k_BSGD = self.k_norm(heads(linear(x_BSD, self.wk.get_value())))
     v_BSGD = heads(linear(x_BSD, self.wv.get_value()))
     q_BSHD = rope(q_BSHD, positions_BS, cfg.rope_theta)
-    k_BCGD = rope(k_BSGD, positions_BS, cfg.rope_theta)
-    v_BCGD = v_BSGD
-    if cache is not None:
-      cache, k_BCGD, v_BCGD = cache.update(k_BCGD, v_BCGD, cache_index, x_BSD.dtype)
+    k_BSGD = rope(k_BSGD, positions_BS, cfg.rope_theta)
     b, s, c = mask_BSC.shape
-    chex.assert_shape([k_BCGD, v_BCGD], (b, c, cfg.n_kv_heads, hd))
     # Query head h = g * R + r reads kv head g (transformers' repeat_kv order).
     q_BSGRD = einops.rearrange(q_BSHD, "b s (g r) d -> b s g r d", g=cfg.n_kv_heads)
-    if s == 1:  # decode: one query token per row
-      out_B1X = _decode_attention(q_BSGRD[:, 0], k_BCGD, v_BCGD, mask_BSC[:, 0])
-      return linear(out_B1X, self.wo.get_value()), cache
-    scores_BGRSC = jnp.einsum("bsgrd,bcgd->bgrsc", q_BSGRD, k_BCGD,
+    if cache is None:  # keys / values: the S tokens themselves (C = S)
+      k_axes = v_axes = "bcgd"
+      k_BXXX, v_BXXX = k_BSGD, v_BSGD
+    else:  # all C cache slots, heads-major as the cache keeps them
+      cache, kT_BGDC, v_BGCD = cache.update(k_BSGD, v_BSGD, cache_index, x_BSD.dtype)
+      chex.assert_shape(kT_BGDC, (b, cfg.n_kv_heads, hd, c))
+      chex.assert_shape(v_BGCD, (b, cfg.n_kv_heads, c, hd))
+      if s == 1:  # decode: one query token per row
+        out_B1X = _decode_attention(q_BSGRD[:, 0], kT_BGDC, v_BGCD, mask_BSC[:, 0])
+        return linear(out_B1X, self.wo.get_value()), cache
+      k_axes, v_axes = "bgdc", "bgcd"
+      k_BXXX, v_BXXX = kT_BGDC, v_BGCD
+    scores_BGRSC = jnp.einsum(f"bsgrd,{k_axes}->bgrsc", q_BSGRD, k_BXXX,
                               preferred_element_type=jnp.float32) * (hd ** -0.5)
     scores_BGRSC = jnp.where(mask_BSC[:, None, None, :, :], scores_BGRSC, _MASK_VALUE)
-    probs_BGRSC = jax.nn.softmax(scores_BGRSC, axis=-1).astype(v_BCGD.dtype)
-    out_BSGRD = jnp.einsum("bgrsc,bcgd->bsgrd", probs_BGRSC, v_BCGD)
+    probs_BGRSC = jax.nn.softmax(scores_BGRSC, axis=-1).astype(v_BXXX.dtype)
+    out_BSGRD = jnp.einsum(f"bgrsc,{v_axes}->bsgrd", probs_BGRSC, v_BXXX)
     out_BSX = einops.rearrange(out_BSGRD, "b s g r d -> b s (g r d)")  # X = H * head dim
     return linear(out_BSX, self.wo.get_value()), cache
 
 
-def _decode_attention(q_BGRD, k_BCGD, v_BCGD, mask_BC):
-  """One query token per row over C cache slots -> `[B, 1, H * head dim]`, as multiply-reduces.
+def _decode_attention(q_BGRD, kT_BGDC, v_BGCD, mask_BC):
+  """One query token per row over C cache slots -> `[B, 1, H * head dim]`, in float32.
 
-  The same sums as the einsum path, written so that XLA reads the `[B, C, G, D]` cache in
-  place: as a batched dot over (b, g), XLA:CPU first copies K and V to a (b, g)-major
-  layout, the whole cache of every layer at every decode step.
+  Two matmuls batched over (b, g), `[R, D] @ [D, C]` and `[R, C] @ [C, D]`, whose operands
+  the heads-major cache (`LayerKV`) holds as they are read: nothing of it is copied.
   """
   f32 = jnp.float32
   hd = q_BGRD.shape[-1]
-  scores_BCGR = jnp.sum(q_BGRD.astype(f32)[:, None] * k_BCGD.astype(f32)[:, :, :, None, :], axis=-1)
-  scores_BCGR = jnp.where(mask_BC[:, :, None, None], scores_BCGR * (hd ** -0.5), _MASK_VALUE)
-  probs_BCGR = jax.nn.softmax(scores_BCGR, axis=1).astype(v_BCGD.dtype).astype(f32)
-  out_BGRD = jnp.sum(probs_BCGR[..., None] * v_BCGD.astype(f32)[:, :, :, None, :], axis=1)
-  return einops.rearrange(out_BGRD.astype(v_BCGD.dtype), "b g r d -> b 1 (g r d)")
+  scores_BGRC = jnp.einsum("bgrd,bgdc->bgrc", q_BGRD.astype(f32), kT_BGDC.astype(f32))
+  scores_BGRC = jnp.where(mask_BC[:, None, None, :], scores_BGRC * (hd ** -0.5), _MASK_VALUE)
+  probs_BGRC = jax.nn.softmax(scores_BGRC, axis=-1).astype(v_BGCD.dtype).astype(f32)
+  out_BGRD = jnp.einsum("bgrc,bgcd->bgrd", probs_BGRC, v_BGCD.astype(f32))
+  return einops.rearrange(out_BGRD.astype(v_BGCD.dtype), "b g r d -> b 1 (g r d)")
 
 
 class MLP(nnx.Module):

@@ -15,6 +15,7 @@ from flax import nnx
 
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.expert_parallel import BATCH_AXES
+from rl_jax.models.kv_cache import cache_len
 from rl_jax.models.layers import MLP, Attention, RMSNorm, dtype_of, param
 from rl_jax.models.moe import MoE
 from rl_jax.quant.ops import dense, linear
@@ -196,7 +197,7 @@ class Transformer(nnx.Module):
       if len(cache) != n_entries:
         raise ValueError(f"cache has {len(cache)} entries; model.scan_layers={cfg.scan_layers} needs "
                          f"{n_entries} (build it with kv_cache.init_cache for this config)")
-      c = cache[0].k.shape[-3]  # [(layers,) B, C, G, D]
+      c = cache_len(cache)
       slots_C = jnp.arange(c)
       q_slots_S = cache_index + jnp.arange(s)
       kv_valid_BC = (jnp.broadcast_to(slots_C[None] < cache_index + s, (b, c))

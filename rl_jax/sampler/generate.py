@@ -163,8 +163,8 @@ def _constrainer(mesh: Mesh | None, n_kv_heads: int):
       return x
     lead = [None] if stacked else []  # a scanned layer group's leading layer axis
     rest = [None] * (x.ndim - 1 - len(lead))
-    if cache:  # [B, S, H, D] values and [B, S, H, n] scales
-      rest[1] = heads
+    if cache:  # [B, H, S, D] values and [B, H, S, n] scales (heads-major, `LayerKV`)
+      rest[0] = heads
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*lead, BATCH_AXES, *rest)))
 
   def constrain(tree):
