@@ -28,6 +28,10 @@
 # minutes on 2 busy CPU cores; --small: ~1 minute.
 from __future__ import annotations
 
+if __name__ == "__main__":  # before jax loads: XLA:CPU runs re-exec with tcmalloc / jemalloc preloaded
+  from rl_jax import host_memory  # pylint: disable=g-import-not-at-top
+  host_memory.reexec_tuned()
+
 import argparse
 import dataclasses
 import collections

@@ -27,6 +27,10 @@ best peer): dense greedy 1.11x, dense T=1 1.36x, MoE greedy 1.02x, MoE T=1 1.24x
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # before jax loads: XLA:CPU runs re-exec with tcmalloc / jemalloc preloaded
+  from rl_jax import host_memory  # pylint: disable=g-import-not-at-top
+  host_memory.reexec_tuned()
+
 import argparse
 import dataclasses
 import statistics
@@ -40,6 +44,7 @@ import torch
 import transformers
 from flax import nnx
 
+from rl_jax import host_memory
 from rl_jax.models import hf
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.transformer import Transformer
@@ -159,7 +164,8 @@ def main():
   threads = [int(n) for n in args.hf_threads.split(",")]
   print(f"jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
         f"(threads {args.hf_threads}), transformers {transformers.__version__}; "
-        f"{batch} prompts x {prompt_len} tokens, {new_tokens} new, {reps} interleaved rounds")
+        f"{batch} prompts x {prompt_len} tokens, {new_tokens} new, {reps} interleaved rounds; "
+        f"host allocator {host_memory.describe()}")
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     for name, mcfg in _models(args.small).items():

@@ -46,6 +46,10 @@ update 0.63x the best torch (2.44 s against 1.52 s), CPU seconds 0.70x; p_old 1.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # before jax loads: XLA:CPU runs re-exec with tcmalloc / jemalloc preloaded
+  from rl_jax import host_memory  # pylint: disable=g-import-not-at-top
+  host_memory.reexec_tuned()
+
 import argparse
 import dataclasses
 import os
@@ -62,6 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=wrong-import-position
 from flax import nnx
 
+from rl_jax import host_memory
 from rl_jax.experiment import init_params
 from rl_jax.models import hf
 from rl_jax.models.config import ModelConfig
@@ -322,7 +327,8 @@ def main():
   s = p + t
   print(f"train step: {b} x ({p} + {t}) tokens, PG over the response tokens, AdamW; "
         f"jax {jax.__version__} {jax.devices()[0].platform}; torch threads {args.threads}, "
-        f"HF attn={args.hf_attn}, experts={args.hf_experts}; {args.rounds} interleaved rounds")
+        f"HF attn={args.hf_attn}, experts={args.hf_experts}; {args.rounds} interleaved rounds; "
+        f"host allocator {host_memory.describe()}")
   rows = []
   with tempfile.TemporaryDirectory(prefix="bench_train_peers_") as root:
     for name in args.models.split(","):

@@ -1,5 +1,9 @@
 """Entry point: python -m rl_jax.main --config=configs/x.py[:arg] --workdir=DIR [--config.a.b=v]."""
-from absl import app, flags, logging
+if __name__ == "__main__":  # before jax loads: XLA:CPU runs re-exec with tcmalloc / jemalloc preloaded
+  from rl_jax import host_memory
+  host_memory.reexec_tuned()
+
+from absl import app, flags, logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ml_collections import config_flags
 
 from rl_jax import distributed

@@ -83,6 +83,43 @@ def test_capacity_slots():
   assert moe_lib.capacity_slots(64, 8) == 16  # 2 x the mean load of 8
   assert moe_lib.capacity_slots(6, 8) == 6  # never more than M: then no fallback is needed
   assert moe_lib.capacity_slots(1000, 8) == 256
+  assert moe_lib.capacity_slots(1000, 8, 1.25) == 160  # ceil(125 x 1.25) = 157, up to a multiple of 8
+  assert moe_lib.capacity_tiers(400, 8) == (64, 104)  # 1.25 and 2 x the mean load of 50
+  assert moe_lib.capacity_tiers(64, 8) == (16,)  # both tiers round to 16 slots
+  assert moe_lib.capacity_tiers(6, 8) == (6,)  # one tier covers all M: no fallback
+
+
+def _tier_routing(kind: str, n: int = 200):
+  """ids [n, K] whose busiest expert lands in tier 0 (every load 50), tier 1 (80) or past both (200)."""
+  i = np.arange(n)
+  if kind == "balanced":
+    ids = np.stack([i % E, (i + 1) % E], axis=1)
+  elif kind == "mid":  # expert 0 on 80 tokens, the others share the rest
+    rest = np.stack([1 + i % (E - 1), 1 + (i + 1) % (E - 1)], axis=1)
+    ids = np.where((i < 80)[:, None], np.stack([np.zeros(n, int), 1 + i % (E - 1)], axis=1), rest)
+  else:
+    ids = np.tile([3, 5], (n, 1))
+  gates = np.random.default_rng(0).uniform(0.1, 1.0, (n, K))
+  return jnp.asarray(ids, jnp.int32), jnp.asarray(gates / gates.sum(-1, keepdims=True), jnp.float32)
+
+
+@pytest.mark.parametrize("kind,branch", [("balanced", 0), ("mid", 1), ("skewed", 2)])
+def test_each_capacity_tier_equals_ragged(kind, branch):
+  """Whichever branch the busiest expert picks (1.25x slab, 2x slab, ragged fallback), forward and
+  gradients equal the ragged reference."""
+  n = 200
+  ids, gates = _tier_routing(kind, n)
+  tiers = moe_lib.capacity_tiers(n * K, E)
+  loads = np.bincount(np.asarray(ids).ravel(), minlength=E)
+  assert int(np.sum(loads.max() > np.asarray(tiers))) == branch, (loads, tiers)  # the case hits its branch
+  x = jax.random.normal(jax.random.key(1), (n, D))
+  ws = _weights()
+  _close(jax.jit(moe_lib.dropless_experts, static_argnums=6)(x, ids, gates, *ws, E),
+         moe_lib.ragged_experts(x, ids, gates, *ws, E))
+  g_want = jax.grad(_loss(moe_lib.ragged_experts), argnums=(0, 1, 2, 3, 4))(x, gates, *ws, ids)
+  g_got = jax.jit(jax.grad(_loss(moe_lib.dropless_experts), argnums=(0, 1, 2, 3, 4)))(x, gates, *ws, ids)
+  for a, b in zip(g_got, g_want):
+    _close(a, b)
 
 
 @pytest.mark.parametrize("replay", [pytest.param(False, marks=_SLOW), True])

@@ -1,6 +1,9 @@
 """Qwen3-MoE sparse block: float32 router, dropless experts (capacity slab or ragged_dot), routing replay."""
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -33,9 +36,12 @@ def route(router_logits_NE: jax.Array, k: int, norm_topk_prob: bool,
   return ids, gates, natural_ids, probs_NE
 
 
-# Slots per expert of the capacity path, as a multiple of the mean load M / E: routing may be
-# twice as skewed as uniform before the exact fallback runs.
-CAPACITY_FACTOR = 2
+# Slots per expert of the capacity path, as multiples of the mean load M / E, tried in order:
+# the smallest tier that holds the busiest expert runs, and routing more skewed than the last
+# tier takes the exact fallback. Balanced routing (random init, a working load-balancing
+# loss) fits 1.25x: 1.6x less slab than 2x alone, whose half-empty slab was ~40% of the MoE
+# train step's expert FLOPs (issue 15's MoE, 32 x 160 tokens, 8 experts).
+CAPACITY_TIERS = (1.25, 2.0)
 
 
 def ragged_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: int):
@@ -57,10 +63,16 @@ def ragged_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: int)
   return jnp.einsum("nkd,nk->nd", y_NKD, gates_NK.astype(y_NKD.dtype))
 
 
-def capacity_slots(n_assignments: int, n_experts: int, factor: int = CAPACITY_FACTOR) -> int:
-  """Slots C per expert of the capacity path: `factor` x the mean load, a multiple of 8."""
-  c = -(-n_assignments // n_experts) * factor
+def capacity_slots(n_assignments: int, n_experts: int, factor: float = CAPACITY_TIERS[-1]) -> int:
+  """Slots C per expert of the capacity path: `factor` x the mean load, a multiple of 8, at most M."""
+  c = math.ceil(-(-n_assignments // n_experts) * factor)
   return min(-(-c // 8) * 8, n_assignments)
+
+
+def capacity_tiers(n_assignments: int, n_experts: int) -> tuple[int, ...]:
+  """The distinct slot counts of `CAPACITY_TIERS`, ascending; one that reaches M ends the list."""
+  slots = sorted({capacity_slots(n_assignments, n_experts, f) for f in CAPACITY_TIERS})
+  return tuple(c for c in slots if c < n_assignments) + tuple(c for c in slots[-1:] if c >= n_assignments)
 
 
 def _capacity_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: int, c: int):
@@ -68,8 +80,8 @@ def _capacity_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: i
 
   Exact while no expert has more than C assignments (the caller checks): assignment i
   of expert e, in (token, slot) order, sits in slot (e, i) and is computed by expert e's
-  own weights, as in `ragged_experts`; the E * C - M empty slots are zero rows (about
-  `CAPACITY_FACTOR` x the useful FLOPs instead of E x).
+  own weights, as in `ragged_experts`; the E * C - M empty slots are zero rows (C / (M / E)
+  x the useful FLOPs, one of `CAPACITY_TIERS`, instead of E x).
   """
   n, k = ids_NK.shape
   m = n * k
@@ -92,21 +104,24 @@ def _capacity_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: i
 def dropless_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: int):
   """SwiGLU experts over every (token, slot) assignment: no capacity drop, ever.
 
-  Plain weights: an `[E, C, D]` batched matmul (`_capacity_experts`) when every expert
-  has at most C = `capacity_slots` assignments, else `ragged_experts`; the two compute
-  the same products (a `lax.cond` picks one at run time, so skewed routing stays exact).
+  Plain weights: an `[E, C, D]` batched matmul (`_capacity_experts`) with C the smallest of
+  `capacity_tiers` that holds the busiest expert, else `ragged_experts`; every branch computes
+  the same products (a `lax.switch` picks one at run time, so skewed routing stays exact).
   Quantized (QTensor) weights always take `ragged_experts`.
   """
   if any(isinstance(w, QTensor) for w in (w_gate, w_up, w_down)):
     return ragged_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts)
   m = ids_NK.size
-  c = capacity_slots(m, n_experts)
-  if c >= m:  # capacity already covers the worst case: no fallback needed
-    return _capacity_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts, c)
-  fits = jnp.max(jnp.bincount(ids_NK.reshape(-1), length=n_experts)) <= c
+  tiers = capacity_tiers(m, n_experts)
+  branches = [functools.partial(_capacity_experts, n_experts=n_experts, c=c) for c in tiers]
+  if tiers[-1] < m:  # the last tier can overflow: the exact fallback follows it
+    branches.append(functools.partial(ragged_experts, n_experts=n_experts))
   args = (x_ND, ids_NK, gates_NK, w_gate, w_up, w_down)
-  return jax.lax.cond(fits, lambda *a: _capacity_experts(*a, n_experts, c),
-                      lambda *a: ragged_experts(*a, n_experts), *args)
+  if len(branches) == 1:
+    return branches[0](*args)
+  load = jnp.max(jnp.bincount(ids_NK.reshape(-1), length=n_experts))
+  index = jnp.sum(load > jnp.asarray(tiers, load.dtype))  # tiers too small for the busiest expert
+  return jax.lax.switch(index, branches, *args)
 
 
 def load_balancing_loss(probs_NE, natural_ids_NK, valid_N, n_experts: int):
