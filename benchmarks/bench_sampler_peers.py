@@ -16,14 +16,14 @@ must equal HF's exactly (the script fails otherwise). Variants run interleaved
 (A B C A B C ...) in one process and the figures are medians of the per-round ratios,
 so a burst of load from other processes hits every variant alike.
 
-Measured (2 cores shared with two study runs, `--hf_threads 1`: torch at 2 threads was far slower
-under that load; 3 rounds): rl_jax / best HF with recording on, decode phases 4 (the default) against 1
-(one loop over the whole cache), each in its own run: dense greedy 1.18x (0.99x), dense T=1 1.47x
-(1.19x), MoE greedy 1.29x (1.05x), MoE T=1 1.42x (1.31x); recording cost 13-22% under that load (5-15% on a
-quieter box: the top-k runs on one thread beside the forward, and the load takes that thread's core).
-The same script on the idle box right after (default `--hf_threads 2,1`: torch at 2 threads is then the
-best peer): dense greedy 1.11x, dense T=1 1.36x, MoE greedy 1.02x, MoE T=1 1.24x with recording on
-(1.34 / 1.58 / 1.12 / 1.48x off); recording cost 12-22%.
+Measured on the idle 2-core box (2026-12-02, 3 rounds, both engines in this process under tcmalloc,
+which the script preloads when installed): rl_jax / best HF with recording off / on: dense greedy
+1.60x / 1.12x, dense T=1 1.81x / 1.47x, MoE greedy 1.20x / 0.99x, MoE T=1 1.46x / 1.29x; recording
+cost 14-39% (rl_jax dense greedy 6159 / 4457 tok/s, HF 3841). The top-k 128 is the recording cost:
+XLA:CPU's single-threaded top-k takes 1.4 ms of a 7.1 ms step (docs/performance.md). Before / after
+the heads-major KV cache, same day, glibc malloc (off / on): dense greedy 1.25x / 1.01x -> 1.60x / 1.24x,
+dense T=1 1.66x / 1.29x -> 2.09x / 1.69x, MoE greedy 1.15x / 0.99x -> 1.29x / 1.11x, MoE T=1 1.43x / 1.18x -> 1.61x
+/ 1.34x.
 """
 from __future__ import annotations
 

@@ -31,18 +31,16 @@ rounds alternate the order (rl_jax, torch / torch, rl_jax), with a --settle paus
 timed call; medians of the per-round times (and the best round, and process CPU seconds);
 tokens/s counts all B * (P + T) tokens the step processes. Ratios > 1: rl_jax faster.
 
-Measured (2 CPU cores shared with two study runs, torch timed at 2 and 1 threads, `--models
-dense` / `--models moe --rounds 5`): the best peer is torch at **1 thread** (its 2-thread team ran
-~15x slower under that load). Against it rl_jax's update is 0.71x (dense) / 0.53x (MoE) HF in
-wall time and 0.74x / 0.56x in CPU seconds; p_old 0.84x / 0.74x. So the train step is *slower*
-than eager torch here: earlier figures (2.49x dense) compared against torch at 2 threads only,
-the pathological peer. Profile (`jax.profiler` with `--xla_cpu_enable_xprof_traceme=true`, dense
-update 2.6 s): the matmul fusions take 1.8 s at ~70 GFLOP/s (torch's 1-thread MKL: 135-154 GFLOP/s
-on the same shapes in the same load), copies 0.3 s (the largest: the [B*T, V] logits gradient
-transposed for the tied unembedding's weight gradient, 55 ms), everything else 0.7 s. XLA flags
-tried without gain: oneDNN, XNNPACK, no YNNPACK fusions. On the idle box (`--models dense --rounds 3`):
-update 0.63x the best torch (2.44 s against 1.52 s), CPU seconds 0.70x; p_old 1.04x. Losses equal to
-0-4e-7 relative, gradients to 2.4e-6.
+Measured on the idle 2-core box (2026-12-02, `--rounds 5`, torch's 2-thread team the best peer, both
+engines in this process under tcmalloc, which the script preloads when installed, see
+rl_jax/host_memory.py): update 0.79x (dense, 1.00 s against 0.79 s) and 0.70x (MoE, 1.29 s against
+0.90 s), CPU seconds 0.84x / 0.75x; p_old 0.79x / 0.70x. Under glibc malloc the same day: dense 0.80x
+(1.37 s against 1.09 s): the allocator speeds both engines up alike. Losses equal to 0-4e-7 relative,
+gradients to 2.4e-6. Where the time goes (jax.profiler / torch.profiler, dense): rl_jax's matmuls
+586 ms against torch's 462 ms, attention 291 ms (batched dots, layout copies, separate softmax
+passes) against torch's fused flash kernel's 82 ms, the rest about level; docs/performance.md has
+the tables and the bound. (Earlier figures on a loaded box, 0.71x / 0.53x against 1-thread torch, and
+the "~70 GFLOP/s" XLA matmul rate quoted then, included ~0.5 s per step of page faults.)
 """
 from __future__ import annotations
 

@@ -25,8 +25,9 @@ def _layout(spec, d: int) -> tuple[F.Format, int | None]:
 
 def kv_quantize(x_BSGD: jax.Array, spec, backend: str = "auto"
                 ) -> tuple[jax.Array, jax.Array | None]:
-  """Quantizes a K or V slab `[B, S, G, D]` -> (values, scales).
+  """Quantizes a K or V slab `[..., D]` (the cache writes `[B, G, S, D]`) -> (values, scales).
 
+  Rows of D are independent, so any leading layout works; shapes below as `[B, S, G, D]`.
   values: `[B, S, G, D]` int8 / float8, or `[B, S, G, D/2]` uint8 for int4 / fp4
   (two codes per byte along D: jnp's int4 / float4 dtypes take a whole byte per
   element in `nbytes` and on CPU/GPU buffers, so packing is what saves memory).
