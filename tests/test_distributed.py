@@ -108,6 +108,7 @@ COMPARE = textwrap.dedent("""
     def config():
       c = countdown_tiny.get_config("test")
       c.warm_start.source = "none"
+      c.advantage.mode, c.advantage.reward_mode = "raw", "pm1"  # as the runs were started
       c.rl.steps = 4
       c.logging.wandb_mode = "disabled"
       return c
