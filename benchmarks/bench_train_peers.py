@@ -33,13 +33,14 @@ tokens/s counts all B * (P + T) tokens the step processes. Ratios > 1: rl_jax fa
 
 Measured on the idle 2-core box (2026-12-02, `--rounds 5`, torch's 2-thread team the best peer, both
 engines in this process under tcmalloc, which the script preloads when installed, see
-rl_jax/host_memory.py): update 0.79x (dense, 1.00 s against 0.79 s) and 0.70x (MoE, 1.29 s against
-0.90 s), CPU seconds 0.84x / 0.75x; p_old 0.79x / 0.70x. Under glibc malloc the same day: dense 0.80x
-(1.37 s against 1.09 s): the allocator speeds both engines up alike. Losses equal to 0-4e-7 relative,
-gradients to 2.4e-6. Where the time goes (jax.profiler / torch.profiler, dense): rl_jax's matmuls
-586 ms against torch's 462 ms, attention 291 ms (batched dots, layout copies, separate softmax
-passes) against torch's fused flash kernel's 82 ms, the rest about level; docs/performance.md has
-the tables and the bound. (Earlier figures on a loaded box, 0.71x / 0.53x against 1-thread torch, and
+rl_jax/host_memory.py): update 0.86x (dense, 0.95 s against 0.81 s) and 0.77x (MoE, 1.09 s against
+0.84 s), CPU seconds 0.88x / 0.79x; p_old 0.93x / 0.83x. Before the blocked causal attention: 0.79x /
+0.70x. Under glibc malloc the same day: dense 0.80x (1.37 s against 1.09 s): the allocator speeds
+both engines up alike. Losses equal to 0-4e-7 relative, gradients to 2.2e-6. Where the time goes
+(jax.profiler / torch.profiler, dense, before the blocked attention): rl_jax's matmuls 586 ms
+against torch's 462 ms, attention 291 ms (batched dots, layout copies, separate softmax passes)
+against torch's fused flash kernel's 82 ms, the rest about level; docs/performance.md has the
+tables and the bound. (Earlier figures on a loaded box, 0.71x / 0.53x against 1-thread torch, and
 the "~70 GFLOP/s" XLA matmul rate quoted then, included ~0.5 s per step of page faults.)
 """
 from __future__ import annotations
