@@ -25,7 +25,7 @@ def _inputs(s: int, seed: int = 0):
 @pytest.mark.parametrize("s,n_blocks", [(160, 4), (100, 3), (40, 1)])
 def test_blocked_causal_attention_equals_full(s, n_blocks):
   q, k, v, mask = _inputs(s)
-  assert max(1, min(layers._MAX_QUERY_BLOCKS, s // layers._MIN_QUERY_BLOCK)) == n_blocks  # pylint: disable=protected-access
+  assert len(layers.query_blocks(s)) == n_blocks and layers.query_blocks(s)[-1][1] == s
   full = lambda q, k, v: layers._attend(q, k, v, mask, "bcgd", "bcgd")  # pylint: disable=protected-access
   blocked = lambda q, k, v: layers._causal_attention(q, k, v, mask)  # pylint: disable=protected-access
   seen_BS = np.asarray(jnp.any(mask, axis=-1))  # queries with at least one visible key

@@ -121,6 +121,13 @@ _MIN_QUERY_BLOCK = 32
 _MAX_QUERY_BLOCKS = 4
 
 
+def query_blocks(s: int) -> list[tuple[int, int]]:
+  """[start, end) of each causal query block over S tokens (`_causal_attention`)."""
+  n = max(1, min(_MAX_QUERY_BLOCKS, s // _MIN_QUERY_BLOCK))
+  size = -(-s // n)
+  return [(start, min(start + size, s)) for start in range(0, s, size)]
+
+
 def _causal_attention(q_BSGRD, k_BSGD, v_BSGD, mask_BSC):
   """`_attend` over the S tokens themselves, block by block; `mask_BSC` must be causal.
 
@@ -129,12 +136,8 @@ def _causal_attention(q_BSGRD, k_BSGD, v_BSGD, mask_BSC):
   key at all (a padding token with only padding before it) averages v over its block's
   keys instead of all S: a value nothing reads.
   """
-  s = q_BSGRD.shape[1]
-  n = max(1, min(_MAX_QUERY_BLOCKS, s // _MIN_QUERY_BLOCK))
-  size = -(-s // n)
   outs = []
-  for start in range(0, s, size):
-    end = min(start + size, s)
+  for start, end in query_blocks(q_BSGRD.shape[1]):
     outs.append(_attend(q_BSGRD[:, start:end], k_BSGD[:, :end], v_BSGD[:, :end],
                         mask_BSC[:, start:end, :end], "bcgd", "bcgd"))
   return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
