@@ -31,6 +31,8 @@ setup(
         # rl_jax.study.publish downscales study figures for docs/ (matplotlib needs it anyway).
         "pillow>=10",
         "tokenizers>=0.20",
+        # rl_jax.study.stats: the paired t / Wilcoxon tests and power of the pre-registered studies.
+        "scipy>=1.11",
     ],
     extras_require={
         # safetensors: only tests import it (the runtime reads and writes the format itself);

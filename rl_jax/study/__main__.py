@@ -11,7 +11,7 @@ import os
 import shlex
 import sys
 
-from rl_jax.study import publish, runner, studies
+from rl_jax.study import analyze, publish, runner, studies
 
 DEFAULT_ROOT = "/tmp/rl_jax_studies"
 
@@ -19,7 +19,8 @@ DEFAULT_ROOT = "/tmp/rl_jax_studies"
 def _listing() -> str:
   lines = ["studies:"]
   for s in studies.STUDIES.values():
-    lines.append(f"  {s.name:22s} {len(s.runs()):3d} runs x {s.seeds} seeds  {s.description}")
+    tag = "protocol" if s.protocol is not None else "exploratory"
+    lines.append(f"  {s.name:22s} {len(s.runs()):3d} runs x {s.seeds:2d} seeds  [{tag}] {s.description}")
   return "\n".join(lines)
 
 
@@ -55,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--print_commands", action="store_true", help="print one launch command per run")
   p.add_argument("--aggregate_only", action="store_true", help="only redraw the figure and tables")
   p.add_argument("--wandb_mode", default="disabled", choices=("disabled", "offline", "online"))
+  p.add_argument("--allow_mixed", action="store_true",
+                 help="aggregate a protocol study whose cells ran at different commits or protocols "
+                      "(refused by default; the verdict then names every difference)")
   p.add_argument("--publish", default=None, metavar="DIR",
                  help="after aggregating, copy verdict.md, table.md and a small figure.png to DIR/STUDY")
   args = p.parse_args(argv)
@@ -88,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[study] {study.name}: {counts['ok']} ran, {counts['skipped']} already finished, "
           f"{counts['failed']} failed")
     rc = 1 if counts["failed"] else 0
-  paths = runner.aggregate_study(plan, command)
+  try:
+    paths = runner.aggregate_study(plan, command, allow_mixed=args.allow_mixed)
+  except analyze.MixedRunsError as e:
+    print(f"[study] {study.name}: {e}", file=sys.stderr)
+    return 2
   print("[study] wrote " + ", ".join(paths[k] for k in ("png", "md", "csv", "json", "verdict")))
   if args.publish:
     published = publish.publish(plan.root, study.name, args.publish)

@@ -27,6 +27,8 @@ import tqdm
 from configs import sweeps
 from rl_jax import analysis
 from rl_jax.analysis import aggregate, precursors, runs as runs_lib, tables
+from rl_jax.study import analyze as analyze_lib
+from rl_jax.study import protocol as protocol_lib
 from rl_jax.study import studies
 from rl_jax.study.config import REPO_ROOT, load_base
 
@@ -54,6 +56,8 @@ class Launch:
   responses: int
   run: studies.RunDef | None = None
   study: str = ""
+  eval_every: int = 0
+  eval_size: int = 0
 
   @property
   def command(self) -> str:
@@ -80,6 +84,24 @@ class Plan:
   root: str
   warm_start: Launch
   launches: list[Launch]
+  # The protocol digest every run is stamped with ("" for an exploratory study), and how this plan
+  # departs from the protocol's seeds / steps (--seeds / --steps), which its verdict must name.
+  protocol: str = ""
+  deviations: tuple[str, ...] = ()
+
+
+def code_version(repo: str = REPO_ROOT) -> str:
+  """The commit the runs execute: `git rev-parse HEAD` of `repo`, '+dirty' when rl_jax/ or configs/
+  have uncommitted changes, 'unknown' outside a git checkout (an installed package)."""
+  try:
+    head = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True, timeout=30).stdout.strip()
+    dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no", "--",
+                            "rl_jax", "configs"], capture_output=True, text=True, check=True,
+                           timeout=30).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
+  return head + ("+dirty" if dirty else "")
 
 
 def plan(study: studies.Study, root: str, seeds: int | None = None, steps: int | None = None,
@@ -91,6 +113,12 @@ def plan(study: studies.Study, root: str, seeds: int | None = None, steps: int |
   warm = Launch(kind="warm_start", name="warm_start", seed=int(base.get("seed", 0)), workdir=ws_dir,
                 argv=(python, "-m", "rl_jax.main", f"--config={CONFIG_FILE}:warm_start/{study.name}",
                       f"--workdir={ws_dir}"), steps=int(base.sft.steps), responses=0, study=study.name)
+  deviations = []
+  if study.protocol is not None:
+    if seeds is not None and seeds != study.seeds:
+      deviations.append(f"--seeds {seeds} instead of the protocol's {study.seeds}")
+    if steps is not None and steps != study.steps:
+      deviations.append(f"--steps {steps} instead of the protocol's {study.steps}")
   launches = []
   for run in study.runs():
     overrides = dict(run.overrides)
@@ -111,8 +139,11 @@ def plan(study: studies.Study, root: str, seeds: int | None = None, steps: int |
       argv += [f"--config.seed={seed}", "--config.warm_start.source=sft",
                f"--config.warm_start.path={ws_dir}", f"--config.logging.wandb_mode={wandb_mode}"]
       launches.append(Launch(kind="run", name=run.name, seed=seed, workdir=workdir, argv=tuple(argv),
-                             steps=n_steps, responses=responses, run=run, study=study.name))
-  return Plan(study=study, root=root, warm_start=warm, launches=launches)
+                             steps=n_steps, responses=responses, run=run, study=study.name,
+                             eval_every=int(cfg.rl.eval_every), eval_size=int(cfg.rl.eval_size)))
+  digest = (study.protocol.digest(protocol_lib.study_definition(study)) if study.protocol is not None else "")
+  return Plan(study=study, root=root, warm_start=warm, launches=launches, protocol=digest,
+              deviations=tuple(deviations))
 
 
 def _read_json(path: str) -> dict | None:
@@ -178,7 +209,33 @@ def dry_run(p: Plan, out=None) -> float:
           f"x {launch.responses} responses", file=out)
   print(f"estimated CPU time left: {total / 60:.1f} min ({total / 3600:.2f} h; {source}); "
         f"divide by --jobs for wall time on enough cores", file=out)
+  if p.study.protocol is not None:
+    print(protocol_text(p), file=out)
   return total
+
+
+def protocol_text(p: Plan) -> str:
+  """The pre-registered protocol of a plan: metric, contrasts with their power, rule, deviations."""
+  proto = p.study.protocol
+  n = len({launch.seed for launch in p.launches})
+  lines = [f"protocol {p.protocol}: primary metric = mean {proto.metric} over the last {proto.last_k} "
+           f"evaluations (eval set >= {proto.min_eval_size}); {n} paired seeds; paired t + Wilcoxon, "
+           f"Holm over {len(proto.contrasts)} contrast(s), alpha {proto.alpha:g}; extra seeds: {proto.extra_seeds}"]
+  power, mde = analyze_lib.power_of(proto, n)
+  for c in proto.contrasts:
+    q = f" ({c.question})" if c.question else ""
+    lines.append(f"  contrast {c.name}{q}")
+  if proto.planning is not None:
+    lines.append(f"  power at n = {n}: {power:.2f} for a difference of {proto.planning.delta:.3f}; 80% power "
+                 f"for |difference| >= {mde:.3f} (paired s.d. {proto.planning.sd_diff:.3f}: "
+                 f"{proto.planning.source})")
+  elif proto.contrasts:
+    lines.append("  power: not stated (no planning s.d. declared)")
+  if proto.rule:
+    lines.append(f"  selection rule: {proto.rule} (rl_jax/study/rules.py)")
+  for d in p.deviations:
+    lines.append(f"  DEVIATION: {d}")
+  return "\n".join(lines)
 
 
 def print_commands(p: Plan, out=None) -> None:
@@ -197,8 +254,9 @@ def _tail(path: str, n: int = 20) -> str:
     return "".join(f.readlines()[-n:])
 
 
-def execute(launch: Launch, executor: Executor) -> int:
-  """Runs one launch, records its labels and wall time (study.json) or its failure (failed.json)."""
+def execute(launch: Launch, executor: Executor, commit: str = "unknown", protocol: str = "") -> int:
+  """Runs one launch, records its labels, commit, protocol digest and wall time (study.json) or its
+  failure (failed.json)."""
   os.makedirs(launch.workdir, exist_ok=True)
   log = os.path.join(launch.workdir, "run.log" if launch.kind == "run" else "study_warm_start.log")
   info_path = os.path.join(launch.workdir, runs_lib.STUDY_FILE)
@@ -207,7 +265,12 @@ def execute(launch: Launch, executor: Executor) -> int:
   if launch.run is not None:
     info = {"study": launch.study, "run": launch.name, "panel": launch.run.panel, "line": launch.run.line,
             "seed": launch.seed, "steps": launch.steps, "responses": launch.responses,
-            "overrides": launch.run.overrides, "command": launch.command, "resumed": st != "new"}
+            "overrides": launch.run.overrides, "command": launch.command, "resumed": st != "new",
+            "commit": commit, "protocol": protocol}
+    old = _read_json(info_path) or {}
+    if st != "new" and old.get("commit") not in (None, commit):
+      # A run resumed at another commit is a mixture: keep both, the analysis refuses to pool it.
+      info["commit"] = f"{old['commit']}|{commit}"
     with open(info_path, "w") as f:
       json.dump(info, f, indent=1, default=str)
   t0 = time.time()
@@ -235,6 +298,7 @@ def run_study(p: Plan, executor: Executor = subprocess_executor, jobs: int = 1,
   if jobs < 1:
     raise ValueError(f"--jobs must be >= 1, got {jobs}")
   counts = {"skipped": 0, "ok": 0, "failed": 0}
+  commit = code_version()
   if status(p.warm_start) != "done":
     print(f"[study] warm start -> {p.warm_start.workdir}", flush=True)
     if execute(p.warm_start, executor) != 0:
@@ -248,7 +312,7 @@ def run_study(p: Plan, executor: Executor = subprocess_executor, jobs: int = 1,
                   unit="run", disable=not progress)
   try:
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-      futures = {pool.submit(execute, launch, executor): launch for launch in todo}
+      futures = {pool.submit(execute, launch, executor, commit, p.protocol): launch for launch in todo}
       for fut in concurrent.futures.as_completed(futures):
         launch = futures[fut]
         rc = fut.result()
@@ -286,8 +350,9 @@ def groups_of(p: Plan) -> list[runs_lib.Group]:
 
 
 def verdict_skeleton(p: Plan, summaries: Sequence[aggregate.GroupSummary], command: str,
-                     groups: Sequence[runs_lib.Group] = ()) -> str:
-  """verdict.md: the command, the numbers and per-panel orderings; the verdict itself is for a person."""
+                     groups: Sequence[runs_lib.Group] = (), result: analyze_lib.Analysis | None = None) -> str:
+  """verdict.md: the command, the numbers and per-panel orderings, and the verdict: mechanical from
+  the protocol's analysis when the study has one, else a placeholder for a person."""
   wall = [(_read_json(os.path.join(launch.workdir, runs_lib.STUDY_FILE)) or {}).get("wall_s")
           for launch in p.launches]
   wall_s = sum(w for w in wall if w)
@@ -295,6 +360,8 @@ def verdict_skeleton(p: Plan, summaries: Sequence[aggregate.GroupSummary], comma
            f"Command: `{command}`", "",
            f"Runs: {len(p.launches)} ({len(summaries)} configurations with results); summed run wall "
            f"time {wall_s / 60:.1f} min; base config `{p.study.base}`.", ""]
+  if p.deviations:
+    lines += ["**Deviations from the protocol:** " + "; ".join(p.deviations) + ".", ""]
   left = unfinished(p)
   if left:
     lines += [f"**Unfinished: {len(left)} of {len(p.launches)} runs** had not finished and are left out of "
@@ -313,19 +380,36 @@ def verdict_skeleton(p: Plan, summaries: Sequence[aggregate.GroupSummary], comma
               f"{precursors.COSINE_FACTOR:g}x its median over steps < {precursors.BASELINE_STEPS} "
               "(rl_jax/analysis/precursors.py); lead = collapse step - alarm step.", "",
               precursors.markdown(groups)]
+  if result is not None:
+    verdicts = [f"- {r.contrast.name}: {r.verdict}" for r in result.contrasts]
+    if result.rule is not None:
+      verdicts.append(f"- rule `{result.protocol.rule}`: {result.rule[1]}")
+    lines += ["", analyze_lib.markdown(result), "## Verdict", "",
+              "Read mechanically off the pre-registered analysis above:", "", *verdicts, ""]
+    return "\n".join(lines)
   lines += ["", "## Verdict", "",
             "Not yet written: state which of the papers' orderings reproduce at this scale and which do "
             "not, citing the numbers above; a null or reversed result is a result.", ""]
   return "\n".join(lines)
 
 
-def aggregate_study(p: Plan, command: str = "") -> dict[str, str]:
-  """Writes ROOT/figure.png, ROOT/table.{md,csv,json} and ROOT/verdict.md; returns the paths."""
+def aggregate_study(p: Plan, command: str = "", allow_mixed: bool = False) -> dict[str, str]:
+  """Writes ROOT/figure.png, ROOT/table.{md,csv,json} and ROOT/verdict.md (and, for a study with a
+  protocol, ROOT/per_seed.{csv,json}, contrasts.json and protocol.json); returns the paths.
+
+  A protocol study refuses (`analyze.MixedRunsError`) to pool runs of other commits or protocols
+  unless `allow_mixed`."""
   groups = groups_of(p)
   if not groups:
     raise FileNotFoundError(f"study {p.study.name}: no run under {p.root} logged metrics yet")
+  result = None
+  if p.study.protocol is not None:
+    scores, unscored = analyze_lib.score_launches(p.launches, p.study.protocol)
+    result = analyze_lib.analyze(p.study, scores, unscored, allow_mixed=allow_mixed)
   paths, summaries = analysis.compare(groups, p.root, title=f"{p.study.name}: {p.study.description}")
+  if result is not None:
+    paths.update(analyze_lib.write(result, p.root))
   paths["verdict"] = os.path.join(p.root, "verdict.md")
   with open(paths["verdict"], "w") as f:
-    f.write(verdict_skeleton(p, summaries, command, groups))
+    f.write(verdict_skeleton(p, summaries, command, groups, result))
   return paths

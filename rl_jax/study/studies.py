@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from configs import sweeps
+from rl_jax.study.protocol import Contrast, Planning, Protocol
 
 Overrides = dict[str, Any]
 
@@ -123,6 +124,8 @@ class Study:
   common: Overrides = dataclasses.field(default_factory=dict)
   # Lines a panel leaves out (e.g. score centering is incompatible with a method).
   skip: tuple[tuple[str, str], ...] = ()
+  # The pre-registered analysis (rl_jax/study/protocol.py); None: an exploratory grid (mean +- s.e.).
+  protocol: Protocol | None = None
 
   def _only(self, field: str, names: Sequence[str]) -> "Study":
     """The same study with its `field` ('panels' or 'lines') restricted to `names`."""
@@ -248,6 +251,84 @@ _add(Study(
     lines=tuple((f"{clip}_{r}", dict(MINIRL, **{"loss.minirl_clip": clip == "clip", "rl.routing_replay": r}))
                 for clip, r in OFF_POLICY_LINES),
     common=dict(BUDGET)))
+
+
+# == Pre-registered studies (issue 24) =============================================================
+# Everything below is analysed by its protocol (rl_jax/study/protocol.py, rules.py, analyze.py): a
+# primary metric fixed before the runs, paired seeds, paired t + Wilcoxon with Holm over a study's
+# contrasts, a mechanical verdict. The studies above are the exploratory first round (docs/results.md).
+#
+# The papers' recipe ([SC] Sec. B): REINFORCE, group-centred {-1, +1} rewards, SGD at a constant
+# learning rate, one optimizer step per batch, no clipping, no weight decay. AdamW with a cosine
+# decay (the exploratory round's optimizer) stays available as the named variant ADAMW_COSINE.
+SGD_CONSTANT = {"optim.name": "sgd", "optim.schedule": "constant", "optim.warmup_steps": 0,
+                "optim.grad_clip": 0.0, "optim.weight_decay": 0.0, "optim.momentum": 0.0}
+ADAMW_COSINE = {"optim.name": "adamw", "optim.lr": 5e-4, "optim.schedule": "cosine", "optim.warmup_steps": 10,
+                "optim.grad_clip": 1.0, "optim.weight_decay": 0.0}
+PM1_CENTERED = {"advantage.reward_mode": "pm1", "advantage.mode": "group_centered"}
+# Protocol evaluations: 1024 held-out prompts (greedy s.e. ~0.01 at accuracy 0.2), every 20 steps, so
+# the primary metric (the last 3) averages steps 360 / 380 / 400; one sampled completion per prompt
+# (mean@1) and the first-order meter at the same cadence for the precursor analysis.
+PROTOCOL_EVAL = {"rl.eval_size": 1024, "rl.eval_every": 20, "rl.eval_samples": 1, "rl.meter_every": 20}
+RECIPE_STEPS = 400
+
+
+def recipe(lr: float) -> Overrides:
+  """The protocol studies' common overrides at learning rate `lr` (16 prompts x 8, one step per batch)."""
+  return dict(SMALL_BATCH, **SGD_CONSTANT, **PM1_CENTERED, **PROTOCOL_EVAL,
+              **{"optim.lr": lr, "rl.n_minibatches": 1})
+
+
+# -- 1. the learning rate, on the clean arm -------------------------------------------------------
+# SGD's constant learning rate, calibrated on the clean fp32 sampler with plain PG (every correction
+# equals PG on-policy): [SC]'s 1e-2 is for a 0.6B model with ~10^3x the tokens per batch. Rule
+# `best_lr` (rules.py): the highest mean primary metric among rates where every seed learned; a rate
+# within 0.01 of the best ties with it and the smallest tied rate wins.
+SGD_LRS = (0.01, 0.03, 0.1, 0.3, 1.0)
+CALIBRATION_SEEDS = 2
+_add(Study(
+    name="lr_sgd",
+    description="Protocol step 1: SGD's constant learning rate on the clean fp32 sampler, plain PG, group-centred "
+                "{-1,+1} rewards, 400 steps, 2 seeds; rule best_lr.",
+    panels=tuple((f"lr_{lr:g}", dict(recipe(lr), **FP32)) for lr in SGD_LRS),
+    lines=(("pg", _m("pg")),), seeds=CALIBRATION_SEEDS, steps=RECIPE_STEPS,
+    protocol=Protocol(rule="best_lr")))
+
+# The rate `lr_sgd`'s rule chose (None until it ran; then set in the commit that precedes `calibrate`).
+RECIPE_LR: float | None = None
+
+# -- 2. which mismatch bites, PG alone ---------------------------------------------------------------
+# Rule `bites` (rules.py): on every seed PG keeps < half the clean arm's gain, while the sampler's
+# first-step train accuracy is >= 80% of the clean sampler's (drift that accumulates, not a sampler
+# broken at step 0). The headline regime is the biting cell with the smallest mean KL; the
+# routing-flip regime (R2 vs R3) the cell with the smallest KL among those with mean routing
+# agreement <= 0.90. If nothing bites, a second warm start (Countdown with 4 operands and 16+ new
+# tokens, 16 experts top-2) is calibrated by the same rule before any contrast runs.
+CALIBRATION_CELLS: dict[str, Overrides] = {
+    "clean": FP32,
+    **{f"noise_{s:g}": noise(s) for s in (0.05, 0.1, 0.15)},
+    "fp4_wa_fp4_kv": quant("fp4_wa_fp4_kv"),
+    "int8_wa_int8_kv": quant("int8_wa_int8_kv"),
+    **{f"stale_{k}": stale(k) for k in (32, 64)},
+    # [MiniRL]'s setting: a bf16 trainer (f32 master weights) against an FP8 W/A + FP8 KV sampler.
+    "bf16_trainer_fp8": {"model.dtype": "bfloat16", "sampler.dtype": "bfloat16",
+                         "sampler.quant": "fp8_wa_fp8_kv"},
+}
+
+
+def _calibrate() -> Study:
+  lr = RECIPE_LR if RECIPE_LR is not None else SGD_LRS[0]
+  return Study(
+      name="calibrate",
+      description="Protocol step 2: PG alone under each mismatch source (weight noise 0.05 / 0.1 / 0.15, all-FP4, "
+                  "INT8 W/A + INT8 KV, staleness 32 / 64, bf16 trainer + FP8 sampler) and the clean arm, the "
+                  f"papers' recipe at lr {lr:g}, 400 steps, 2 seeds; rule bites.",
+      panels=tuple((k, dict(recipe(lr), **v)) for k, v in CALIBRATION_CELLS.items()),
+      lines=(("pg", _m("pg")),), seeds=CALIBRATION_SEEDS, steps=RECIPE_STEPS,
+      protocol=Protocol(rule="bites"))
+
+
+CALIBRATE_STUDY = _add(_calibrate())
 
 
 def get(name: str) -> Study:

@@ -1,0 +1,186 @@
+"""A study's pre-registered protocol: primary metric, contrasts or selection rule, tests; per-run scores.
+
+Declared in code beside the study (`rl_jax/study/studies.py`) and committed before its runs; the
+runner stamps every run with the commit it ran at and this protocol's hash (`Protocol.digest`), and
+the analysis (`rl_jax/study/analyze.py`) refuses to pool cells that differ in either.
+
+Per run (docs/results.md#protocol):
+- primary metric: mean held-out greedy accuracy over the last `last_k` scheduled evaluations on
+  an eval set of >= `min_eval_size` prompts. An evaluation a run did not reach because it
+  aborted on a non-finite loss counts as `missing_after_abort` (0: a diverged policy answers
+  nothing). A run that neither finished nor aborted has no score and is left out, named.
+- outcome: 'never learned' if the best evaluation never exceeded the warm start's (step 0) by
+  `collapse_margin`; else 'collapsed' if the primary metric ended below the warm start's; else
+  'learned'.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from typing import Any, Sequence
+
+from rl_jax.analysis.runs import Run
+
+ACCURACY = "eval_greedy_accuracy"
+TRAIN_ACCURACY = "accuracy"
+KL = "mismatch/kl_k1"
+ROUTING = "mismatch/routing_agreement"
+OUTCOMES = ("learned", "collapsed", "never learned")
+
+
+@dataclasses.dataclass(frozen=True)
+class Contrast:
+  """Line `a` against line `b` in panel `panel`, paired over seeds; two-sided."""
+  panel: str
+  a: str
+  b: str
+  question: str = ""
+
+  @property
+  def name(self) -> str:
+    return f"{self.panel}: {self.a} vs {self.b}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Planning:
+  """What the power statement assumes: the paired s.d. of the primary metric's differences and the
+  effect size of interest, with where each came from (a calibration's numbers)."""
+  sd_diff: float
+  delta: float
+  source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Protocol:
+  """The pre-registered analysis of one study (module docstring).
+
+  A study has `contrasts` (each tested with a paired t-test and a Wilcoxon signed-rank test,
+  Holm-corrected over the study's contrasts at `alpha`), or a selection `rule` (a calibration:
+  a name in `rl_jax.study.rules.RULES`, read mechanically off the per-seed table), or both.
+  `extra_seeds` states the only way seeds may be added after the runs: 'none' (the count is
+  fixed), or a rule that applies to every line alike.
+  """
+  contrasts: tuple[Contrast, ...] = ()
+  rule: str = ""
+  metric: str = ACCURACY
+  last_k: int = 3
+  min_eval_size: int = 1024
+  alpha: float = 0.05
+  collapse_margin: float = 0.05
+  missing_after_abort: float = 0.0
+  extra_seeds: str = "none"
+  planning: Planning | None = None
+
+  def __post_init__(self):
+    if self.last_k < 1:
+      raise ValueError(f"protocol.last_k must be >= 1, got {self.last_k}")
+    if not 0 < self.alpha < 1:
+      raise ValueError(f"protocol.alpha must be in (0, 1), got {self.alpha}")
+    if not self.contrasts and not self.rule:
+      raise ValueError("a protocol needs contrasts or a selection rule")
+    names = [c.name for c in self.contrasts]
+    if len(set(names)) != len(names):
+      raise ValueError(f"protocol: duplicate contrasts in {names}")
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  def digest(self, study_definition: dict) -> str:
+    """sha256 (16 hex digits) of this protocol and the study definition it analyses (every run's
+    overrides, seeds, steps, base config): any change to either is another protocol."""
+    blob = json.dumps({"protocol": self.as_dict(), "study": study_definition}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunScore:
+  """One run's row of the per-seed table."""
+  panel: str
+  line: str
+  seed: int
+  primary: float | None
+  start: float | None
+  peak: float | None
+  outcome: str | None
+  aborted_step: int | None
+  first_train_accuracy: float | None
+  mean_kl: float | None
+  mean_routing_agreement: float | None
+  evals: tuple[tuple[int, float], ...]
+  commit: str
+  protocol: str
+  note: str = ""
+
+  def as_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["evals"] = [list(e) for e in self.evals]
+    return d
+
+
+def eval_schedule(steps: int, eval_every: int) -> list[int]:
+  """The steps the trainer evaluates at after step 0: every `eval_every`, and the last step."""
+  out = list(range(eval_every, steps + 1, eval_every))
+  if not out or out[-1] != steps:
+    out.append(steps)
+  return out
+
+
+def _mean(values: Sequence[float]) -> float | None:
+  x = [v for v in values if v is not None and math.isfinite(v)]
+  return sum(x) / len(x) if x else None
+
+
+def score_run(run: Run, protocol: Protocol, steps: int, eval_every: int, eval_size: int, panel: str = "",
+              line: str = "", seed: int | None = None) -> RunScore:
+  """The run's primary metric and outcome (module docstring); `primary` None when it has none yet.
+
+  `panel` / `line` / `seed` label the row (default: the run's study.json)."""
+  if eval_size < protocol.min_eval_size:
+    raise ValueError(f"{run.workdir}: rl.eval_size={eval_size} < the protocol's min_eval_size="
+                     f"{protocol.min_eval_size}")
+  ev_steps, ev_values = run.series(protocol.metric)
+  evals = dict(zip(ev_steps, ev_values))
+  aborted = run.aborted_step
+  schedule = eval_schedule(steps, eval_every)[-protocol.last_k:]
+  primary, note = None, ""
+  if all(s in evals for s in schedule):
+    primary = _mean([evals[s] for s in schedule])
+  elif aborted is not None:
+    vals = [evals.get(s, protocol.missing_after_abort) if s < aborted else protocol.missing_after_abort
+            for s in schedule]
+    primary = sum(vals) / len(vals)
+    note = f"aborted (non-finite) at step {aborted}: later evaluations count {protocol.missing_after_abort:g}"
+  else:
+    note = f"unfinished: last logged step {run.last_step} of {steps}"
+  if primary is not None and not math.isfinite(primary):
+    primary, note = protocol.missing_after_abort, "non-finite evaluation counted as " \
+        f"{protocol.missing_after_abort:g}"
+  start = evals.get(0)
+  finite = [v for v in ev_values if math.isfinite(v)]
+  peak = max(finite) if finite else None
+  outcome = None
+  if primary is not None and start is not None and peak is not None:
+    if peak < start + protocol.collapse_margin:
+      outcome = "never learned"
+    elif primary < start:
+      outcome = "collapsed"
+    else:
+      outcome = "learned"
+  tr_steps, tr_acc = run.series(TRAIN_ACCURACY)
+  first = tr_acc[tr_steps.index(min(tr_steps))] if tr_steps else None
+  study = run.study or {}
+  return RunScore(panel=panel or study.get("panel", ""), line=line or study.get("line", ""),
+                  seed=int(run.seed or 0) if seed is None else seed,
+                  primary=primary, start=start, peak=peak, outcome=outcome, aborted_step=aborted,
+                  first_train_accuracy=first, mean_kl=_mean(run.series(KL)[1]),
+                  mean_routing_agreement=_mean(run.series(ROUTING)[1]),
+                  evals=tuple(sorted(evals.items())), commit=str(study.get("commit", "unknown")),
+                  protocol=str(study.get("protocol", "")), note=note)
+
+
+def study_definition(study: Any) -> dict:
+  """What a protocol's digest covers of its study: base, seeds, steps and every run's overrides."""
+  return {"name": study.name, "base": study.base, "seeds": study.seeds, "steps": study.steps,
+          "runs": {r.name: r.overrides for r in study.runs()}}

@@ -1,0 +1,141 @@
+"""Paired statistics of a pre-registered contrast: t and Wilcoxon tests, CI, Holm, power (pure functions)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Sequence
+
+import numpy as np
+from scipy import stats as sps
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedTest:
+  """A - B over the seeds both lines ran (the same seed = the same noise, prompts and eval set).
+
+  `mean`, `sd`, `se` are of the paired differences d_s = A_s - B_s; `ci` the two-sided
+  (1 - alpha) t interval of their mean; `p_t` the paired t-test's two-sided p; `p_wilcoxon`
+  the Wilcoxon signed-rank test's (exact without ties or zeros, else the normal
+  approximation; zero differences dropped, as Wilcoxon defined it).
+  """
+  n: int
+  seeds: tuple[int, ...]
+  diffs: tuple[float, ...]
+  mean: float
+  sd: float
+  se: float
+  t: float
+  df: int
+  p_t: float
+  p_wilcoxon: float
+  ci: tuple[float, float]
+  alpha: float
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def paired(a: Mapping[int, float], b: Mapping[int, float]) -> tuple[list[int], np.ndarray]:
+  """(seeds in both, d = a - b over them), seeds ascending; non-finite values are refused."""
+  seeds = sorted(set(a) & set(b))
+  d = np.asarray([a[s] - b[s] for s in seeds], np.float64)
+  if not np.all(np.isfinite(d)):
+    bad = [s for s, x in zip(seeds, d) if not math.isfinite(x)]
+    raise ValueError(f"paired difference not finite at seeds {bad}: the primary metric must be defined "
+                     "for every run (study.protocol fills what an aborted run did not reach)")
+  return seeds, d
+
+
+def wilcoxon_p(d: Sequence[float]) -> float:
+  """Two-sided Wilcoxon signed-rank p of `d` (zeros dropped); 1.0 when every difference is zero."""
+  d = np.asarray(d, np.float64)
+  if not np.any(d != 0):
+    return 1.0
+  return float(sps.wilcoxon(d, zero_method="wilcox", alternative="two-sided", method="auto").pvalue)
+
+
+def paired_test(a: Mapping[int, float], b: Mapping[int, float], alpha: float = 0.05) -> PairedTest:
+  """The paired t-test, Wilcoxon test and (1 - alpha) CI of mean(A - B); needs >= 2 common seeds."""
+  seeds, d = paired(a, b)
+  n = d.size
+  if n < 2:
+    raise ValueError(f"a paired test needs >= 2 seeds both lines ran, got {n} ({seeds})")
+  mean, sd = float(d.mean()), float(d.std(ddof=1))
+  se = sd / math.sqrt(n)
+  df = n - 1
+  half = float(sps.t.ppf(1 - alpha / 2, df)) * se
+  if se > 0:
+    t = mean / se
+    p = float(2 * sps.t.sf(abs(t), df))
+  else:  # every difference equal: no variance to test against
+    t = math.copysign(math.inf, mean) if mean else 0.0
+    p = 0.0 if mean else 1.0
+  return PairedTest(n=n, seeds=tuple(seeds), diffs=tuple(float(x) for x in d), mean=mean, sd=sd, se=se,
+                    t=float(t), df=df, p_t=p, p_wilcoxon=wilcoxon_p(d), ci=(mean - half, mean + half),
+                    alpha=alpha)
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+  """Holm-Bonferroni adjusted p-values (same order as given): step-down, monotone, capped at 1."""
+  p = np.asarray(pvalues, np.float64)
+  m = p.size
+  order = np.argsort(p, kind="stable")
+  out = np.empty(m)
+  running = 0.0
+  for rank, i in enumerate(order):
+    running = max(running, min(1.0, (m - rank) * p[i]))
+    out[i] = running
+  return [float(x) for x in out]
+
+
+def power(n: int, sd_d: float, delta: float, alpha: float = 0.05) -> float:
+  """Power of the two-sided paired t-test with n pairs to detect a true mean difference `delta`
+  when the differences have s.d. `sd_d` (noncentral t)."""
+  if n < 2 or sd_d <= 0:
+    return math.nan
+  df = n - 1
+  nc = delta / (sd_d / math.sqrt(n))
+  crit = sps.t.ppf(1 - alpha / 2, df)
+  return float(sps.nct.sf(crit, df, nc) + sps.nct.cdf(-crit, df, nc))
+
+
+def min_detectable(n: int, sd_d: float, alpha: float = 0.05, target: float = 0.8) -> float:
+  """The smallest |mean difference| the paired t-test detects with power `target` (bisection)."""
+  if n < 2 or sd_d <= 0:
+    return math.nan
+  lo, hi = 0.0, sd_d
+  while power(n, sd_d, hi, alpha) < target:
+    hi *= 2
+  for _ in range(60):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if power(n, sd_d, mid, alpha) < target else (lo, mid)
+  return hi
+
+
+def seeds_for_power(sd_d: float, delta: float, alpha: float = 0.05, target: float = 0.8,
+                    max_n: int = 1000) -> int | None:
+  """The smallest n with power >= `target` at `delta`, or None beyond `max_n`."""
+  for n in range(2, max_n + 1):
+    if power(n, sd_d, delta, alpha) >= target:
+      return n
+  return None
+
+
+def verdict(name_a: str, name_b: str, test: PairedTest, p_holm: float, p_holm_wilcoxon: float,
+            alpha: float) -> str:
+  """The mechanical reading: a direction when the Holm-corrected paired-t p < alpha, else a null.
+
+  The CI is the unadjusted (1 - alpha) interval of the mean paired difference; the Wilcoxon test
+  (Holm-corrected over the same contrasts) is the robustness check, named when it disagrees.
+  """
+  lo, hi = test.ci
+  ci = f"mean difference {test.mean:+.3f}, {100 * (1 - alpha):.0f}% CI [{lo:+.3f}, {hi:+.3f}], n = {test.n}"
+  if p_holm < alpha:
+    head = f"{name_a} > {name_b}" if test.mean > 0 else f"{name_a} < {name_b}"
+    text = f"**{head}** ({ci}; paired t p = {test.p_t:.3g}, Holm {p_holm:.3g})"
+  else:
+    text = (f"**null**: no difference between {name_a} and {name_b} detected ({ci}; paired t p = "
+            f"{test.p_t:.3g}, Holm {p_holm:.3g} >= {alpha:g})")
+  if (p_holm_wilcoxon < alpha) != (p_holm < alpha):
+    text += f"; the Wilcoxon test disagrees (p = {test.p_wilcoxon:.3g}, Holm {p_holm_wilcoxon:.3g})"
+  return text

@@ -1,0 +1,184 @@
+"""The pre-registered study protocol: paired statistics, per-run scores, selection rules, the analysis."""
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from rl_jax.analysis.runs import Run
+from rl_jax.study import analyze, protocol, rules, runner, stats, studies
+from rl_jax.study.protocol import Contrast, Planning, Protocol, RunScore
+
+
+def test_paired_t_matches_the_closed_form():
+  a = {0: 0.30, 1: 0.25, 2: 0.40, 3: 0.35, 4: 0.20}
+  b = {0: 0.20, 1: 0.22, 2: 0.31, 3: 0.30, 4: 0.21, 9: 0.9}   # seed 9 is unpaired: ignored
+  t = stats.paired_test(a, b, alpha=0.05)
+  d = np.array([0.10, 0.03, 0.09, 0.05, -0.01])
+  se = d.std(ddof=1) / math.sqrt(5)
+  assert t.seeds == (0, 1, 2, 3, 4) and t.n == 5 and t.df == 4
+  assert t.mean == pytest.approx(d.mean()) and t.se == pytest.approx(se)
+  assert t.t == pytest.approx(d.mean() / se)
+  assert t.p_t == pytest.approx(2 * (1 - sps.t.cdf(d.mean() / se, 4)))
+  half = 2.7764451051977987 * se                      # t_{0.975, 4}
+  assert t.ci == pytest.approx((d.mean() - half, d.mean() + half))
+  # Wilcoxon, exact: ranks of |d| = [5, 2, 4, 3, 1], W- = 1 -> P(W <= 1) * 2 = 2 * 2 / 32.
+  assert t.p_wilcoxon == pytest.approx(4 / 32)
+
+
+def test_paired_test_edge_cases():
+  with pytest.raises(ValueError, match=">= 2 seeds"):
+    stats.paired_test({0: 1.0}, {0: 0.5, 1: 0.2})
+  with pytest.raises(ValueError, match="not finite"):
+    stats.paired_test({0: 1.0, 1: math.nan}, {0: 0.5, 1: 0.2})
+  same = stats.paired_test({0: 0.3, 1: 0.4}, {0: 0.3, 1: 0.4})
+  assert same.p_t == 1.0 and same.p_wilcoxon == 1.0 and same.mean == 0.0
+
+
+def test_holm_step_down():
+  # m = 4: sorted p 0.01, 0.02, 0.03, 0.5 -> 0.04, 0.06, 0.06 (monotone), 0.5 (capped by rank 1 x 0.5).
+  assert stats.holm([0.03, 0.5, 0.01, 0.02]) == pytest.approx([0.06, 0.5, 0.04, 0.06])
+  assert stats.holm([0.9, 0.8]) == pytest.approx([1.0, 1.0])
+
+
+def test_power_and_detectable_difference():
+  assert stats.power(10, 0.1, 0.0, 0.05) == pytest.approx(0.05, abs=1e-9)   # no effect: the test's size
+  assert stats.power(10, 0.1, 0.05) < stats.power(20, 0.1, 0.05) < stats.power(20, 0.1, 0.1)
+  mde = stats.min_detectable(10, 0.1)
+  assert stats.power(10, 0.1, mde) == pytest.approx(0.8, abs=1e-6)
+  n = stats.seeds_for_power(0.1, mde)
+  assert n == 10
+
+
+def _run(evals, train_acc=0.05, failed=None, seed=0, kl=1e-3):
+  rows = [{"step": s, "eval_greedy_accuracy": v} for s, v in evals]
+  by = {r["step"]: r for r in rows}
+  for s in range(1, max(s for s, _ in evals) + 1):
+    by.setdefault(s, {"step": s}).update({"reward": 0.0, "accuracy": train_acc if s == 1 else 0.5,
+                                          "mismatch/kl_k1": kl})
+  return Run(workdir=f"/x/seed{seed}", name="x", seed=seed, rows=[by[s] for s in sorted(by)], failed=failed,
+             study={"panel": "p", "line": "l", "commit": "abc", "protocol": "d"})
+
+
+def test_score_run_primary_metric_and_outcome():
+  proto = Protocol(rule="best_lr", last_k=3)
+  learned = protocol.score_run(_run([(0, 0.1), (20, 0.2), (40, 0.3), (60, 0.4), (80, 0.5)]), proto, 80, 20, 1024)
+  assert learned.primary == pytest.approx(0.4) and learned.outcome == "learned"
+  assert learned.start == 0.1 and learned.peak == 0.5 and learned.first_train_accuracy == 0.05
+  assert protocol.eval_schedule(90, 20) == [20, 40, 60, 80, 90]
+  collapsed = protocol.score_run(_run([(0, 0.1), (20, 0.3), (40, 0.05), (60, 0.0), (80, 0.01)]), proto, 80, 20, 1024)
+  assert collapsed.outcome == "collapsed"
+  flat = protocol.score_run(_run([(0, 0.1), (20, 0.12), (40, 0.11), (60, 0.1), (80, 0.13)]), proto, 80, 20, 1024)
+  assert flat.outcome == "never learned"
+  # Aborted on a non-finite loss at step 65: the evaluation at 60 counts, 80 (never reached) counts 0.
+  ab = _run([(0, 0.1), (20, 0.3), (40, 0.3), (60, 0.3)], failed={"error": "FloatingPointError: non-finite loss"})
+  ab.rows.append({"step": 64, "reward": 0.0})
+  s = protocol.score_run(ab, proto, 80, 20, 1024)
+  assert s.aborted_step == 65 and s.primary == pytest.approx((0.3 + 0.3 + 0.0) / 3)
+  assert "aborted" in s.note
+  unfinished = protocol.score_run(_run([(0, 0.1), (20, 0.3)]), proto, 80, 20, 1024)
+  assert unfinished.primary is None and "unfinished" in unfinished.note
+  with pytest.raises(ValueError, match="min_eval_size"):
+    protocol.score_run(_run([(0, 0.1)]), proto, 80, 20, 256)
+
+
+def _score(panel, seed, primary, start=0.05, first=0.05, kl=1e-3, route=None, outcome="learned", line="pg"):
+  return RunScore(panel=panel, line=line, seed=seed, primary=primary, start=start, peak=max(primary, start) + 0.1,
+                  outcome=outcome, aborted_step=None, first_train_accuracy=first, mean_kl=kl,
+                  mean_routing_agreement=route, evals=(), commit="abc", protocol="d")
+
+
+def test_rule_best_lr_prefers_the_smaller_of_tied_rates():
+  scores = [_score("lr_0.01", s, 0.10) for s in (0, 1)] + [_score("lr_0.1", s, 0.305) for s in (0, 1)]
+  scores += [_score("lr_0.3", s, 0.31) for s in (0, 1)]
+  scores += [_score("lr_1", 0, 0.5), _score("lr_1", 1, 0.0, outcome="collapsed")]   # best mean, not stable
+  _, text, decision = rules.best_lr(scores)
+  assert decision["lr"] == 0.1 and "lr = 0.1" in text
+
+
+def test_rule_bites_separates_drift_from_a_broken_sampler():
+  clean = [_score("clean", s, 0.30) for s in (0, 1)]                       # gain 0.25 on each seed
+  drift = [_score("noise_0.1", s, 0.10, kl=0.05, route=0.95) for s in (0, 1)]   # keeps 20%: bites
+  mild = [_score("noise_0.05", 0, 0.10, kl=0.01), _score("noise_0.05", 1, 0.25, kl=0.01)]   # one seed keeps 80%
+  broken = [_score("fp4", s, 0.05, first=0.01, kl=0.02, route=0.85) for s in (0, 1)]   # broken at step 0
+  _, text, decision = rules.bites(clean + drift + mild + broken)
+  assert decision["biting"] == ["noise_0.1"] and decision["regime"] == "noise_0.1"
+  assert decision["routing_flip"] == "fp4"
+  table, _, _ = rules.bites(clean + broken)
+  assert "broken at step 0" in table
+
+
+PROTO = Protocol(contrasts=(Contrast("n", "sc", "pg", "SC over PG"), Contrast("n", "tis", "pg")),
+                 min_eval_size=8, planning=Planning(sd_diff=0.05, delta=0.05, source="test"))
+STUDY = studies.Study(name="proto_micro", description="test", base="configs/countdown_tiny.py:test",
+                      panels=(("n", {"rl.eval_size": 8, "rl.eval_every": 1}),),
+                      lines=(("pg", {"loss.method": "pg"}), ("sc", {"loss.method": "pg"}),
+                             ("tis", {"loss.method": "tis"})),
+                      seeds=4, steps=3, protocol=PROTO)
+
+
+class PrimaryExecutor:
+  """A trainer stand-in: accuracy rises to a per-(line, seed) final value; records what it was run as."""
+
+  FINAL = {"pg": 0.20, "sc": 0.30, "tis": 0.21}
+
+  def __call__(self, launch, log_path):
+    if launch.kind == "warm_start":
+      return 0
+    final = self.FINAL[launch.run.line] + 0.01 * launch.seed + (0.003 * launch.seed ** 2 if launch.run.line == "sc" else 0)
+    with open(os.path.join(launch.workdir, "metrics.jsonl"), "w") as f:
+      f.write(json.dumps({"step": 0, "eval_greedy_accuracy": 0.05}) + "\n")
+      for s in range(1, launch.steps + 1):
+        f.write(json.dumps({"step": s, "reward": 0.0, "accuracy": 0.05, "mismatch/kl_k1": 1e-3,
+                            "eval_greedy_accuracy": final}) + "\n")
+    with open(os.path.join(launch.workdir, "summary.json"), "w") as f:
+      json.dump({"steps": launch.steps}, f)
+    return 0
+
+
+def test_protocol_study_end_to_end(tmp_path, monkeypatch):
+  monkeypatch.setattr(runner, "code_version", lambda repo=None: "c0ffee")
+  p = runner.plan(STUDY, str(tmp_path))
+  assert p.protocol == PROTO.digest(protocol.study_definition(STUDY)) and not p.deviations
+  text = runner.protocol_text(p)
+  assert "contrast n: sc vs pg (SC over PG)" in text and "power at n = 4" in text
+  runner.run_study(p, executor=PrimaryExecutor(), progress=False)
+  info = json.load(open(tmp_path / "n/sc/seed0/study.json"))
+  assert info["commit"] == "c0ffee" and info["protocol"] == p.protocol
+  paths = runner.aggregate_study(p, "python -m rl_jax.study proto_micro")
+  result = json.load(open(paths["contrasts"]))["contrasts"]
+  sc = next(r for r in result if r["name"] == "n: sc vs pg")
+  assert sc["test"]["n"] == 4 and sc["test"]["mean"] == pytest.approx(0.1 + 0.003 * np.mean([0, 1, 4, 9]))
+  assert sc["verdict"].startswith("**sc > pg**")
+  tis = next(r for r in result if r["name"] == "n: tis vs pg")
+  # Every difference is exactly 0.01: no variance, p = 0 -> a direction; Holm keeps it below alpha.
+  assert tis["test"]["mean"] == pytest.approx(0.01)
+  per_seed = json.load(open(paths["per_seed_json"]))
+  assert len(per_seed) == 12 and {r["commit"] for r in per_seed} == {"c0ffee"}
+  assert os.path.exists(paths["per_seed_csv"]) and json.load(open(paths["protocol"]))["digest"] == p.protocol
+  verdict = open(paths["verdict"]).read()
+  assert "## Protocol (pre-registered)" in verdict and "Not yet written" not in verdict
+  # A cell rerun at another commit cannot be pooled with the rest without --allow_mixed.
+  info["commit"] = "beef"
+  json.dump(info, open(tmp_path / "n/sc/seed0/study.json", "w"))
+  with pytest.raises(analyze.MixedRunsError, match="2 commits"):
+    runner.aggregate_study(p)
+  runner.aggregate_study(p, allow_mixed=True)
+  assert "Pooled despite differences" in open(paths["verdict"]).read()
+  # Fewer seeds than the protocol's is a deviation the verdict names.
+  short = runner.plan(STUDY, str(tmp_path), seeds=3)
+  assert short.deviations == ("--seeds 3 instead of the protocol's 4",)
+
+
+def test_protocol_studies_are_declared_with_their_rules():
+  for name in ("lr_sgd", "calibrate"):
+    s = studies.get(name)
+    assert s.protocol is not None and s.protocol.rule in rules.RULES and s.seeds >= 2 and s.steps >= 400
+    for r in s.runs():
+      o = r.overrides
+      assert o["optim.name"] == "sgd" and o["optim.schedule"] == "constant" and o["rl.n_minibatches"] == 1
+      assert o["advantage.reward_mode"] == "pm1" and o["advantage.mode"] == "group_centered"
+      assert o["rl.eval_size"] >= s.protocol.min_eval_size
+  assert "clean" in dict(studies.get("calibrate").panels)
