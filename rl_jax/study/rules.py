@@ -123,3 +123,25 @@ def bites(scores: Sequence[RunScore]) -> tuple[str, str, dict]:
 
 
 RULES: dict[str, Rule] = {"best_lr": best_lr, "bites": bites}
+
+
+def planning_from(scores: Sequence[RunScore]) -> dict:
+  """What a calibration says for the power of the contrasts that follow it: the pooled within-cell
+  s.d. of the primary metric over seeds (every cell with >= 2 seeds), the paired s.d. of a
+  difference between two lines that assumes no within-seed correlation (sqrt(2) x, conservative
+  when pairing helps), and the effect of interest, half the clean arm's mean gain."""
+  panels = _by_panel(scores)
+  ss, df = 0.0, 0
+  for seeds in panels.values():
+    x = [s.primary for s in seeds.values() if s.primary is not None]
+    if len(x) >= 2:
+      m = sum(x) / len(x)
+      ss += sum((v - m) ** 2 for v in x)
+      df += len(x) - 1
+  if not df:
+    raise ValueError("planning_from: no cell with >= 2 scored seeds")
+  sd = math.sqrt(ss / df)
+  clean = [s.primary - s.start for s in panels.get(CLEAN, {}).values()
+           if s.primary is not None and s.start is not None]
+  gain = sum(clean) / len(clean) if clean else math.nan
+  return {"sd_within": sd, "df": df, "sd_diff": math.sqrt(2.0) * sd, "clean_gain": gain, "delta": gain / 2}

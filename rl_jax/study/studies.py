@@ -337,3 +337,70 @@ def get(name: str) -> Study:
   if name not in STUDIES:
     raise KeyError(f"unknown study {name!r}; studies: {sorted(STUDIES)}")
   return STUDIES[name]
+
+
+# -- 3. the headline contrasts at power --------------------------------------------------------------
+# Regimes read off `calibrate` by its rule (commit bb55060, 2 seeds x 400 steps; docs/results.md):
+# staleness K = 32 and 64 bite (PG keeps 17% / -6% and -23% / -21% of the clean gain; first-step
+# accuracy = the clean sampler's), no weight-noise, quantized or bf16 / FP8 cell does. The headline
+# regime is the biting cell with the smaller KL, stale_32 (KL k1 0.35 per token); the routing-flip
+# regime the cell with the smallest KL among mean routing agreement <= 0.90, fp4_wa_fp4_kv (0.900).
+HEADLINE_REGIME = "stale_32"
+ROUTING_FLIP_REGIME = "fp4_wa_fp4_kv"
+# Power ([rules.planning_from] of calibrate's per-seed table): pooled within-cell s.d. of the primary
+# metric 0.0438 (9 df), paired s.d. of a difference sqrt(2) x that = 0.062 (no within-seed
+# correlation assumed); effect of interest half the clean gain, 0.071. At 12 paired seeds the paired
+# t-test has power 0.95 at alpha 0.05 and 0.75 at Holm's strictest level (0.05 / 6), and detects
+# |difference| >= 0.055 (0.074 at 0.05 / 6) with 80% power.
+HEADLINE_SEEDS = 12
+HEADLINE_PLANNING = Planning(
+    sd_diff=0.062, delta=0.071,
+    source="calibrate (commit bb55060): pooled within-cell s.d. 0.0438 over 9 cells x 2 seeds, x sqrt(2); "
+           "delta = half the clean arm's mean gain 0.142")
+# [MiniRL] off-policy: N = 4 mini-batches of 16 prompts x 8 (the mini-batch held fixed: 4x the prompts
+# per global step), MiniRL with clipping, replaying the trainer's (R2) or the sampler's (R3) experts.
+ROUTING_N = 4
+_SC = {"loss.method": "pg", "loss.score_centering": "topk", "loss.topk": 16}
+HEADLINE_LINES: dict[str, Overrides] = {
+    "pg": _m("pg"),
+    "sc": _SC,                                                        # top-16 score centering
+    "tis": _m("tis"),
+    "sc_tis": dict(_SC, **{"loss.method": "tis"}),
+    "sc_top4": dict(_SC, **{"loss.topk": 4}),
+    "sc_full": dict(_m("pg", "full"), **{"sampler.record_topk": sweeps.TINY_VOCAB}),
+    "minirl": dict(MINIRL, **{"loss.minirl_clip": True}),
+    "minirl_no_is": dict(MINIRL, **{"loss.minirl_clip": True, "loss.minirl_train_infer_is": False}),
+}
+ROUTING_LINES: dict[str, Overrides] = {
+    f"minirl_{r.lower()}": dict(MINIRL, **{"loss.minirl_clip": True, "rl.routing_replay": r}) for r in ("R2", "R3")}
+HEADLINE_CONTRASTS = (
+    Contrast(HEADLINE_REGIME, "sc", "pg", "[SC]: score centering beats plain PG under mismatch"),
+    Contrast(HEADLINE_REGIME, "sc_tis", "tis", "[SC]: score centering on top of TIS beats TIS"),
+    Contrast(HEADLINE_REGIME, "sc_top4", "sc_full", "[SC] Fig. 5: top-4 score centering matches full"),
+    Contrast(HEADLINE_REGIME, "sc", "sc_full", "[SC] Fig. 5: top-16 score centering matches full"),
+    Contrast(HEADLINE_REGIME, "minirl", "minirl_no_is", "[MiniRL]: the train/inference IS weight matters"),
+    Contrast(f"{ROUTING_FLIP_REGIME}_n{ROUTING_N}", "minirl_r3", "minirl_r2",
+             "[MiniRL]: R3 beats R2 at N = 4 under routing mismatch"),
+)
+
+
+def _headline() -> Study:
+  lr = RECIPE_LR
+  cells = {HEADLINE_REGIME: CALIBRATION_CELLS[HEADLINE_REGIME],
+           f"{ROUTING_FLIP_REGIME}_n{ROUTING_N}": dict(CALIBRATION_CELLS[ROUTING_FLIP_REGIME], **{
+               "rl.prompts_per_step": ROUTING_N * SMALL_BATCH["rl.prompts_per_step"], "rl.n_minibatches": ROUTING_N})}
+  panels = tuple((k, dict(recipe(lr), **v)) for k, v in cells.items())
+  lines = {**HEADLINE_LINES, **ROUTING_LINES}
+  skip = tuple((HEADLINE_REGIME, k) for k in ROUTING_LINES) + tuple(
+      (f"{ROUTING_FLIP_REGIME}_n{ROUTING_N}", k) for k in HEADLINE_LINES)
+  return Study(
+      name="headline",
+      description=f"Protocol step 3: the headline contrasts at {HEADLINE_SEEDS} paired seeds: [SC]'s SC vs PG, "
+                  f"SC+TIS vs TIS, top-4 / top-16 vs full SC and [MiniRL]'s IS weight under {HEADLINE_REGIME}; "
+                  f"[MiniRL]'s R3 vs R2 at N = {ROUTING_N} (mini-batch fixed) under {ROUTING_FLIP_REGIME}; the "
+                  f"papers' recipe at lr {lr:g}, 400 steps.",
+      panels=panels, lines=tuple(lines.items()), skip=skip, seeds=HEADLINE_SEEDS, steps=RECIPE_STEPS,
+      protocol=Protocol(contrasts=HEADLINE_CONTRASTS, planning=HEADLINE_PLANNING))
+
+
+_add(_headline())
