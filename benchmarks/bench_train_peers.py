@@ -117,7 +117,7 @@ class Ours:
         response_mask_BT=jnp.asarray(data["mask"]), logq_BT=jnp.asarray(data["logq"]),
         adv_B=jnp.asarray(data["adv"]))
     kw = dict(graphdef=self.graphdef, loss_cfg=LOSS)
-    # The trainer's jits (RLTrainer._build_steps), single device.
+    # The trainer's step functions (rl_jax/rl/programs.py jits the same ones), single device.
     self.old_forward = jax.jit(lambda pr, bt: step_lib.old_forward(pr, bt, **kw)[0])
     self.update = jax.jit(lambda pr, o, bt: step_lib.update(pr, o, bt, **kw, optimizer=self.optimizer,
                                                             aux_coef=0.0), donate_argnums=(0, 1))

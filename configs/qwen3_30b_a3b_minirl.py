@@ -4,40 +4,33 @@ Command (arg `nN`, N in {1, 2, 4, 8}, default n1; the checkpoint is a local Hugg
 directory of a cold-started Qwen3-30B-A3B, read on every host):
   sbatch --nodes=4 launch/slurm_gpu.sbatch --config=configs/qwen3_30b_a3b_minirl.py:n4 \
     --workdir=/shared/runs/minirl_n4 --config.warm_start.path=/shared/ckpt/Qwen3-30B-A3B
-Hardware: 4 hosts x 8 x H100/H200 80GB+ (32 devices; mesh data=1, fsdp=4, expert=8,
-tensor=1). On one 8-GPU host: --config.mesh.fsdp=1 (expert=8).
+Hardware: 4 hosts x 8 x H200 (32 devices; mesh data=1, fsdp=4, expert=8, tensor=1). On one
+8-GPU host: --config.mesh.fsdp=1 (expert=8; not planned).
 Runtime: not measured on GPUs with this code. A scale estimate from [SC] (Table 2: ~0.1
 H100-hour per step of 128 x 1024-token responses on this model) is ~1 H100-hour per
 1024-response gradient step, i.e. ~2-3 minutes per mini-batch update on 32 GPUs and
 about 1-2 days for the 1000 global steps at N=1 (N times that at N > 1). [MiniRL]'s own
 5-6 GPU-hours per step are for 32K-token math responses.
-Plan (`python -m rl_jax.plan --config=configs/qwen3_30b_a3b_minirl.py:n4 --device h200
---dispatch gspmd,shard_map`: XLA:CPU on 32 simulated devices, memory-optimized scheduler, scanned
-layers, all 48 layers compiled; GiB per device, H200 141 GB; gspmd / shard_map dispatch):
-                          sync        generate     p_old forward   update (x4)
-  f32 params / AdamW      4.81/9.62   4.81/9.62    4.81/9.62       4.81/9.62
-  FP8 sampler weights     1.36        1.36         1.36            1.36
-  FP8 KV cache                        10.16
-  other temporaries       0.00        414 / 279    2006 / 1349     993 / 1213
-  peak                    15.8        440 / 305    2022 / 1365     1009 / 1229
-  MoE dispatch GB (model)             15965 / 454  15977 / 454     11983 / 341
-  model TFLOP                         1131         1079            1079
-  roofline s (H200)       0.002       2.64 / 2.64  3.32 / 1.62     3.75 / 2.04
-  compile s               2.8         33.9 / 39.2  13.7 / 13.1     44.2 / 24.9
-Only the sync fits (AdamW's moments are sharded like their params since the optimizer-state fix:
-9.6 GiB, not 227). The largest contributors, from XLA's buffer report of the shard_map programs:
-(1) XLA:CPU lowers `lax.ragged_dot` densely, a [rows, 16 local experts x F] f32 buffer: 1.25 TiB of
-the p_old forward's 1.32 TiB, 255 GiB of generate's 290 (its prefill); a GPU's grouped matmul has
-no such buffer, so these two figures say little about an H200. What is real: (2) the shard_map
-dispatch all-gathers its expert group's (token, slot) rows, 8 x 163,840 tokens x top-8 = 10.5 M rows
-of 2048 (40 GiB bf16, 80 GiB f32) in the p_old forward, which runs all 128 sequences x 1,280 tokens
-of a device at once; (3) f32 attention scores [128, 4, 8, 1280, 1280], 25 GiB per layer (no flash
-attention); (4) under R3 the routing-agreement diagnostic's `lax.top_k` over the router
-probabilities (rl/step.py) makes GSPMD all-gather the global batch's [4096, 1280, 48, 128] f32
-logits: 120 GiB. Fitting needs the p_old forward in micro-batches, an all-to-all dispatch (each
-device receives its n k rows, not ep n k), chunked attention and a batch-sharded top-k. The GSPMD
-dispatch is worse: the SPMD partitioner cannot split `ragged_dot` by expert ("involuntary full
-rematerialization" warnings) and moves 35x the shard_map dispatch's bytes.
+Plan (`python -m rl_jax.plan --config=configs/qwen3_30b_a3b_minirl.py:n4 --device h200`: XLA:CPU
+on 32 simulated devices, memory-optimized scheduler, scanned layers, all 48 layers compiled; GiB per
+device against 0.9 x 141 GB usable; about 4 minutes on 2 cores):
+                          sync   generate  eval greedy  eval sampled  p_old fwd  update (x4)  first-order
+  f32 params / AdamW      4.8 / 9.6 in every program (AdamW's moments sharded like the params)
+  FP8 KV cache                   10.2      2.5          10.0
+  temporaries                    21.6      6.2          10.0          13.5       33.1         44.8
+  peak                    15.8   47.8      29.3         40.6          29.7       49.1         60.8
+  roofline s (H200)       0.002  20.7      3.9          12.4          19.1       14.6         24.5
+Every program fits with more than half the memory free; ~99 s of roofline per global step
+(collectives at 50 GB/s per chip, not overlapped: the MoE all-to-all dominates). What made it fit
+(peaks before -> after, shard_map dispatch; the intermediate figures from 2- and 4-layer
+compiles extrapolated, `--layers 2`): blocked (flash / cuDNN) attention, micro-batched
+p_old forward and update and the all-to-all dispatch: p_old 1,365 -> 43, update 1,229 -> 104;
+the local experts' overflow fallback as rounds of the capacity slab with its own VJP instead of
+`lax.ragged_dot` (dense on XLA:CPU and XLA:GPU) and 4 rows per device per update micro-batch:
+update -> 49; the first-order meter's cosine summed in place instead of `jnp.vdot` (which
+all-gathered every gradient leaf): first-order 274 -> 61; prefill 32 prompts per device at a time
+(the FP8 experts still take ragged_dot): generate 93 -> 48. The figures assume no grouped-matmul
+kernel: plain-weight experts never call ragged_dot, on any backend.
 
 Setting ([MiniRL], Sec. 4.2): each mini-batch is 64 prompts x 16 responses = 1024
 responses; a global step samples N mini-batches (64*N prompts) from the sampler at
@@ -73,6 +66,10 @@ N_CHOICES = (1, 2, 4, 8)
 REPLAY_FOR_N = {1: "none", 2: "R2", 4: "R3", 8: "R3"}
 PROMPTS_PER_MINIBATCH = 64
 RESPONSES_PER_PROMPT = 16
+# Rows per micro-batch over the whole 32-device mesh (8 and 4 rows per device).
+FORWARD_MICROBATCH = 256
+UPDATE_MICROBATCH = 128
+PREFILL_ROWS = 1024
 
 
 def parse_arg(arg: str | None) -> int:
@@ -91,8 +88,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cfg.resume = common.RESUME
   cfg.task = ml_collections.ConfigDict(dict(name="countdown", overrides={}))
   # scan_layers: one lax.scan over the 48 MoE layers: the full model compiles in seconds.
+  # moe_dispatch=shard_map: each device sends its (token, slot) rows to the expert shard that
+  # owns them (all-to-all) instead of GSPMD gathering weights; attention "auto": cuDNN on GPU,
+  # flash (no [S, S] scores) where cuDNN cannot take the mask.
   cfg.model = small.model_section("qwen3-30b-a3b", dtype="bfloat16", param_dtype="float32", remat=True,
-                                  scan_layers=True)
+                                  scan_layers=True, moe_dispatch="shard_map", attention="auto")
   # 32 devices. Expert weights [128, 2048, 768] split 8-way over experts (16 per shard)
   # and 4-way over d_model (fsdp): 32-way in all. Attention, embeddings and norms
   # (~1.5B params) are split 4-way by fsdp and replicated over the expert axis. The
@@ -108,7 +108,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cfg.sampler = ml_collections.ConfigDict(dict(
       max_prompt_len=256, max_new_tokens=1024, temperature=1.0, top_p=1.0, top_k=0, greedy=False,
       record_topk=0, record_experts=True, dtype="bfloat16", noise="none", noise_sigma=0.0,
-      quant="fp8_wa_fp8_kv", eos_id=small.QWEN3_EOS_ID, pad_id=small.QWEN3_PAD_ID))
+      quant="fp8_wa_fp8_kv", eos_id=small.QWEN3_EOS_ID, pad_id=small.QWEN3_PAD_ID,
+      # Prefill 32 prompts per device at a time (the quantized experts' ragged_dot is dense on
+      # XLA:CPU and XLA:GPU); decode keeps every row in flight (the FP8 cache is 10 GiB).
+      prefill_rows=PREFILL_ROWS))
   cfg.loss = ml_collections.ConfigDict(dict(
       method="minirl", score_centering="none", aggregation="constant", temperature=1.0,
       minirl_eps_low=0.2, minirl_eps_high=0.27, minirl_tis_c=5.0, minirl_train_infer_is=True,
@@ -117,7 +120,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cfg.rl = ml_collections.ConfigDict(dict(
       steps=1000, prompts_per_step=PROMPTS_PER_MINIBATCH * n, group_size=RESPONSES_PER_PROMPT,
       n_minibatches=n, staleness=1, routing_replay=REPLAY_FOR_N[n], eval_every=50, eval_size=256,
-      eval_temperature=1.0, checkpoint_every=25, max_to_keep=2, plot=True))
+      eval_temperature=1.0, checkpoint_every=25, max_to_keep=2, plot=True,
+      # Memory, not math (results equal the one-shot programs'): the p_old forward 8 rows per
+      # device at a time, each update's gradient accumulated over 4 rows per device.
+      forward_microbatch=FORWARD_MICROBATCH, update_microbatch=UPDATE_MICROBATCH))
   cfg.logging = common.logging()
   cfg.logging.run_name = f"qwen3_30b_a3b_minirl_n{n}"
   return cfg

@@ -12,15 +12,29 @@ import orbax.checkpoint as ocp
 from rl_jax import sharding as sh
 from rl_jax import workdir as wd
 
+# How long a background write may take before orbax gives up on it (its default is 20 min):
+# a multi-hundred-GB state on a slow file system needs longer, and a stuck write still ends.
+ASYNC_TIMEOUT_S = 4 * 3600
+
 
 class Checkpointer:
-  """Synchronous orbax CheckpointManager under `workdir/checkpoints`.
+  """Orbax CheckpointManager under `workdir/checkpoints`, asynchronous by default.
 
-  Synchronous on purpose: a step returns only once its checkpoint is complete, so
-  a kill -9 can at worst lose the step being written (orbax finalizes a step by
-  an atomic rename; unfinished temporaries are ignored on restore).
-  Only process 0 writes; every process restores. `workdir` may be local or remote (gs://...):
-  paths go through etils epath (rl_jax.workdir.as_path), never os.path.
+  `save` returns once the state is on the host (orbax copies every array device-to-host
+  before `save` returns, so the step loop may donate or overwrite the buffers right after)
+  and the files are written by a background thread. The next `save`, `wait_until_finished`,
+  `latest_step`, `restore` and `close` wait for that write; a write that failed is raised
+  by the next `save` or `close` (or `wait_until_finished`), so a job cannot run on without
+  checkpoints. `async_save=False` writes inside `save`.
+
+  A crash or kill mid-save cannot leave a half-written latest checkpoint: orbax writes a step
+  to `<step>.orbax-checkpoint-tmp-*` and renames it into place when every file is written (on
+  gs://, where rename is not atomic, it writes `<step>/commit_success.txt` last), and it lists
+  only finalized steps. Older steps beyond `max_to_keep` are deleted only after the new one is
+  finalized. A writer (`create=True`) removes unfinalized leftovers when it opens.
+  Orbax's primary host (process 0) writes the metadata and finalizes; every process writes
+  the array shards it owns, and every process restores. `workdir` may be local or remote
+  (gs://...): paths go through etils epath (rl_jax.workdir.as_path), never os.path.
 
   A latest checkpoint that fails to restore (e.g. a truncated file) is skipped for the newest
   one that restores; process 0 then moves each bad step aside to `<workdir>/<subdir>.corrupt/
@@ -29,25 +43,68 @@ class Checkpointer:
   """
 
   def __init__(self, workdir: Any, max_to_keep: int = 3, subdir: str = "checkpoints",
-               create: bool = True):
+               create: bool = True, async_save: bool = True,
+               async_timeout_s: int = ASYNC_TIMEOUT_S):
     """`create=False` for readers (a warm-start lookup): a mistyped path is left uncreated."""
     self.directory = wd.as_path(workdir) / subdir
     self.corrupt_dir = wd.as_path(workdir) / f"{subdir}.corrupt"
-    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=create,
-                                           enable_async_checkpointing=False)
+    self.async_save = async_save
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, create=create, enable_async_checkpointing=async_save,
+        # Only a writer (it holds the workdir lock) may delete a killed save's leftovers.
+        cleanup_tmp_directories=create,
+        async_options=ocp.AsyncOptions(timeout_secs=async_timeout_s))
     self.manager = ocp.CheckpointManager(self.directory, options=options)
+    self._writing: int | None = None  # the step of the save in flight
+    self._error: BaseException | None = None  # its failure, until raised
 
   def latest_step(self) -> int | None:
+    """The newest finalized step; waits for a save in flight (a failed one does not count)."""
+    self._wait()
     return self.manager.latest_step()
 
   def save(self, step: int, items: dict[str, Any], meta: dict) -> None:
-    """Saves named pytrees (e.g. params, opt_state) at `step`; refuses non-finite values."""
+    """Saves named pytrees (e.g. params, opt_state) at `step`; refuses non-finite values.
+
+    Asynchronous (see the class docstring): waits for the previous save, raises its failure,
+    and returns once `items` are copied to the host.
+    """
     bad = nonfinite_leaves(items)
     if bad:
       raise FloatingPointError(f"refusing to checkpoint step {step}: non-finite values in {bad[:5]}")
+    self.wait_until_finished()
     args = {name: ocp.args.StandardSave(tree) for name, tree in items.items()}
     self.manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args), force=True)
-    self.manager.wait_until_finished()
+    self._writing = step
+    if not self.async_save:
+      self.wait_until_finished()
+
+  def wait_until_finished(self) -> None:
+    """Blocks until the save in flight is finalized; raises its failure (once)."""
+    self._wait()
+    if self._error is not None:
+      error, self._error = self._error, None
+      raise error
+
+  def _wait(self) -> None:
+    """Waits for the save in flight and keeps its failure for `wait_until_finished`.
+
+    Kept rather than raised here: orbax raises a background failure only once, and
+    `latest_step` runs inside error messages, where raising would hide the original error.
+    """
+    if self._writing is None:
+      return
+    step, self._writing = self._writing, None
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      # Orbax already dropped `step` from its list, and the older steps it meant to delete
+      # (beyond max_to_keep) are still on disk: list the directory again.
+      self.manager.reload()
+      self._error = RuntimeError(
+          f"checkpoint step {step} in {self.directory} failed to write; the newest complete "
+          f"step is {self.manager.latest_step()}: {type(e).__name__}: {e}")
+      self._error.__cause__ = e
 
   def restore(self, targets: dict[str, Any], step: int | None = None) -> tuple[dict, dict, int]:
     """Restores the named items of `targets` (a subset is fine) into their structure / shardings.
@@ -55,6 +112,7 @@ class Checkpointer:
     `step=None`: the latest step that restores (see the class docstring); an explicit step is
     restored or raises. Returns (items, meta, step).
     """
+    self._wait()  # a save in flight is listed already: restore it only once it is on disk
     if step is not None:
       return self._restore(targets, step)
     steps = sorted(self.manager.all_steps(), reverse=True)
@@ -93,7 +151,12 @@ class Checkpointer:
     self.manager.reload()
 
   def close(self) -> None:
-    self.manager.close()
+    """Waits for the save in flight, closes orbax, then raises that save's failure if any."""
+    try:
+      self._wait()
+    finally:
+      self.manager.close()
+    self.wait_until_finished()
 
 
 @jax.jit

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import importlib.util
 import json
 import math
@@ -177,6 +176,7 @@ class ProgramPlan:
   comm_model: float = 0.0       # MoE dispatch bytes received, all layers and passes (analytic)
   time_s: float = 0.0           # roofline on the named accelerator
   compile_s: float = 0.0
+  fingerprint: str = ""         # sha256 of the compiled HLO: the program the trainer runs has the same
 
   def contributors(self) -> dict[str, int]:
     """Per-device bytes live at this program's peak, by name (the fit check's terms)."""
@@ -228,10 +228,25 @@ def collective_bytes(hlo_text: str) -> int:
   return total
 
 
+def fingerprint(compiled) -> str:
+  """sha256 (16 hex digits) of a compiled program's HLO without its source metadata: equal for two
+  lowerings of one program from different call sites (XLA's shardings are device assignments, so
+  equivalent spellings of a sharding agree)."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  text = compiled.as_text()
+  # The stack-frame tables (FileNames, FunctionNames, FileLocations, StackFrames: one block each, up to
+  # a blank line) and every instruction's metadata={...} name the Python that traced it.
+  text = re.sub(r"^(FileNames|FunctionNames|FileLocations|StackFrames)\n(?:.+\n)*", "", text, flags=re.M)
+  text = re.sub(r",? metadata=\{[^{}]*\}", "", text)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def compile_program(plan: ProgramPlan, lowered) -> Any:
   t0 = time.perf_counter()
   compiled = lowered.compile()
   plan.compile_s = time.perf_counter() - t0
+  plan.fingerprint = fingerprint(compiled)
   mem = compiled.memory_analysis()
   plan.argument = int(mem.argument_size_in_bytes)
   plan.output = int(mem.output_size_in_bytes)
@@ -250,7 +265,7 @@ def compile_program(plan: ProgramPlan, lowered) -> Any:
 # The step.
 
 
-PROGRAMS = ("sync", "generate", "old_forward", "update")
+PROGRAMS = ("sync", "generate", "old_forward", "update", "first_order", "eval_greedy", "eval_sampled")
 
 
 def plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramPlan]:
@@ -284,12 +299,12 @@ def dispatch_comm(job, mesh, tokens_per_device: float) -> float:
 def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramPlan]:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from rl_jax import microbatch  # pylint: disable=g-import-not-at-top
   from rl_jax import plan_hw  # pylint: disable=g-import-not-at-top
   from rl_jax import sharding as sh  # pylint: disable=g-import-not-at-top
   from rl_jax.optim import make_optimizer  # pylint: disable=g-import-not-at-top
+  from rl_jax.rl import programs as programs_lib  # pylint: disable=g-import-not-at-top
   from rl_jax.rl import step as step_lib  # pylint: disable=g-import-not-at-top
-  from rl_jax.sampler import generate as gen  # pylint: disable=g-import-not-at-top
-  from rl_jax.sampler import weights as sampler_weights  # pylint: disable=g-import-not-at-top
 
   mcfg, scfg, rl = job.model, job.sampler, job.rl
   graphdef, params = abstract_params(mcfg, mesh)
@@ -300,6 +315,9 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramP
   if b_global % div or (b_global // rl.n_minibatches) % div:
     raise SystemExit(f"config key 'rl.prompts_per_step': {b_global} responses ({b_global // rl.n_minibatches} "
                      f"per mini-batch) do not split over the mesh's batch axes ({div})")
+  # The trainer's own programs (rl_jax/rl/programs.py): the planner lowers exactly what runs.
+  progs = programs_lib.build(job, mesh, graphdef, jax.tree.map(lambda x: x.sharding, params),
+                             jax.tree.map(lambda x: x.sharding, opt_state), optimizer)
   b_dev = b_global / div
   p, t = scfg.max_prompt_len, scfg.max_new_tokens
   s = p + t
@@ -322,7 +340,7 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramP
   sync = ProgramPlan("sync", args={"params": n_params, **({"noise": trainer_extra["sampler noise"]}
                                                           if delta is not None else {})},
                      resident={"optimizer state": n_opt})
-  lowered = sampler_weights._sync.lower(params, delta, qcfg=scfg.quant, dtype=scfg.dtype)  # pylint: disable=protected-access
+  lowered = progs.lower_sync(params, delta)
   compiled = compile_program(sync, lowered)
   sampler_state = jax.tree.map(_sds, lowered.out_info, compiled.output_shardings)
   n_sampler = device_bytes(sampler_state)
@@ -330,26 +348,38 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramP
   plans.append(sync)
   mm = matmul_params(mcfg)
 
-  # Generate: prefill + decode loop over the sampler's weights and a static KV cache.
-  sgraph = sampler_weights.sampler_graphdef(mcfg, scfg.dtype)
-  kv_spec = gen._resolve_kv_spec(None, scfg)  # pylint: disable=protected-access
-  prompts = _sds(jax.ShapeDtypeStruct((b_global, p), jnp.int32), sh.batch_sharding(mesh, 2))
-  pvalid = _sds(jax.ShapeDtypeStruct((b_global, p), jnp.bool_), sh.batch_sharding(mesh, 2))
-  key = _sds(jax.eval_shape(lambda: jax.random.key(0)), sh.replicated(mesh))
-  g = ProgramPlan("generate", args={"sampler weights": n_sampler,
-                                    "batch": device_bytes((prompts, pvalid, key))},
-                  resident={"params": n_params, "optimizer state": n_opt, **trainer_extra})
-  g.kv_cache = kv_cache_bytes(mcfg, scfg, b_global, kv_spec, mesh)
-  if "generate" in programs:
-    compile_program(g, gen._generate.lower(sgraph, sampler_state, prompts, pvalid, key, cfg=scfg,  # pylint: disable=protected-access
-                                           kv_spec=kv_spec, mesh=mesh))
-    g.flops_model = (2 * mm * b_dev * (p - 1) + attn_flops(mcfg, b_dev * (p - 1), p / 2)
-                     + t * (2 * mm * b_dev + attn_flops(mcfg, b_dev, s)))
-    # Every decode step reads the sampler's weights and the whole static cache.
-    g.bytes_model = (t + 1) * (n_sampler + g.kv_cache)
-    sjob = dataclasses.replace(job, model=dataclasses.replace(mcfg, dtype=scfg.dtype))
-    g.comm_model = dispatch_comm(sjob, mesh, b_dev * (p - 1 + t))
+  def plan_generate(name: str, kind: str, rows: int, state, n_state: int, cfg) -> None:
+    """Generate (prefill + decode loop over a static KV cache) of `rows` prompts, one wave of
+    `cfg.max_rows_in_flight` rows at a time."""
+    prompts = _sds(jax.ShapeDtypeStruct((rows, p), jnp.int32), sh.batch_sharding(mesh, 2))
+    pvalid = _sds(jax.ShapeDtypeStruct((rows, p), jnp.bool_), sh.batch_sharding(mesh, 2))
+    key = _sds(jax.eval_shape(lambda: jax.random.key(0)), sh.replicated(mesh))
+    g = ProgramPlan(name, args={"sampler weights": n_state, "batch": device_bytes((prompts, pvalid, key))},
+                    resident={"params": n_params, "optimizer state": n_opt, **trainer_extra,
+                              **({"sampler weights": n_sampler} if kind != "rollout" else {})})
+    n_waves = microbatch.count(rows, cfg.max_rows_in_flight, "sampler.max_rows_in_flight", div)
+    kv_spec = None if kind != "rollout" else getattr(cfg.quant, "kv", None)
+    g.kv_cache = kv_cache_bytes(mcfg, cfg, rows // n_waves, kv_spec if getattr(kv_spec, "format", None)
+                                not in (None, "fp32") else None, mesh)
+    compile_program(g, progs.lower_generate(state, prompts, pvalid, key, kind))
+    r_dev = rows / div
+    g.flops_model = (2 * mm * r_dev * (p - 1) + attn_flops(mcfg, r_dev * (p - 1), p / 2)
+                     + t * (2 * mm * r_dev + attn_flops(mcfg, r_dev, s)))
+    # Every decode step of every wave reads the weights; each wave's steps read its cache.
+    g.bytes_model = (t + 1) * (n_waves * n_state + n_waves * g.kv_cache)
+    sjob = dataclasses.replace(job, model=dataclasses.replace(mcfg, dtype=cfg.dtype))
+    g.comm_model = dispatch_comm(sjob, mesh, r_dev * (p - 1 + t))
     plans.append(g)
+
+  if "generate" in programs:
+    plan_generate("generate", "rollout", b_global, sampler_state, n_sampler, scfg)
+  clean = None
+  for name, kind, rows, cfg in (("eval_greedy", "greedy", rl.eval_size, progs.eval_cfg),
+                                ("eval_sampled", "sampled", rl.eval_size * rl.eval_samples, progs.eval_sampled_cfg)):
+    if name in programs:
+      if clean is None:
+        clean = jax.tree.map(_sds, *_lowered_out(progs.clean_weights, params))
+      plan_generate(name, kind, rows, clean, device_bytes(clean), cfg)
 
   # The train batch, laid out like the rollout (rows over the batch axes).
   def batch_for(rows: int, with_logp_old: bool):
@@ -364,7 +394,7 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramP
       if rl.routing_replay != "none":
         f["replay_ids_BSLK"] = arr((rows, s, mcfg.n_moe_layers, mcfg.n_experts_per_tok), jnp.int32)
         f["replay_mask_BS"] = arr((rows, s), jnp.bool_)
-    if job.loss.needs_topk and scfg.record_topk:
+    if scfg.record_topk:   # the trainer passes the sampler's top-k whenever it was recorded
       f["topk_ids_BTK"] = arr((rows, t, scfg.record_topk), jnp.int32)
       f["topk_logq_BTK"] = arr((rows, t, scfg.record_topk), jnp.float32)
     return step_lib.TrainBatch(**f), arr
@@ -374,13 +404,11 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramP
   if mcfg.is_moe and scfg.record_experts:
     sampler_ids = arr((b_global, s, mcfg.n_moe_layers, mcfg.n_experts_per_tok), jnp.int32)
     sampler_valid = arr((b_global, s), jnp.bool_)
-  cfg = dict(graphdef=graphdef, loss_cfg=job.loss)
   old = ProgramPlan("old_forward", args={"params": n_params,
                                          "batch": device_bytes((batch, sampler_ids, sampler_valid))},
                     resident={"optimizer state": n_opt, "sampler weights": n_sampler, **trainer_extra})
   if "old_forward" in programs:
-    fwd = jax.jit(functools.partial(step_lib.old_forward, **cfg, replay=rl.routing_replay))
-    compile_program(old, fwd.lower(params, batch, sampler_ids, sampler_valid))
+    compile_program(old, progs.old_forward.lower(params, batch, sampler_ids, sampler_valid))
     old.flops_model = 2 * mm * b_dev * s + attn_flops(mcfg, b_dev * s, s / 2)
     old.comm_model = dispatch_comm(job, mesh, b_dev * s)
     plans.append(old)
@@ -389,22 +417,37 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramP
   full, _ = batch_for(b_global, with_logp_old=True)
   mb, _ = batch_for(rows, with_logp_old=True)
   n_mb, n_full = device_bytes(mb), device_bytes(full)
-  upd = ProgramPlan("update", args={"params": n_params, "optimizer state": n_opt, "batch": n_mb},
-                    resident={"sampler weights": n_sampler, **trainer_extra,
-                              **({"rest of the global batch": n_full - n_mb} if n_full > n_mb else {})})
-  param_sh = jax.tree.map(lambda x: x.sharding, params)
-  opt_sh = jax.tree.map(lambda x: x.sharding, opt_state)
-  aux = dict(aux_coef=mcfg.router_aux_loss_coef)
-  update = jax.jit(functools.partial(step_lib.update, **cfg, **aux, optimizer=optimizer), donate_argnums=(0, 1),
-                   out_shardings=(param_sh, opt_sh, sh.replicated(mesh)))
-  if "update" in programs:
-    compile_program(upd, update.lower(params, opt_state, mb))
-    fwd_flops = 2 * mm * (rows / div) * s + attn_flops(mcfg, (rows / div) * s, s / 2)
-    upd.flops_model = fwd_flops * (4 if mcfg.remat else 3)  # forward + 2x backward (+ the remat forward)
-    # The backward moves what the forward did; remat replays the forward's dispatch.
-    upd.comm_model = dispatch_comm(job, mesh, (rows / div) * s) * (3 if mcfg.remat else 2)
-    plans.append(upd)
+  fwd_flops = 2 * mm * (rows / div) * s + attn_flops(mcfg, (rows / div) * s, s / 2)
+  # Forward-equivalents of each program (a backward pass ~ 2 forwards): the update is one forward and
+  # one backward, the meter one forward and two pullbacks; remat adds a forward per backward.
+  passes = {"update": (3, 4), "first_order": (5, 7)}
+  for name, fn in (("update", progs.update), ("first_order", progs.first_order)):
+    if name not in programs:
+      continue
+    args = {"params": n_params, "batch": n_mb}
+    resident = {"sampler weights": n_sampler, **trainer_extra,
+                **({"rest of the global batch": n_full - n_mb} if n_full > n_mb else {})}
+    if name == "update":
+      args["optimizer state"] = n_opt
+      lowered = fn.lower(params, opt_state, mb)
+    else:   # the meter reads the params before the update: the optimizer state stays resident
+      resident["optimizer state"] = n_opt
+      lowered = fn.lower(params, mb)
+    q = ProgramPlan(name, args=args, resident=resident)
+    compile_program(q, lowered)
+    q.flops_model = fwd_flops * passes[name][1 if mcfg.remat else 0]
+    # A backward moves what the forward did; remat replays the forward's dispatch.
+    n_bwd = 1 if name == "update" else 2
+    q.comm_model = dispatch_comm(job, mesh, (rows / div) * s) * (1 + n_bwd * (2 if mcfg.remat else 1))
+    plans.append(q)
   return [q for q in plans if q.name in programs]
+
+
+def _lowered_out(fn, *args):
+  """(ShapeDtypeStructs, shardings) of jitted `fn`'s outputs, compiled abstractly."""
+  import jax  # pylint: disable=g-import-not-at-top
+  lowered = fn.lower(*args) if hasattr(fn, "lower") else jax.jit(fn).lower(*args)
+  return lowered.out_info, lowered.compile().output_shardings
 
 
 # ----------------------------------------------------------------------------------------
@@ -418,7 +461,7 @@ def extrapolate(a: ProgramPlan, b: ProgramPlan, la: int, lb: int, l: int) -> Pro
   out = dataclasses.replace(a)
   for fld in dataclasses.fields(ProgramPlan):
     x, y = getattr(a, fld.name), getattr(b, fld.name)
-    if fld.name in ("name", "compile_s"):
+    if fld.name in ("name", "compile_s", "fingerprint"):
       continue
     if isinstance(x, dict):
       setattr(out, fld.name, {k: int(round(lin(x.get(k, 0), y.get(k, 0)))) for k in {**x, **y}})
@@ -468,7 +511,7 @@ def render(plans: list[ProgramPlan], acc, title: str) -> str:
 
 
 def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=None, out=print,
-        programs: tuple[str, ...] = PROGRAMS):
+        programs: tuple[str, ...] = PROGRAMS, mem_fraction: float | None = None):
   """Plans `config`'s RL step; returns (plans, fits: dict program -> error message or None)."""
   from rl_jax import plan_hw  # pylint: disable=g-import-not-at-top
   from rl_jax import sharding as sh  # pylint: disable=g-import-not-at-top
@@ -491,12 +534,15 @@ def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=No
   else:
     plans = plan_step(job, mesh, programs)
     note = f"all {full_l} layers compiled"
+  mem_fraction = plan_hw.MEM_FRACTION if mem_fraction is None else mem_fraction
   for p in plans:
-    p.time_s = plan_hw.roofline_s(max(p.flops_xla, p.flops_model), max(p.bytes_xla, p.bytes_model), acc)
+    # Collectives: the HLO's (loop bodies once) or the analytic MoE dispatch, whichever is larger.
+    p.time_s = plan_hw.roofline_s(max(p.flops_xla, p.flops_model), max(p.bytes_xla, p.bytes_model), acc,
+                                  comm_bytes=max(p.comm_xla, p.comm_model), n_devices=mesh.size)
   fits = {}
   for p in plans:
     try:
-      plan_hw.check_fit(p.name, p.contributors(), acc)
+      plan_hw.check_fit(p.name, p.contributors(), acc, mem_fraction)
       fits[p.name] = None
     except plan_hw.DoesNotFit as e:
       fits[p.name] = str(e)
@@ -510,8 +556,19 @@ def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=No
            f"step = {job.rl.prompts_per_step} prompts x {job.rl.group_size}, {job.rl.n_minibatches} "
            f"mini-batch update(s), S = {job.sampler.max_prompt_len} + {job.sampler.max_new_tokens}")
   out(render(plans, acc, title))
-  total = sum(p.time_s * (job.rl.n_minibatches if p.name == "update" else 1) for p in plans)
-  terms = " + ".join(f"{job.rl.n_minibatches} x update" if p.name == "update" else p.name for p in plans)
+  rl = job.rl
+  # Per global step: N updates; the meter every `meter_every` steps and the evaluations every
+  # `eval_every`, amortized.
+  every = {"update": (rl.n_minibatches, f"{rl.n_minibatches} x update"),
+           "first_order": (1 / rl.meter_every if rl.meter_every else 0.0, f"first_order / {rl.meter_every}"),
+           "eval_greedy": (1 / rl.eval_every, f"eval_greedy / {rl.eval_every}"),
+           "eval_sampled": (1 / rl.eval_every, f"eval_sampled / {rl.eval_every}")}
+  total = sum(p.time_s * every.get(p.name, (1, ""))[0] for p in plans)
+  terms = " + ".join(every.get(p.name, (1, p.name))[1] for p in plans)
+  bw = plan_hw.comm_bw(acc, mesh.size)
+  out(f"usable memory: {mem_fraction:g} x {acc.hbm_bytes / 1e9:.0f} GB; collectives at {bw / 1e9:.0f} GB/s per "
+      f"chip ({'within a host' if mesh.size <= acc.per_host else 'across hosts, every collective taken to cross'}), "
+      "not overlapped")
   out(f"roofline per global step ({terms}): "
       f"{total:.2f} s on {acc.name}")
   return plans, fits
@@ -565,6 +622,9 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                   help="override a config key, e.g. --set model.scan_layers=False (repeatable)")
   ap.add_argument("--json", default="", help="write the figures here")
+  ap.add_argument("--mem_fraction", type=float, default=None,
+                  help="usable share of the accelerator's memory (default 0.9, the launch scripts' "
+                       "XLA_PYTHON_CLIENT_MEM_FRACTION)")
   args = ap.parse_args(argv)
   config = load_config(args.config)
   for item in args.set:
@@ -588,7 +648,8 @@ def main(argv: list[str] | None = None) -> int:
   for d in dispatches:
     if d is not None:
       config.model.moe_dispatch = d
-    plans, d_fits = run(config, args.device, args.devices, args.layers, programs=programs)
+    plans, d_fits = run(config, args.device, args.devices, args.layers, programs=programs,
+                        mem_fraction=args.mem_fraction)
     results.append(dict(dispatch=config.model.get("moe_dispatch", "gspmd"),
                         programs=[dict(dataclasses.asdict(p), peak=p.peak) for p in plans], fits=d_fits))
     fits.update({(f"{p} [{d}]" if d else p): m for p, m in d_fits.items()})

@@ -195,6 +195,7 @@ def _run(config: Any, workdir: Any, job, mesh, task, tok) -> dict:
       final = row
       if done % s.checkpoint_every == 0 or done == s.steps:
         ckpt.save(done, {"params": params, "opt_state": opt_state}, {"step": done, "job": "sft"})
+    ckpt.wait_until_finished()  # the final checkpoint is on disk before summary.json says done
     if jax.process_index() == 0 and final:
       summary = {k: float(v) for k, v in final.items()}
       run_dir.path("summary.json").write_text(json.dumps(summary, indent=1))

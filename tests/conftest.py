@@ -11,6 +11,19 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+  """Drops jax's compiled programs after each test module. One process compiles thousands of
+  XLA:CPU executables over the suite, each holding memory mappings of its JIT code; kept alive,
+  they neared the kernel's vm.max_map_count (65,530) and an XLA compile late in the suite aborted
+  the whole process (SIGABRT in tests/test_scan_quant.py, a file that passes on its own)."""
+  yield
+  import gc  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.clear_caches()
+  gc.collect()
+
+
 @pytest.fixture(scope="module")
 def fast_compile():
   """Skips XLA's backend optimizations for a module of tiny programs, where compiling costs

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rl_jax.models import attention as attn
 from rl_jax.models import layers
 
 B, G, R, D = 3, 2, 2, 8
@@ -25,9 +26,9 @@ def _inputs(s: int, seed: int = 0):
 @pytest.mark.parametrize("s,n_blocks", [(160, 4), (100, 3), (40, 1)])
 def test_blocked_causal_attention_equals_full(s, n_blocks):
   q, k, v, mask = _inputs(s)
-  assert len(layers.query_blocks(s)) == n_blocks and layers.query_blocks(s)[-1][1] == s
-  full = lambda q, k, v: layers._attend(q, k, v, mask, "bcgd", "bcgd")  # pylint: disable=protected-access
-  blocked = lambda q, k, v: layers._causal_attention(q, k, v, mask)  # pylint: disable=protected-access
+  assert len(attn.query_blocks(s)) == n_blocks and attn.query_blocks(s)[-1][1] == s
+  full = lambda q, k, v: attn._attend(q, k, v, mask, "bcgd", "bcgd")  # pylint: disable=protected-access
+  blocked = lambda q, k, v: attn._causal_attention(q, k, v, mask)  # pylint: disable=protected-access
   seen_BS = np.asarray(jnp.any(mask, axis=-1))  # queries with at least one visible key
   assert not seen_BS[1, :7].any() and seen_BS[1, 7:].all()  # the left padding sees nothing
   got, want = jax.jit(blocked)(q, k, v), full(q, k, v)

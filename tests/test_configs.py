@@ -217,14 +217,13 @@ def test_gpu_config_model_is_the_preset(fname):
   preset, _, approx = GPU_CONFIGS[fname]
   job = RLJob.from_config(_module(fname).get_config())
   ref = PRESETS[preset]
-  # Same architecture as the checkpoint's config.json; only precision / remat and the parameter
-  # layout (scanned layers, on for the pod configs) are job choices.
+  # Same architecture as the checkpoint's config.json; only precision / remat, the parameter
+  # layout (scanned layers, on for the pod configs) and the kernels / dispatch are job choices.
   assert job.model.scan_layers
-  assert dataclasses.replace(job.model, dtype=ref.dtype, param_dtype=ref.param_dtype, remat=ref.remat,
-                             scan_layers=ref.scan_layers) == ref
-  assert hf.hf_to_model_config(hf.model_config_to_hf(ref), dtype=job.model.dtype,
-                               param_dtype=job.model.param_dtype, remat=job.model.remat,
-                               scan_layers=job.model.scan_layers) == job.model
+  choices = ("dtype", "param_dtype", "remat", "scan_layers", "moe_dispatch", "moe_a2a", "attention")
+  assert dataclasses.replace(job.model, **{k: getattr(ref, k) for k in choices}) == ref
+  assert hf.hf_to_model_config(hf.model_config_to_hf(ref), **{k: getattr(job.model, k) for k in choices}
+                               ) == job.model
   assert job.model.dtype == "bfloat16" and job.sampler.quant.weights.format == "fp8"
   state = _abstract(job.model)  # nnx.eval_shape: nothing allocated
   total = sum(math.prod(x.shape) for x in jax.tree.leaves(state))

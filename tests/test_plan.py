@@ -70,9 +70,17 @@ def test_check_fit_and_roofline_closed_forms():
   acc = plan_hw.Accelerator("x", peak_flops=100.0, hbm_bw=10.0, hbm_bytes=2**30)
   assert plan_hw.roofline_s(1000.0, 10.0, acc) == 10.0   # compute-bound
   assert plan_hw.roofline_s(10.0, 1000.0, acc) == 100.0  # memory-bound
-  assert plan_hw.check_fit("p", {"a": 2**29, "b": 2**29}, acc) == 2**30
+  assert plan_hw.check_fit("p", {"a": 2**29, "b": 2**29}, acc, mem_fraction=1.0) == 2**30
   with pytest.raises(plan_hw.DoesNotFit, match=r"needs 1\.00 GiB .* largest: b 768\.00 MiB, a 256\.00 MiB"):
-    plan_hw.check_fit("p", {"a": 2**28, "b": 3 * 2**28 + 1}, acc)
+    plan_hw.check_fit("p", {"a": 2**28, "b": 3 * 2**28 + 1}, acc, mem_fraction=1.0)
+  # The usable share: 0.9 of the chip by default (the launch scripts' XLA_PYTHON_CLIENT_MEM_FRACTION).
+  assert plan_hw.check_fit("p", {"a": int(0.9 * 2**30)}, acc) == int(0.9 * 2**30)
+  with pytest.raises(plan_hw.DoesNotFit, match=r"> 0\.9 x x's 1\.00 GiB = 921\.60 MiB"):
+    plan_hw.check_fit("p", {"a": int(0.9 * 2**30) + 1}, acc)
+  # Collectives add bytes / bandwidth: the host's links within 8 chips, the network beyond.
+  net = plan_hw.Accelerator("n", peak_flops=100.0, hbm_bw=10.0, hbm_bytes=2**30, link_bw=5.0, net_bw=1.0)
+  assert plan_hw.roofline_s(1000.0, 10.0, net, comm_bytes=50.0, n_devices=8) == 10.0 + 10.0
+  assert plan_hw.roofline_s(1000.0, 10.0, net, comm_bytes=50.0, n_devices=16) == 10.0 + 50.0
 
 
 def test_layer_extrapolation_is_linear():
@@ -123,3 +131,25 @@ def test_planner_compiles_both_moe_dispatches_in_the_mesh_context(dispatch, fast
   assert old.comm_model == pytest.approx(per_token * tokens * m.n_moe_layers) and old.comm_model > 0
   if dispatch == "shard_map":  # the dispatch's all-gather / reduce-scatter are in the program
     assert old.comm_xla > 0
+
+
+def test_planner_compiles_the_programs_the_trainer_runs(tmp_path, fast_compile):
+  """The planner lowers the trainer's own programs (rl_jax/rl/programs.py) on the trainer's mesh:
+  for the `:test` config the compiled p_old forward and update, lowered from abstract shapes, are
+  the trainer's, lowered from its real arrays in the mesh context its loop runs them in (same
+  fingerprint of the compiled HLO)."""
+  from rl_jax.rl.trainer import RLTrainer  # pylint: disable=g-import-not-at-top
+  config = countdown_tiny.get_config("test")
+  config.warm_start.source = "none"
+  with RLTrainer(config, str(tmp_path / "run")) as tr:
+    _, ro = tr.rollout(0)
+    batch, _ = tr.prepare(ro, jax.numpy.linspace(0.0, 1.0, ro.tokens_BS.shape[0]))
+    sampler_ids = ro.expert_ids_BSLK if tr.job.model.is_moe else None
+    raw = batch.replace(logp_old_BT=None, replay_ids_BSLK=None, replay_mask_BS=None)
+    with sh.mesh_context(tr.mesh):
+      lowered = {"old_forward": tr.programs.old_forward.lower(tr.state["params"], raw, sampler_ids,
+                                                              ro.expert_valid_BS),
+                 "update": tr.programs.update.lower(tr.state["params"], tr.state["opt_state"], batch)}
+    want = {k: plan.fingerprint(v.compile()) for k, v in lowered.items()}
+    plans = plan.plan_step(tr.job, tr.mesh, programs=("old_forward", "update"))
+  assert {p.name: p.fingerprint for p in plans} == want

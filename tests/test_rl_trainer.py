@@ -1,5 +1,6 @@
 """RL trainer: zero-mismatch check end to end, replay properties, NaN safety, crash resume, variants."""
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -49,6 +50,13 @@ def test_zero_mismatch_end_to_end(tmp_path):
   assert "final_eval_greedy_accuracy" in summary
 
 
+def _loss_and_grad(tr):
+  """The trainer's mini-batch loss and gradient (step.loss_fn with its graph and config)."""
+  return jax.jit(jax.value_and_grad(functools.partial(
+      step_lib.loss_fn, graphdef=tr.graphdef, loss_cfg=tr.job.loss, aux_coef=tr.job.model.router_aux_loss_coef),
+      has_aux=True))
+
+
 def test_r2_first_minibatch_equals_no_replay_and_r3_differs(tmp_path):
   # A coarse sampler (fp4 weights) routes differently from the trainer.
   tr = trainer_lib.RLTrainer(_config(**{"rl.n_minibatches": 2, "rl.routing_replay": "R2",
@@ -60,15 +68,16 @@ def test_r2_first_minibatch_equals_no_replay_and_r3_differs(tmp_path):
   batch, m_old = tr.prepare(ro, rewards)
   mb = next(tr.minibatches(batch))
   params = tr.state["params"]
-  (_, _), g_r2 = tr.loss_and_grad(params, mb)
+  loss_and_grad = _loss_and_grad(tr)
+  (_, _), g_r2 = loss_and_grad(params, mb)
   plain = mb.replace(replay_ids_BSLK=None, replay_mask_BS=None)
-  (_, _), g_none = tr.loss_and_grad(params, plain)
+  (_, _), g_none = loss_and_grad(params, plain)
   assert _grads_equal(g_r2, g_none), "R2 at theta_old must reproduce the natural routing exactly"
 
   assert float(m_old["mismatch/routing_agreement"]) < 1.0
   rows = mb.rows
   r3 = plain.replace(replay_ids_BSLK=ro.expert_ids_BSLK[:rows], replay_mask_BS=ro.expert_valid_BS[:rows])
-  (_, _), g_r3 = tr.loss_and_grad(params, r3)
+  (_, _), g_r3 = loss_and_grad(params, r3)
   assert not _grads_equal(g_r3, g_none)
   assert max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(g_none)) > 0
 
@@ -85,7 +94,7 @@ def test_r3_p_old_replays_the_sampler_so_first_minibatch_ratios_are_one(tmp_path
   assert float(m_old["mismatch/routing_agreement"]) < 1.0  # replay actually changes the routing
   mb = next(tr.minibatches(batch))
   assert mb.replay_ids_BSLK is not None and mb.rows == batch.rows
-  (_, m), _ = tr.loss_and_grad(tr.state["params"], mb)  # the update's loss at theta = theta_old
+  (_, m), _ = _loss_and_grad(tr)(tr.state["params"], mb)  # the update's loss at theta = theta_old
   assert float(m["num_tokens"]) > 0
   # 1 up to float32 rounding: p_old and p come from two differently compiled XLA programs (a
   # forward, a value_and_grad), which may sum in another order (a few ulps, ~5e-7 observed).
@@ -99,14 +108,14 @@ def test_injected_nan_stops_cleanly_and_keeps_last_checkpoint(tmp_path, monkeypa
   workdir = str(tmp_path)
   tr = trainer_lib.RLTrainer(_config(**{"rl.steps": 3}), workdir)
   # Fault injection from outside the library: the 2nd update (step 2, N=1) gets NaN advantages.
-  real_update, calls = tr._update, []  # pylint: disable=protected-access
+  real_update, calls = tr.programs.update, []
 
   def poisoned(params, opt_state, mb):
     calls.append(1)
     if len(calls) == 2:
       mb = mb.replace(adv_B=mb.adv_B * np.float32("nan"))
     return real_update(params, opt_state, mb)
-  monkeypatch.setattr(tr, "_update", poisoned)
+  monkeypatch.setattr(tr, "programs", dataclasses.replace(tr.programs, update=poisoned))
   with pytest.raises(FloatingPointError, match="non-finite.*step 2.*not applied"):
     tr.run()
   ck = Checkpointer(workdir)
@@ -247,7 +256,8 @@ def test_eval_sampled_mean_and_pass_at_k_line_up_with_their_prompts(tmp_path, mo
   assert out["eval_pass_at_k"] == out["eval_greedy_accuracy"], out
   outcomes = [v for k, v in out.items() if k.startswith("eval_greedy_outcome/")]
   assert outcomes and abs(sum(outcomes) - 1.0) < 1e-9, out
-  tr.eval_sampled_cfg = dataclasses.replace(tr.eval_sampled_cfg, temperature=5.0)
+  tr.programs = dataclasses.replace(tr.programs, eval_sampled_cfg=dataclasses.replace(
+      tr.programs.eval_sampled_cfg, temperature=5.0))
   hot = tr.evaluate()
   # Hot samples differ from greedy: some prompt's k samples disagree, so pass@k exceeds mean@k
   # (equal at the near-zero temperature above). Comparing mean@k with the cold run's instead

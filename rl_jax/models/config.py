@@ -30,9 +30,19 @@ class ModelConfig:
   decoder_sparse_step: int = 1
   mlp_only_layers: tuple[int, ...] = ()
   router_aux_loss_coef: float = 0.0  # Switch load-balancing loss weight (0 = off)
-  # MoE expert communication: "gspmd" lets XLA partition it; "shard_map" is the explicit
-  # expert-parallel dispatch of models/expert_parallel.py (needs `jax.set_mesh(mesh)`).
-  moe_dispatch: Literal["gspmd", "shard_map"] = "gspmd"
+  # MoE expert communication: "gspmd" lets XLA partition it (each batch shard's tokens sorted
+  # on their own under a mesh); "shard_map" is the explicit expert-parallel all-to-all of
+  # models/expert_parallel.py (exact all-gather fallback on overflow), "all_gather" that module's
+  # all-gather + reduce-scatter alone (both need `jax.set_mesh(mesh)`).
+  moe_dispatch: Literal["gspmd", "shard_map", "all_gather"] = "gspmd"
+  # The shard_map all-to-all's collective: "padded" (lax.all_to_all of fixed per-peer buffers,
+  # runs everywhere) or "ragged" (lax.ragged_all_to_all, only routed rows; not on XLA:CPU).
+  moe_a2a: Literal["padded", "ragged"] = "padded"
+  # Attention kernel (rl_jax/models/attention.py): "auto" (cuDNN on GPU where the mask allows, splash
+  # on TPU, else XLA below 512 x 512 scores and the blocked online-softmax "flash" above), or one of
+  # "xla" (materialized [S, C] scores), "flash", "cudnn", "splash" (the last two fall back to flash,
+  # saying so once, where they cannot run).
+  attention: Literal["auto", "xla", "flash", "cudnn", "splash"] = "auto"
   rope_theta: float = 1_000_000.0
   rms_eps: float = 1e-6
   tie_embeddings: bool = True
@@ -52,8 +62,12 @@ class ModelConfig:
             f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
     require(self.head_dim % 2 == 0, "model.head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
     require(self.n_experts >= 0, "model.n_experts", "must be >= 0")
-    require(self.moe_dispatch in ("gspmd", "shard_map"), "model.moe_dispatch",
-            f"must be 'gspmd' or 'shard_map', got {self.moe_dispatch!r}")
+    require(self.moe_dispatch in ("gspmd", "shard_map", "all_gather"), "model.moe_dispatch",
+            f"must be 'gspmd', 'shard_map' or 'all_gather', got {self.moe_dispatch!r}")
+    require(self.attention in ("auto", "xla", "flash", "cudnn", "splash"), "model.attention",
+            f"must be one of auto, xla, flash, cudnn, splash; got {self.attention!r}")
+    require(self.moe_a2a in ("padded", "ragged"), "model.moe_a2a",
+            f"must be 'padded' or 'ragged', got {self.moe_a2a!r}")
     if self.n_experts:
       require(0 < self.n_experts_per_tok <= self.n_experts, "model.n_experts_per_tok",
               f"must be in [1, n_experts={self.n_experts}], got {self.n_experts_per_tok}")

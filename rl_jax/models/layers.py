@@ -1,4 +1,4 @@
-"""Qwen3 building blocks: RMSNorm, RoPE, GQA attention with q/k-norm, SwiGLU MLP."""
+"""Qwen3 building blocks: RMSNorm, RoPE, GQA attention with q/k-norm (kernels in attention.py), SwiGLU MLP."""
 from __future__ import annotations
 
 import chex
@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rl_jax.models.attention import MASK_VALUE, attention
 from rl_jax.models.config import ModelConfig
 from rl_jax.quant.ops import linear
 
@@ -15,8 +16,6 @@ from rl_jax.quant.ops import linear
 # docs/architecture.md#dimension-letters.
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# Finite "minus infinity": a fully masked row (padding query) stays NaN-free.
-_MASK_VALUE = -1e30
 
 
 def dtype_of(name: str):
@@ -72,8 +71,13 @@ class Attention(nnx.Module):
     self.q_norm = RMSNorm(hd, cfg)
     self.k_norm = RMSNorm(hd, cfg)
 
-  def __call__(self, x_BSD, positions_BS, mask_BSC, cache=None, cache_index=None):
-    """Returns (out_BSD, cache'); keys are the S new tokens, or all C cache slots with a cache."""
+  def __call__(self, x_BSD, positions_BS, kv_valid_BC, cache=None, cache_index=None):
+    """Returns (out_BSD, cache'); keys are the S new tokens, or all C cache slots with a cache.
+
+    The query at slot `cache_index + i` (i without a cache) reads key slot c iff c <= its slot
+    and `kv_valid_BC[b, c]`: the mask is never materialized ([B, S, C] would be 1 GiB per row at
+    32k tokens); `rl_jax.models.attention` runs it (`ModelConfig.attention`).
+    """
     cfg = self.cfg
     hd = cfg.head_dim
     heads = lambda y: einops.rearrange(y, "b s (h d) -> b s h d", d=hd)
@@ -82,65 +86,27 @@ class Attention(nnx.Module):
     v_BSGD = heads(linear(x_BSD, self.wv.get_value()))
     q_BSHD = rope(q_BSHD, positions_BS, cfg.rope_theta)
     k_BSGD = rope(k_BSGD, positions_BS, cfg.rope_theta)
-    b, s, c = mask_BSC.shape
+    b, s = x_BSD.shape[:2]
     # Query head h = g * R + r reads kv head g (transformers' repeat_kv order).
     q_BSGRD = einops.rearrange(q_BSHD, "b s (g r) d -> b s g r d", g=cfg.n_kv_heads)
     if cache is None:  # keys / values: the S tokens themselves (C = S), causal
-      out_BSGRD = _causal_attention(q_BSGRD, k_BSGD, v_BSGD, mask_BSC)
+      out_BSGRD = attention(q_BSGRD, k_BSGD, v_BSGD, kv_valid_BC, impl=cfg.attention)
     else:  # all C cache slots, heads-major as the cache keeps them
       cache, kT_BGDC, v_BGCD = cache.update(k_BSGD, v_BSGD, cache_index, x_BSD.dtype)
+      c = kv_valid_BC.shape[1]
       chex.assert_shape(kT_BGDC, (b, cfg.n_kv_heads, hd, c))
       chex.assert_shape(v_BGCD, (b, cfg.n_kv_heads, c, hd))
       if s == 1:  # decode: one query token per row
-        out_B1X = _decode_attention(q_BSGRD[:, 0], kT_BGDC, v_BGCD, mask_BSC[:, 0])
+        mask_BC = (jnp.arange(c)[None] <= cache_index) & kv_valid_BC
+        out_B1X = _decode_attention(q_BSGRD[:, 0], kT_BGDC, v_BGCD, mask_BC)
         return linear(out_B1X, self.wo.get_value()), cache
       # Scores from float32 operands: XLA:CPU has no bf16 x bf16 -> f32 dot for this layout,
       # and a bf16 product is exact in float32, so the scores are the same.
       f32 = jnp.float32
-      out_BSGRD = _attend(q_BSGRD.astype(f32), kT_BGDC.astype(f32), v_BGCD, mask_BSC, "bgdc", "bgcd")
+      out_BSGRD = attention(q_BSGRD.astype(f32), kT_BGDC.astype(f32), v_BGCD, kv_valid_BC, q_offset=cache_index,
+                            kv_layout="cache", impl=cfg.attention)
     out_BSX = einops.rearrange(out_BSGRD, "b s g r d -> b s (g r d)")  # X = H * head dim
     return linear(out_BSX, self.wo.get_value()), cache
-
-
-def _attend(q_BSGRD, k, v, mask_BSC, k_axes: str, v_axes: str):
-  """softmax(q k^T / sqrt(D), masked) v for keys / values laid out as `k_axes` / `v_axes` (einsum letters)."""
-  hd = q_BSGRD.shape[-1]
-  scores_BGRSC = jnp.einsum(f"bsgrd,{k_axes}->bgrsc", q_BSGRD, k,
-                            preferred_element_type=jnp.float32) * (hd ** -0.5)
-  scores_BGRSC = jnp.where(mask_BSC[:, None, None, :, :], scores_BGRSC, _MASK_VALUE)
-  probs_BGRSC = jax.nn.softmax(scores_BGRSC, axis=-1).astype(v.dtype)
-  return jnp.einsum(f"bgrsc,{v_axes}->bsgrd", probs_BGRSC, v)
-
-
-# Causal attention over S tokens in query blocks of at least this many tokens (up to
-# _MAX_QUERY_BLOCKS): block i reads only the keys up to its last query, skipping the masked
-# upper triangle. Dense train step of issue 15 (S = 160, 4 blocks of 40), one layer's
-# attention forward + backward: 286 -> 168 ms on the 2-core box; below 2 blocks' worth of
-# tokens, one block.
-_MIN_QUERY_BLOCK = 32
-_MAX_QUERY_BLOCKS = 4
-
-
-def query_blocks(s: int) -> list[tuple[int, int]]:
-  """[start, end) of each causal query block over S tokens (`_causal_attention`)."""
-  n = max(1, min(_MAX_QUERY_BLOCKS, s // _MIN_QUERY_BLOCK))
-  size = -(-s // n)
-  return [(start, min(start + size, s)) for start in range(0, s, size)]
-
-
-def _causal_attention(q_BSGRD, k_BSGD, v_BSGD, mask_BSC):
-  """`_attend` over the S tokens themselves, block by block; `mask_BSC` must be causal.
-
-  Exact for every query with at least one visible key: the skipped keys are masked for
-  the whole block, and a masked key's weight is exp(-1e30 - max) = 0. A query that sees no
-  key at all (a padding token with only padding before it) averages v over its block's
-  keys instead of all S: a value nothing reads.
-  """
-  outs = []
-  for start, end in query_blocks(q_BSGRD.shape[1]):
-    outs.append(_attend(q_BSGRD[:, start:end], k_BSGD[:, :end], v_BSGD[:, :end],
-                        mask_BSC[:, start:end, :end], "bcgd", "bcgd"))
-  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
 def _decode_attention(q_BGRD, kT_BGDC, v_BGCD, mask_BC):
@@ -152,7 +118,7 @@ def _decode_attention(q_BGRD, kT_BGDC, v_BGCD, mask_BC):
   f32 = jnp.float32
   hd = q_BGRD.shape[-1]
   scores_BGRC = jnp.einsum("bgrd,bgdc->bgrc", q_BGRD.astype(f32), kT_BGDC.astype(f32))
-  scores_BGRC = jnp.where(mask_BC[:, None, None, :], scores_BGRC * (hd ** -0.5), _MASK_VALUE)
+  scores_BGRC = jnp.where(mask_BC[:, None, None, :], scores_BGRC * (hd ** -0.5), MASK_VALUE)
   probs_BGRC = jax.nn.softmax(scores_BGRC, axis=-1).astype(v_BGCD.dtype).astype(f32)
   out_BGRD = jnp.einsum("bgrc,bgcd->bgrd", probs_BGRC, v_BGCD.astype(f32))
   return einops.rearrange(out_BGRD.astype(v_BGCD.dtype), "b g r d -> b 1 (g r d)")

@@ -32,6 +32,9 @@ class ModelOutput:
   router_logits_BSLE: jax.Array | None
   aux_loss: jax.Array
   cache: list | None
+  # float32 scalar, summed over MoE layers: the fraction of token shards whose shard_map
+  # all-to-all overflowed and took the exact all-gather fallback (0 for dense / gspmd / all_gather).
+  moe_overflow: jax.Array = dataclasses.field(default_factory=lambda: jnp.zeros((), jnp.float32))
 
 
 class Block(nnx.Module):
@@ -44,21 +47,23 @@ class Block(nnx.Module):
     self.ffn_norm = RMSNorm(cfg.d_model, cfg)
     self.ffn = MoE(cfg, rngs=rngs) if is_moe else MLP(cfg, rngs=rngs)
 
-  def __call__(self, x_BSD, positions_BS, mask_BSC, valid_BS, cache, cache_index, replay_ids_BSK,
+  def __call__(self, x_BSD, positions_BS, kv_valid_BC, valid_BS, cache, cache_index, replay_ids_BSK,
                replay_mask_BS):
-    """Returns (x_BSD', cache', ids_BSK, router_logits_BSE, aux); the MoE outputs None if dense."""
-    a_BSD, cache = self.attn(self.attn_norm(x_BSD), positions_BS, mask_BSC, cache, cache_index)
+    """Returns (x_BSD', cache', ids_BSK, router_logits_BSE, aux, overflow); ids / logits None if dense."""
+    a_BSD, cache = self.attn(self.attn_norm(x_BSD), positions_BS, kv_valid_BC, cache, cache_index)
     x_BSD = x_BSD + a_BSD
     h_BSD = self.ffn_norm(x_BSD)
     if self.is_moe:
-      y_BSD, ids_BSK, router_BSE, aux = self.ffn(h_BSD, valid_BS, replay_ids_BSK, replay_mask_BS)
+      y_BSD, ids_BSK, router_BSE, aux, overflow = self.ffn(h_BSD, valid_BS, replay_ids_BSK,
+                                                           replay_mask_BS)
     else:
       # The dense MLP on [N, D] rows: fed [B, S, D], XLA:CPU's backward writes its [N, F]
       # activation gradients transposed (a strided copy per matmul), about 2x the MLP's time.
       b, s, d = h_BSD.shape
       y_BSD = self.ffn(h_BSD.reshape(b * s, d)).reshape(b, s, d)
       ids_BSK, router_BSE, aux = None, None, jnp.zeros((), jnp.float32)
-    return x_BSD + y_BSD, cache, ids_BSK, router_BSE, aux
+      overflow = jnp.zeros((), jnp.float32)
+    return x_BSD + y_BSD, cache, ids_BSK, router_BSE, aux, overflow
 
 
 def _stack_blocks(blocks: list[Block]) -> Block:
@@ -190,29 +195,28 @@ class Transformer(nnx.Module):
     if positions_BS is None:
       positions_BS = (default_positions(valid_BS) if cache is None
                       else jnp.broadcast_to(cache_index + jnp.arange(s), (b, s)))
+    # The attention mask stays structured (layers.Attention): the query at slot cache_index + i
+    # (i without a cache) reads the key slots up to its own where kv_valid_BC holds.
     if cache is None:
-      mask_BSC = jnp.tril(jnp.ones((s, s), bool))[None] & valid_BS[:, None, :]
+      kv_valid_BC = valid_BS
     else:
       n_entries = len(cfg.layer_groups) if cfg.scan_layers else cfg.n_layers
       if len(cache) != n_entries:
         raise ValueError(f"cache has {len(cache)} entries; model.scan_layers={cfg.scan_layers} needs "
                          f"{n_entries} (build it with kv_cache.init_cache for this config)")
       c = cache_len(cache)
-      slots_C = jnp.arange(c)
-      q_slots_S = cache_index + jnp.arange(s)
-      kv_valid_BC = (jnp.broadcast_to(slots_C[None] < cache_index + s, (b, c))
+      kv_valid_BC = (jnp.broadcast_to(jnp.arange(c)[None] < cache_index + s, (b, c))
                      if kv_valid_BC is None else kv_valid_BC)
-      mask_BSC = (slots_C[None, None, :] <= q_slots_S[None, :, None]) & kv_valid_BC[:, None, :]
     if replay_ids_BSLK is not None and replay_mask_BS is None:
       replay_mask_BS = jnp.ones((b, s), bool)
 
     # The embedding is never quantized (quant.params leaves it a plain array).
     x_BSD = constrain_batch(jnp.take(self.embedding.get_value(), tokens_BS, axis=0).astype(dtype))
-    args = (positions_BS, mask_BSC, valid_BS, cache_index, replay_ids_BSLK, replay_mask_BS)
+    args = (positions_BS, kv_valid_BC, valid_BS, cache_index, replay_ids_BSLK, replay_mask_BS)
     if cfg.scan_layers:
-      x_BSD, new_cache, ids_all, router_all, aux_total = self._run_scanned(x_BSD, cache, *args)
+      x_BSD, new_cache, ids_all, router_all, (aux_total, overflow) = self._run_scanned(x_BSD, cache, *args)
     else:
-      x_BSD, new_cache, ids_all, router_all, aux_total = self._run_unrolled(x_BSD, cache, *args)
+      x_BSD, new_cache, ids_all, router_all, (aux_total, overflow) = self._run_unrolled(x_BSD, cache, *args)
     h_BSD = self.final_norm(x_BSD)
     k = cfg.n_experts_per_tok
     expert_ids_BSLK = (jnp.stack(ids_all, axis=2).astype(jnp.int32) if ids_all
@@ -225,13 +229,15 @@ class Transformer(nnx.Module):
       aux_total = aux_total / cfg.n_moe_layers
     return ModelOutput(logits_BSV=logits_BSV, hidden_BSD=h_BSD if return_hidden else None,
                        expert_ids_BSLK=expert_ids_BSLK, router_logits_BSLE=router_logits_BSLE,
-                       aux_loss=aux_total, cache=new_cache)
+                       aux_loss=aux_total, cache=new_cache, moe_overflow=overflow)
 
-  def _run_unrolled(self, x_BSD, cache, positions_BS, mask_BSC, valid_BS, cache_index,
+  def _run_unrolled(self, x_BSD, cache, positions_BS, kv_valid_BC, valid_BS, cache_index,
                     replay_ids_BSLK, replay_mask_BS):
-    """One Python-level call per layer; returns (x, cache', ids per MoE layer, router logits, aux sum)."""
+    """One Python-level call per layer; returns (x, cache', ids per MoE layer, router logits,
+    (aux sum, overflow sum))."""
     cfg = self.cfg
     ids_all, router_all, aux_total = [], [], jnp.zeros((), jnp.float32)
+    overflow_total = jnp.zeros((), jnp.float32)
     new_cache = [] if cache is not None else None
     moe_index = cfg.moe_index
     for i, block in enumerate(self.layers):
@@ -242,12 +248,12 @@ class Transformer(nnx.Module):
       if cfg.remat and cache is None:
         graphdef, state = nnx.split(block)
         def run(state, x_BSD, r_ids_BSK, _graphdef=graphdef):
-          return nnx.merge(_graphdef, state)(x_BSD, positions_BS, mask_BSC, valid_BS, None, None,
+          return nnx.merge(_graphdef, state)(x_BSD, positions_BS, kv_valid_BC, valid_BS, None, None,
                                              r_ids_BSK, replay_mask_BS)
-        x_BSD, layer_cache, ids_BSK, rl_BSE, aux = jax.checkpoint(run)(state, x_BSD, r_ids_BSK)
+        x_BSD, layer_cache, ids_BSK, rl_BSE, aux, overflow = jax.checkpoint(run)(state, x_BSD, r_ids_BSK)
       else:
-        x_BSD, layer_cache, ids_BSK, rl_BSE, aux = block(
-            x_BSD, positions_BS, mask_BSC, valid_BS, layer_cache, cache_index, r_ids_BSK,
+        x_BSD, layer_cache, ids_BSK, rl_BSE, aux, overflow = block(
+            x_BSD, positions_BS, kv_valid_BC, valid_BS, layer_cache, cache_index, r_ids_BSK,
             replay_mask_BS)
       x_BSD = constrain_batch(x_BSD)
       if new_cache is not None:
@@ -256,9 +262,10 @@ class Transformer(nnx.Module):
         ids_all.append(ids_BSK)
         router_all.append(rl_BSE)
         aux_total = aux_total + aux
-    return x_BSD, new_cache, ids_all, router_all, aux_total
+        overflow_total = overflow_total + overflow
+    return x_BSD, new_cache, ids_all, router_all, (aux_total, overflow_total)
 
-  def _run_scanned(self, x_BSD, cache, positions_BS, mask_BSC, valid_BS, cache_index,
+  def _run_scanned(self, x_BSD, cache, positions_BS, kv_valid_BC, valid_BS, cache_index,
                    replay_ids_BSLK, replay_mask_BS):
     """One `lax.scan` per layer group (same results as `_run_unrolled`, per-MoE-layer lists).
 
@@ -267,6 +274,7 @@ class Transformer(nnx.Module):
     """
     cfg = self.cfg
     ids_all, router_all, aux_total = [], [], jnp.zeros((), jnp.float32)
+    overflow_total = jnp.zeros((), jnp.float32)
     new_cache = [] if cache is not None else None
     moe_index = cfg.moe_index
     for g, (start, n, is_moe) in enumerate(cfg.layer_groups):
@@ -279,15 +287,15 @@ class Transformer(nnx.Module):
 
       def body(x_BSD, xs, _graphdef=graphdef):
         layer_state, layer_cache, r_ids_BSK = xs
-        x_BSD, layer_cache, ids_BSK, rl_BSE, aux = nnx.merge(_graphdef, layer_state)(
-            x_BSD, positions_BS, mask_BSC, valid_BS, layer_cache, cache_index, r_ids_BSK,
+        x_BSD, layer_cache, ids_BSK, rl_BSE, aux, overflow = nnx.merge(_graphdef, layer_state)(
+            x_BSD, positions_BS, kv_valid_BC, valid_BS, layer_cache, cache_index, r_ids_BSK,
             replay_mask_BS)
-        return constrain_batch(x_BSD), (layer_cache, ids_BSK, rl_BSE, aux)
+        return constrain_batch(x_BSD), (layer_cache, ids_BSK, rl_BSE, aux, overflow)
 
       if cfg.remat and cache is None:
         # prevent_cse=False: inside a scan the loop already keeps XLA from merging recomputes.
         body = jax.checkpoint(body, prevent_cse=False)
-      x_BSD, (group_cache, ids_nBSK, rl_nBSE, aux_n) = jax.lax.scan(
+      x_BSD, (group_cache, ids_nBSK, rl_nBSE, aux_n, overflow_n) = jax.lax.scan(
           body, x_BSD, (state, group_cache, r_ids_nBSK))
       if new_cache is not None:
         new_cache.append(group_cache)
@@ -295,4 +303,5 @@ class Transformer(nnx.Module):
         ids_all += list(ids_nBSK)
         router_all += list(rl_nBSE)
         aux_total = aux_total + jnp.sum(aux_n)
-    return x_BSD, new_cache, ids_all, router_all, aux_total
+        overflow_total = overflow_total + jnp.sum(overflow_n)
+    return x_BSD, new_cache, ids_all, router_all, (aux_total, overflow_total)

@@ -8,8 +8,6 @@ import jax
 import numpy as np
 
 from rl_jax import rollout as rollout_lib
-from rl_jax.sampler import generate as gen
-from rl_jax.sampler.config import SamplerConfig
 
 
 def pass_at_k(rewards_NK: np.ndarray) -> float:
@@ -17,16 +15,17 @@ def pass_at_k(rewards_NK: np.ndarray) -> float:
   return float((np.asarray(rewards_NK) >= 1.0).any(axis=1).mean())
 
 
-def evaluate(task: Any, score: Callable, completions: Callable, graphdef, clean_state, ids, valid,
-             problems: list, key: jax.Array, greedy_cfg: SamplerConfig, sampled_cfg: SamplerConfig,
-             k: int, mesh=None) -> dict:
+def evaluate(task: Any, score: Callable, completions: Callable, generate: Callable, clean_state, ids, valid,
+             problems: list, key: jax.Array, k: int) -> dict:
   """Greedy accuracy (+ why greedy answers fail), sampled mean@k and pass@k on fixed prompts.
 
   `score(problems, rollout)` gives rewards and `completions(rollout)` the texts (the
-  trainer's host-side helpers); `clean_state` are the float32 weights (no quant, no noise).
+  trainer's host-side helpers); `generate(state, ids, valid, key, kind)` is the run's
+  generate program (`programs.StepPrograms.generate`: kind 'greedy' or 'sampled');
+  `clean_state` are the float32 weights (no quant, no noise).
   """
   n = len(problems)
-  ro = gen.generate(graphdef, clean_state, ids, valid, key, greedy_cfg, mesh=mesh)
+  ro = generate(clean_state, ids, valid, key, "greedy")
   texts = completions(ro)
   greedy = [task.reward(p, t) for p, t in zip(problems, texts)]
   out = {"eval_greedy_accuracy": float(np.mean(greedy))}
@@ -36,7 +35,7 @@ def evaluate(task: Any, score: Callable, completions: Callable, graphdef, clean_
                                    for p, t in zip(problems, texts))
     out.update({f"eval_greedy_outcome/{name}": c / n for name, c in sorted(outcomes.items())})
   ids, valid = rollout_lib.repeat_prompts((ids, valid), k)
-  ro = gen.generate(graphdef, clean_state, ids, valid, key, sampled_cfg, mesh=mesh)
+  ro = generate(clean_state, ids, valid, key, "sampled")
   r_nk = score([p for p in problems for _ in range(k)], ro).reshape(n, k)
   out["eval_sampled_accuracy"] = float(r_nk.mean())
   out["eval_pass_at_k"] = pass_at_k(r_nk)

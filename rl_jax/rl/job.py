@@ -32,6 +32,14 @@ class RLConfig:
   mini-batch of every `meter_every`-th step (0 = off); see `rl_jax.rl.step.first_order`. One
   call costs about one step (a forward and two backward passes), hence the default of 40
   (benchmarks/bench_rl_step.py --compare meters).
+  `forward_microbatch` / `update_microbatch`: rows per micro-batch of the p_old forward and of
+  each update's gradient (accumulated over the mini-batch's micro-batches; the first-order
+  meter too), 0 = the whole batch at once. Memory, not math: the results equal the one-shot
+  ones to float32 rounding (rl_jax/microbatch.py; the load-balancing term is averaged over
+  micro-batches). Each must divide its batch and split over the mesh's batch axes.
+  `eval_rows_in_flight`: rows the held-out evaluation generates at a time (0 = the sampler's
+  `max_rows_in_flight`). Evaluation runs clean float32 weights and a float32 KV cache, up to 4x
+  the bytes per row of a quantized sampler's, so long responses need smaller waves there.
   """
   steps: int = 100
   prompts_per_step: int = 16
@@ -47,12 +55,17 @@ class RLConfig:
   max_to_keep: int = 2
   plot: bool = True
   meter_every: int = 40
+  forward_microbatch: int = 0
+  update_microbatch: int = 0
+  eval_rows_in_flight: int = 0
 
   def __post_init__(self):
     for k in ("steps", "prompts_per_step", "group_size", "n_minibatches", "staleness",
               "eval_every", "eval_size", "eval_samples", "checkpoint_every", "max_to_keep"):
       require(getattr(self, k) >= 1, f"rl.{k}", f"must be >= 1, got {getattr(self, k)}")
     require(self.meter_every >= 0, "rl.meter_every", f"must be >= 0 (0 = off), got {self.meter_every}")
+    for k in ("forward_microbatch", "update_microbatch", "eval_rows_in_flight"):
+      require(getattr(self, k) >= 0, f"rl.{k}", f"must be >= 0 (0 = the whole batch), got {getattr(self, k)}")
     require(self.prompts_per_step % self.n_minibatches == 0, "rl.n_minibatches",
             f"prompts_per_step={self.prompts_per_step} must split into {self.n_minibatches} "
             "group-aligned mini-batches")

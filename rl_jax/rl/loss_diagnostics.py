@@ -1,4 +1,10 @@
-"""Diagnostics returned with the RL loss (docs/metrics.md), masked by the response mask, stop-gradient."""
+"""Diagnostics returned with the RL loss (docs/metrics.md), masked by the response mask, stop-gradient.
+
+Computed in two steps so that micro-batches combine exactly (`rl.update_microbatch`):
+`diagnostic_stats` returns additive sufficient statistics, keyed 'sum/', 'max/', 'min/' or 'lse/'
+(log-sum-exp) by how two micro-batches' values combine (`combine_stats`), and
+`finalize_stats` turns them into the metrics. `loss_diagnostics` is the two in one.
+"""
 from __future__ import annotations
 
 from typing import Optional
@@ -12,16 +18,17 @@ from rl_jax.rl.methods import MAX_LOG_RATIO, RuleOutput
 sg = jax.lax.stop_gradient
 
 
-def loss_diagnostics(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Optional[jax.Array],
+def diagnostic_stats(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Optional[jax.Array],
                      mask_BT: jax.Array, rule_out: RuleOutput,
                      entropy_BT: Optional[jax.Array] = None,
                      topk_logq_BTK: Optional[jax.Array] = None,
                      sc_stats: Optional[dict] = None,
                      drift_tv_BT: Optional[jax.Array] = None,
                      sc_sq: Optional[tuple[jax.Array, jax.Array]] = None) -> dict[str, jax.Array]:
-  """Scalar diagnostics over response tokens (padding excluded), all stop-gradient.
+  """Sufficient statistics of the diagnostics over response tokens (padding excluded).
 
-  Keys (fixed for a given set of inputs, so logs stack across steps):
+  `finalize_stats` of them gives the metrics (keys fixed for a given set of inputs, so logs
+  stack across steps):
     num_tokens, response_len_mean: sum_i L_i and mean_i L_i.
     entropy: mean token entropy of p_theta (when the vocabulary axis was seen).
     kl_k1_vs_current, kl_k3_vs_current: D_KL(q || p_theta) estimators mean(log q - log p_theta)
@@ -61,7 +68,6 @@ def loss_diagnostics(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Opt
   means["kl_k1_vs_current"] = -log_r
   means["kl_k3_vs_current"] = r - 1.0 - log_r
   means["is_ratio_mean"] = maxes["is_ratio_max"] = mins["is_ratio_min"] = r
-  maxes["_log_r_max"] = log_r
   if logp_old_BT is not None:
     s = jnp.exp(jnp.clip(logp_BT - sg(logp_old_BT), -MAX_LOG_RATIO, MAX_LOG_RATIO))
     means["staleness_ratio_mean"] = maxes["staleness_ratio_max"] = s
@@ -90,19 +96,70 @@ def loss_diagnostics(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Opt
     red = op(jnp.where(on[None], x, fill), axis=(1, 2))
     return dict(zip(d, red))
 
-  m = {"num_tokens": n, "response_len_mean": jnp.mean(len_B)}
-  m.update({k: v / jnp.maximum(n, 1.0) for k, v in reduce(means, jnp.sum, 0.0).items()})
-  m.update({k: jnp.where(n > 0, v, 0.0) for k, v in reduce(maxes, jnp.max, -jnp.inf).items()})
-  m.update({k: jnp.where(n > 0, v, 0.0) for k, v in reduce(mins, jnp.min, jnp.inf).items()})
-
-  # Normalized ESS of the ratios; scaled by the largest ratio first so sum r^2 cannot
-  # overflow (ESS is scale-free).
+  st = {"sum/_tokens": n, "sum/_rows": jnp.asarray(mask_BT.shape[0], jnp.float32)}
+  st.update({f"sum/{k}": v for k, v in reduce(means, jnp.sum, 0.0).items()})
+  st.update({f"max/{k}": v for k, v in reduce(maxes, jnp.max, -jnp.inf).items()})
+  st.update({f"min/{k}": v for k, v in reduce(mins, jnp.min, jnp.inf).items()})
   if sc_sq is not None:
-    m["drift/sc_share"] = meters.sc_share(sg(sc_sq[0]), sg(sc_sq[1]), mask_BT)
-  r_scaled = jnp.where(on, jnp.exp(log_r - m.pop("_log_r_max")), 0.0)
-  m["is_ess"] = jnp.square(jnp.sum(r_scaled)) / jnp.maximum(
-      n * jnp.sum(jnp.square(r_scaled)), 1e-30)
+    m = mask_BT.astype(jnp.float32)
+    st["sum/_sc_sq"] = jnp.sum(m * sg(sc_sq[1]))
+    st["sum/_total_sq"] = jnp.sum(m * sg(sc_sq[0]))
+  # ESS = (sum r)^2 / (n sum r^2) from log-sum-exps: scale-free, and r up to e^80 cannot overflow.
+  neg = jnp.float32(-jnp.inf)
+  st["lse/_log_r"] = jax.nn.logsumexp(jnp.where(on, log_r, neg))
+  st["lse/_2log_r"] = jax.nn.logsumexp(jnp.where(on, 2.0 * log_r, neg))
   per_seq_B = jnp.sum(jnp.where(on, log_r, 0.0), axis=1) / jnp.maximum(len_B, 1.0)
-  n_seq = jnp.sum(len_B > 0)
-  m["log_ppl_diff_vs_current"] = jnp.sum(jnp.where(len_B > 0, per_seq_B, 0.0)) / jnp.maximum(n_seq, 1)
+  st["sum/_seqs"] = jnp.sum(len_B > 0).astype(jnp.float32)
+  st["sum/_log_ppl"] = jnp.sum(jnp.where(len_B > 0, per_seq_B, 0.0))
+  return {k: sg(jnp.asarray(v, jnp.float32)) for k, v in st.items()}
+
+
+_COMBINE = {"sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum, "lse": jnp.logaddexp}
+
+
+def combine_stats(a: dict[str, jax.Array], b: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """The statistics of two disjoint sets of rows from each set's (`diagnostic_stats` keys)."""
+  if a.keys() != b.keys():
+    raise ValueError(f"combine_stats: different keys {sorted(a.keys() ^ b.keys())}")
+  return {k: _COMBINE[k.split("/", 1)[0]](a[k], b[k]) for k in a}
+
+
+_REDUCE = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min, "lse": jax.nn.logsumexp}
+
+
+def reduce_stacked(st: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """`combine_stats` over a leading axis (one entry per micro-batch, e.g. a scan's outputs)."""
+  return {k: _REDUCE[k.split("/", 1)[0]](v, axis=0) for k, v in st.items()}
+
+
+def finalize_stats(st: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """Metrics from (combined) `diagnostic_stats`: means over tokens, maxes / mins (0 without a
+  token), ESS, the log-ppl difference over responses, sc_share; other 'sum/' keys without a
+  leading '_' (e.g. 'sum/loss') are passed through as their sum."""
+  n = st["sum/_tokens"]
+  m = {"num_tokens": n, "response_len_mean": n / jnp.maximum(st["sum/_rows"], 1.0)}
+  for k, v in st.items():
+    kind, name = k.split("/", 1)
+    if name.startswith("_"):
+      continue
+    if kind == "sum":
+      m[name] = v if name in PASS_THROUGH else v / jnp.maximum(n, 1.0)
+    elif kind in ("max", "min"):
+      m[name] = jnp.where(n > 0, v, 0.0)
+  if "sum/_sc_sq" in st:
+    m["drift/sc_share"] = meters.sc_share(st["sum/_total_sq"], st["sum/_sc_sq"])
+  if "lse/_log_r" in st:
+    ess = jnp.exp(2.0 * st["lse/_log_r"] - st["lse/_2log_r"]) / jnp.maximum(n, 1.0)
+    m["is_ess"] = jnp.where(n > 0, ess, 0.0)
+  if "sum/_log_ppl" in st:
+    m["log_ppl_diff_vs_current"] = st["sum/_log_ppl"] / jnp.maximum(st["sum/_seqs"], 1.0)
   return {k: sg(jnp.asarray(v, jnp.float32)) for k, v in m.items()}
+
+
+# 'sum/' statistics that are totals, not per-token sums to average (the loss itself).
+PASS_THROUGH = frozenset({"loss"})
+
+
+def loss_diagnostics(**kwargs) -> dict[str, jax.Array]:
+  """`finalize_stats(diagnostic_stats(**kwargs))`: the metrics of one batch (keys in diagnostic_stats)."""
+  return finalize_stats(diagnostic_stats(**kwargs))

@@ -12,7 +12,7 @@ from rl_jax.logprobs import chunked_logprobs, gather_logprobs  # re-exported: rl
 from rl_jax.rl import meters
 from rl_jax.rl import methods
 from rl_jax.rl.loss_config import LossConfig
-from rl_jax.rl.loss_diagnostics import loss_diagnostics
+from rl_jax.rl.loss_diagnostics import diagnostic_stats, finalize_stats
 
 sg = jax.lax.stop_gradient
 Metrics = dict[str, jax.Array]
@@ -57,7 +57,20 @@ def score_centering_coeffs(head_logp_BTK: jax.Array, topk_logq_BTK: jax.Array,
 
 # --- Aggregation (docs/math.md#aggregation) --------------------------------------------------
 
-def aggregate(ell_BT: jax.Array, mask_BT: jax.Array, aggregation: str) -> jax.Array:
+def normalizer(mask_BT: jax.Array, aggregation: str) -> jax.Array:
+  """The constant `aggregate` divides the summed losses by (see there), from the whole batch."""
+  b, t = mask_BT.shape
+  if aggregation == "batch_tokens":
+    return jnp.maximum(jnp.sum(mask_BT.astype(jnp.float32)), 1.0)
+  if aggregation == "constant":
+    return jnp.asarray(float(b * t), jnp.float32)
+  if aggregation == "seq_mean":
+    return jnp.asarray(float(b), jnp.float32)
+  raise ValueError(f"unknown aggregation {aggregation!r}")
+
+
+def aggregate(ell_BT: jax.Array, mask_BT: jax.Array, aggregation: str, norm: jax.Array | None = None
+              ) -> jax.Array:
   """Reduces masked per-token losses ell_it to the scalar loss.
 
   batch_tokens: sum_it ell / sum_i L_i                  ([SC]'s shared objective, Eq. 13)
@@ -65,16 +78,14 @@ def aggregate(ell_BT: jax.Array, mask_BT: jax.Array, aggregation: str) -> jax.Ar
                 response length of the arrays: pad to the configured maximum response
                 length, not to the batch's longest response, or the scale drifts per batch)
   seq_mean:     (1/B) sum_i (1/L_i) sum_t ell_it        (length normalization, GRPO / CISPO)
-  B counts every row, empty (all-padding) rows included.
+  B counts every row, empty (all-padding) rows included. `norm` replaces the denominator
+  (`normalizer` of these rows) by one computed over a larger batch: a micro-batch's share of
+  the whole mini-batch's loss, so that the micro-batches' losses (and gradients) sum to it.
   """
-  b, t = ell_BT.shape
-  if aggregation == "batch_tokens":
-    return jnp.sum(ell_BT) / jnp.maximum(jnp.sum(mask_BT), 1.0)
-  if aggregation == "constant":
-    return jnp.sum(ell_BT) / (b * t)
+  norm = normalizer(mask_BT, aggregation) if norm is None else norm
   if aggregation == "seq_mean":
-    return jnp.sum(jnp.sum(ell_BT, axis=1) / jnp.maximum(jnp.sum(mask_BT, axis=1), 1.0)) / b
-  raise ValueError(f"unknown aggregation {aggregation!r}")
+    return jnp.sum(jnp.sum(ell_BT, axis=1) / jnp.maximum(jnp.sum(mask_BT, axis=1), 1.0)) / norm
+  return jnp.sum(ell_BT) / norm
 
 
 def _jit_loss(*static_argnames):
@@ -120,8 +131,13 @@ def _check_common(mask_BT, adv_B, logq_BT, cfg, logp_old_BT, b, t):
 
 
 def _loss_core(logp_BT, head_logp_BTK, entropy_BT, mask_BT, adv_B, logq_BT, cfg,
-               logp_old_BT, topk_logq_BTK, y_in_head_BTK=None) -> tuple[jax.Array, Metrics]:
+               logp_old_BT, topk_logq_BTK, y_in_head_BTK=None, norm=None, return_stats=False
+               ) -> tuple[jax.Array, Metrics]:
   """Rule + score centering + aggregation + diagnostics on [B, T(, K)] arrays.
+
+  `norm`: the aggregation's denominator from the whole mini-batch (micro-batching, see
+  `aggregate`); `return_stats`: the diagnostics' sufficient statistics
+  (`loss_diagnostics.diagnostic_stats`, with 'sum/loss') instead of the metrics.
 
   head_logp_BTK / topk_logq_BTK: the trainer's and the sampler's log-probs at the sampler's
   whole recorded head (or None): the drift meter reads all of it, top-k score centering
@@ -166,23 +182,25 @@ def _loss_core(logp_BT, head_logp_BTK, entropy_BT, mask_BT, adv_B, logq_BT, cfg,
         head_p_XK=jnp.exp(sg(head_logp_BTK)), p_y_X=jnp.exp(sg(logp_BT)),
         y_in_head_XK=y_in_head_BTK.astype(jnp.float32))
   ell_BT = jnp.where(on, -objective_BT, 0.0)
-  loss = aggregate(ell_BT, mask_BT, cfg.aggregation)
-  metrics = loss_diagnostics(
+  loss = aggregate(ell_BT, mask_BT, cfg.aggregation, norm)
+  stats = diagnostic_stats(
       logp_BT=logp_BT, logq_BT=logq_BT, logp_old_BT=logp_old_BT, mask_BT=mask_BT,
       rule_out=out, entropy_BT=entropy_BT, topk_logq_BTK=topk_logq_BTK, sc_stats=sc_stats,
       drift_tv_BT=drift_tv_BT, sc_sq=sc_sq)
-  metrics["loss"] = sg(loss)
-  return loss, metrics
+  stats["sum/loss"] = sg(loss)
+  return loss, (stats if return_stats else finalize_stats(stats))
 
 
-@_jit_loss("cfg")
+@_jit_loss("cfg", "return_stats")
 def rl_loss_from_logprobs(logp_BT: jax.Array, mask_BT: jax.Array, adv_B: jax.Array,
                           logq_BT: jax.Array, cfg: LossConfig, *,
                           logp_old_BT: Optional[jax.Array] = None,
                           head_logp_BTK: Optional[jax.Array] = None,
                           topk_logq_BTK: Optional[jax.Array] = None,
                           entropy_BT: Optional[jax.Array] = None,
-                          y_in_head_BTK: Optional[jax.Array] = None) -> tuple[jax.Array, Metrics]:
+                          y_in_head_BTK: Optional[jax.Array] = None,
+                          norm: Optional[jax.Array] = None,
+                          return_stats: bool = False) -> tuple[jax.Array, Metrics]:
   """The RL loss from the trainer's log-probs of the sampled tokens (no vocabulary axis).
 
   Same math as `rl_loss`. Score centering additionally needs `head_logp_BTK`, the trainer's
@@ -206,7 +224,7 @@ def rl_loss_from_logprobs(logp_BT: jax.Array, mask_BT: jax.Array, adv_B: jax.Arr
   else:
     head_logp_BTK = None
   return _loss_core(logp_BT, head_logp_BTK, entropy_BT, mask_BT, adv_B, logq_BT, cfg,
-                    logp_old_BT, topk_logq_BTK, y_in_head_BTK)
+                    logp_old_BT, topk_logq_BTK, y_in_head_BTK, norm, return_stats)
 
 
 def _select_ids(targets_BT, topk_ids_BTK, topk_logq_BTK, cfg, v, b, t):
@@ -240,11 +258,12 @@ def _select_ids(targets_BT, topk_ids_BTK, topk_logq_BTK, cfg, v, b, t):
   return ids_BTK1, topk_logq_BTK, y_in_head_BTK
 
 
-@_jit_loss("cfg")
+@_jit_loss("cfg", "return_stats")
 def rl_loss(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array, adv_B: jax.Array,
             logq_BT: jax.Array, cfg: LossConfig, *, logp_old_BT: Optional[jax.Array] = None,
             topk_ids_BTK: Optional[jax.Array] = None,
-            topk_logq_BTK: Optional[jax.Array] = None) -> tuple[jax.Array, Metrics]:
+            topk_logq_BTK: Optional[jax.Array] = None, norm: Optional[jax.Array] = None,
+            return_stats: bool = False) -> tuple[jax.Array, Metrics]:
   """RL loss (minus objective) and diagnostics for `cfg.method` (docs/math.md#correction-methods).
 
   Per token, with A_i the response's advantage and r_t = p(y_t)/q(y_t):
@@ -266,6 +285,10 @@ def rl_loss(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array, ad
       required by score centering (K = V for 'full'); also give `head_mass_*` and, with or
       without centering, the drift meter `drift/tv_mean`, `drift/tv_max` (meters.topk_tv:
       exact when K = V, else a lower bound).
+    norm: the aggregation's denominator over the whole mini-batch when these rows are one
+      micro-batch of it (`normalizer`); default: these rows' own.
+    return_stats: return the diagnostics' sufficient statistics instead of the metrics
+      (micro-batches combine them with `loss_diagnostics.combine_stats`).
 
   Returns:
     (loss scalar, metrics dict of stop-gradient float32 scalars, see loss_diagnostics).
@@ -277,16 +300,17 @@ def rl_loss(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array, ad
   lp_BTK1, ent_BT = gather_logprobs(logits_BTV, ids_BTK1, cfg.temperature)
   head = lp_BTK1[..., 1:] if y_in_BTK is not None else None
   return _loss_core(lp_BTK1[..., 0], head, ent_BT, mask_BT, adv_B, logq_BT, cfg,
-                    logp_old_BT, topk_logq_BTK, y_in_BTK)
+                    logp_old_BT, topk_logq_BTK, y_in_BTK, norm, return_stats)
 
 
-@_jit_loss("cfg", "chunk_size")
+@_jit_loss("cfg", "chunk_size", "return_stats")
 def rl_loss_from_hidden(hidden_BTD: jax.Array, w_unembed_DV: jax.Array, targets_BT: jax.Array,
                         mask_BT: jax.Array, adv_B: jax.Array, logq_BT: jax.Array,
                         cfg: LossConfig, *, logp_old_BT: Optional[jax.Array] = None,
                         topk_ids_BTK: Optional[jax.Array] = None,
                         topk_logq_BTK: Optional[jax.Array] = None,
-                        chunk_size: Optional[int] = None) -> tuple[jax.Array, Metrics]:
+                        chunk_size: Optional[int] = None, norm: Optional[jax.Array] = None,
+                        return_stats: bool = False) -> tuple[jax.Array, Metrics]:
   """`rl_loss` with logits = hidden_BTD @ w_unembed_DV made chunk by chunk over T.
 
   For long responses: only one [B, chunk, V] float32 logits block is live at a time (see
@@ -304,4 +328,4 @@ def rl_loss_from_hidden(hidden_BTD: jax.Array, w_unembed_DV: jax.Array, targets_
   lp_BTK1, ent_BT = chunked_logprobs(hidden_BTD, w_unembed_DV, ids_BTK1, cfg.temperature, chunk)
   head = lp_BTK1[..., 1:] if y_in_BTK is not None else None
   return _loss_core(lp_BTK1[..., 0], head, ent_BT, mask_BT, adv_B, logq_BT, cfg,
-                    logp_old_BT, topk_logq_BTK, y_in_BTK)
+                    logp_old_BT, topk_logq_BTK, y_in_BTK, norm, return_stats)

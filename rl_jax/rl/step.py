@@ -5,6 +5,7 @@ hashable (`jax.jit(step.loss_fn, static_argnames=STATIC)`), the arrays are posit
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 import flax.struct
@@ -17,12 +18,14 @@ from rl_jax import rollout as rollout_lib
 from rl_jax.logprobs import chunked_logprobs, gather_logprobs
 from rl_jax.models.transformer import constrain_batch
 from rl_jax.rl import meters
+from rl_jax import microbatch
 from rl_jax.rl.loss_config import LossConfig
-from rl_jax.rl.losses import rl_loss, rl_loss_from_hidden
+from rl_jax.rl.loss_diagnostics import finalize_stats, reduce_stacked
+from rl_jax.rl.losses import normalizer, rl_loss, rl_loss_from_hidden
 
 Replay = Literal["none", "R2", "R3"]
 # Keyword arguments of the step functions that are configuration (static under jit).
-STATIC = ("graphdef", "loss_cfg", "aux_coef", "optimizer", "replay")
+STATIC = ("graphdef", "loss_cfg", "aux_coef", "optimizer", "replay", "microbatches")
 
 
 @flax.struct.dataclass
@@ -75,11 +78,18 @@ def masked_mean(x, mask):
   return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
+def routing_hits(trainer_ids_BSLK, sampler_ids_BSLK, valid_BS) -> tuple[jax.Array, jax.Array]:
+  """(hits, slots): (token, MoE layer, slot) triples where the sampler's expert is among the
+  trainer's top-k, and all such triples at valid tokens."""
+  hit = jnp.any(sampler_ids_BSLK[..., :, None] == trainer_ids_BSLK[..., None, :], axis=-1)
+  mask = jnp.broadcast_to(valid_BS[:, :, None, None], hit.shape).astype(jnp.float32)
+  return jnp.sum(hit.astype(jnp.float32) * mask), jnp.sum(mask)
+
+
 def routing_agreement(trainer_ids_BSLK, sampler_ids_BSLK, valid_BS):
   """Fraction of (token, MoE layer, slot) where the sampler's expert is among the trainer's top-k."""
-  hit = jnp.any(sampler_ids_BSLK[..., :, None] == trainer_ids_BSLK[..., None, :], axis=-1)
-  mask = jnp.broadcast_to(valid_BS[:, :, None, None], hit.shape)
-  return masked_mean(hit.astype(jnp.float32), mask)
+  hits, slots = routing_hits(trainer_ids_BSLK, sampler_ids_BSLK, valid_BS)
+  return hits / jnp.maximum(slots, 1.0)
 
 
 def _forward(model, batch: TrainBatch, **kw):
@@ -114,32 +124,62 @@ def _sampled_logp(model, out, batch: TrainBatch, loss_cfg: LossConfig) -> jax.Ar
   return gather_logprobs(_response_logits(model, out, batch), targets_BT1, temp)[0][..., 0]
 
 
-def _rl_loss(model, out, batch: TrainBatch, loss_cfg: LossConfig):
-  """The RL loss (no load-balancing term) of a forward's output and its metrics."""
+def _rl_loss(model, out, batch: TrainBatch, loss_cfg: LossConfig, norm=None, return_stats=False):
+  """The RL loss (no load-balancing term) of a forward's output and its metrics (or, with
+  `return_stats`, their sufficient statistics); `norm`: the whole mini-batch's aggregation
+  denominator when `batch` is one micro-batch of it."""
   args = (batch.response_BT, batch.response_mask_BT, batch.adv_B, batch.logq_BT, loss_cfg)
   opt = dict(logp_old_BT=batch.logp_old_BT, topk_ids_BTK=batch.topk_ids_BTK,
-             topk_logq_BTK=batch.topk_logq_BTK)
+             topk_logq_BTK=batch.topk_logq_BTK, norm=norm, return_stats=return_stats)
   if loss_cfg.chunk_size > 0:
     return rl_loss_from_hidden(batch.response_slots(out.hidden_BSD), model.unembed_weight(), *args, **opt)
   return rl_loss(_response_logits(model, out, batch), *args, **opt)
 
 
 def old_forward(params, batch: TrainBatch, sampler_ids_BSLK=None, sampler_valid_BS=None, *,
-                graphdef: nnx.GraphDef, loss_cfg: LossConfig, replay: Replay = "none"):
+                graphdef: nnx.GraphDef, loss_cfg: LossConfig, replay: Replay = "none", microbatches: int = 1):
   """theta_old's log-probs of the sampled tokens, its own routing and the mismatch metrics.
 
   p_old is computed under the same routing as the updates will use, so that at theta =
   theta_old every staleness ratio pi_theta / pi_theta_old is exactly 1: 'none' and R2 on the
   trainer's own routing, R3 replaying the sampler's experts (`sampler_ids_BSLK` where
   `sampler_valid_BS`). The `mismatch/*` metrics compare the sampler's q with this p_old.
+  `microbatches` > 1 runs the forward over that many strided row micro-batches in a `lax.scan`
+  (`rl_jax.microbatch`; `rl.forward_microbatch`): the same numbers, one micro-batch's
+  activations live at a time.
 
   Returns (logp_old_BT, own_ids_BSLK or None, metrics): `own_ids_BSLK` are the experts the
   trainer itself routes to (R2 replays them).
   """
+  if replay == "R3" and sampler_ids_BSLK is None:
+    raise ValueError("routing_replay='R3' needs the sampler's expert ids (sampler.record_experts)")
+  fwd = lambda b, ids, valid: _old_forward_rows(params, b, ids, valid, graphdef=graphdef,
+                                                loss_cfg=loss_cfg, replay=replay)
+  if microbatches == 1:
+    logp_old_BT, own_ids_BSLK, st = fwd(batch, sampler_ids_BSLK, sampler_valid_BS)
+  else:
+    xs = microbatch.split((batch, sampler_ids_BSLK, sampler_valid_BS), microbatches)
+    _, (logp_old_BT, own_ids_BSLK, st) = jax.lax.scan(lambda c, x: (c, fwd(*x)), None, xs)
+    logp_old_BT, own_ids_BSLK = microbatch.merge((logp_old_BT, own_ids_BSLK))
+    st = reduce_stacked(st)
+  return logp_old_BT, own_ids_BSLK, _mismatch_metrics(st)
+
+
+def _mismatch_metrics(st: dict) -> dict:
+  """`mismatch/*` from `_old_forward_rows`' sums over response tokens (and routed slots)."""
+  n = jnp.maximum(st["sum/_tokens"], 1.0)
+  m = {f"mismatch/{k}": st[f"sum/{k}"] / n for k in ("kl_k1", "kl_k3", "prob_diff_mean")}
+  m["mismatch/prob_diff_max"] = jnp.maximum(st["max/prob_diff_max"], 0.0)
+  if "sum/_route_hits" in st:
+    m["mismatch/routing_agreement"] = st["sum/_route_hits"] / jnp.maximum(st["sum/_route_slots"], 1.0)
+  return m
+
+
+def _old_forward_rows(params, batch: TrainBatch, sampler_ids_BSLK, sampler_valid_BS, *,
+                      graphdef: nnx.GraphDef, loss_cfg: LossConfig, replay: Replay):
+  """`old_forward` on one set of rows: (logp_old_BT, own_ids_BSLK, sums for `_mismatch_metrics`)."""
   model = nnx.merge(graphdef, params)
   r3 = replay == "R3"
-  if r3 and sampler_ids_BSLK is None:
-    raise ValueError("routing_replay='R3' needs the sampler's expert ids (sampler.record_experts)")
   kw = {}
   if r3:
     kw = dict(replay_ids_BSLK=sampler_ids_BSLK, replay_mask_BS=sampler_valid_BS, return_router_logits=True)
@@ -157,16 +197,18 @@ def old_forward(params, batch: TrainBatch, sampler_ids_BSLK=None, sampler_valid_
     # [B, S, L, E] router probabilities on every device for the top-k (the 30B plan: 120 GiB).
     probs_BSLE = constrain_batch(jax.nn.softmax(out.router_logits_BSLE.astype(jnp.float32), axis=-1))
     own_ids_BSLK = jax.lax.top_k(probs_BSLE, own_ids_BSLK.shape[-1])[1].astype(jnp.int32)
-  mask = batch.response_mask_BT
+  mask = batch.response_mask_BT.astype(jnp.float32)
   log_x = logp_old_BT - batch.logq_BT
   x = jnp.exp(log_x)
   diff = jnp.abs(jnp.exp(logp_old_BT) - jnp.exp(batch.logq_BT))
-  m = {"mismatch/kl_k1": masked_mean(-log_x, mask), "mismatch/kl_k3": masked_mean(x - 1.0 - log_x, mask),
-       "mismatch/prob_diff_mean": masked_mean(diff, mask),
-       "mismatch/prob_diff_max": jnp.max(jnp.where(mask, diff, 0.0))}
+  on = mask > 0
+  total = lambda v: jnp.sum(jnp.where(on, v, 0.0))
+  st = {"sum/_tokens": jnp.sum(mask), "sum/kl_k1": total(-log_x), "sum/kl_k3": total(x - 1.0 - log_x),
+        "sum/prob_diff_mean": total(diff), "max/prob_diff_max": jnp.max(jnp.where(on, diff, 0.0))}
   if sampler_ids_BSLK is not None and own_ids_BSLK is not None:
-    m["mismatch/routing_agreement"] = routing_agreement(own_ids_BSLK, sampler_ids_BSLK, sampler_valid_BS)
-  return logp_old_BT, own_ids_BSLK, m
+    hits, slots = routing_hits(own_ids_BSLK, sampler_ids_BSLK, sampler_valid_BS)
+    st["sum/_route_hits"], st["sum/_route_slots"] = hits, slots
+  return logp_old_BT, own_ids_BSLK, st
 
 
 def loss_fn(params, batch: TrainBatch, *, graphdef: nnx.GraphDef, loss_cfg: LossConfig, aux_coef: float):
@@ -175,11 +217,54 @@ def loss_fn(params, batch: TrainBatch, *, graphdef: nnx.GraphDef, loss_cfg: Loss
   out = _forward(model, batch, **_replay_kw(batch))
   loss, metrics = _rl_loss(model, out, batch, loss_cfg)
   # The load-balancing loss uses the trainer's own routing, also under replay (models/moe.py).
-  return loss + aux_coef * out.aux_loss, dict(metrics, aux_loss=out.aux_loss)
+  return loss + aux_coef * out.aux_loss, dict(metrics, aux_loss=out.aux_loss, moe_overflow=out.moe_overflow)
 
 
-def first_order(params, batch: TrainBatch, *, graphdef: nnx.GraphDef, loss_cfg: LossConfig
-                ) -> dict[str, jax.Array]:
+def _microbatch_loss(params, mb: TrainBatch, norm, valid_share, *, graphdef, loss_cfg, aux_coef):
+  """One micro-batch's share of the mini-batch loss: the RL loss over the whole mini-batch's
+  aggregation denominator `norm`, plus its `valid_share` of the load-balancing term (computed per
+  micro-batch on its own routing, as Megatron and MaxText do: the aux loss's product of two token
+  means does not split over rows exactly). Returns (loss, (stats, weighted aux))."""
+  model = nnx.merge(graphdef, params)
+  out = _forward(model, mb, **_replay_kw(mb))
+  loss, stats = _rl_loss(model, out, mb, loss_cfg, norm=norm, return_stats=True)
+  aux = valid_share * out.aux_loss
+  return loss + aux_coef * aux, (stats, aux, out.moe_overflow)
+
+
+def _pin(tree, shardings):
+  """`tree` (a gradient or an accumulator of one) laid out like the params: without it GSPMD may
+  keep a `lax.scan` carry replicated (the 30B plan's first-order meter: two f32 gradient trees of
+  all 30B parameters on every device, 256 GB of all-gathers)."""
+  return tree if shardings is None else jax.lax.with_sharding_constraint(tree, shardings)
+
+
+def accumulated_grads(params, batch: TrainBatch, microbatches: int, *, graphdef: nnx.GraphDef,
+                      loss_cfg: LossConfig, aux_coef: float, grad_shardings=None):
+  """(loss, metrics, grads) of `batch` summed over `microbatches` strided row micro-batches in a
+  `lax.scan` (gradient accumulation): the RL loss and its gradient equal the one-shot
+  `loss_fn`'s to float32 rounding for every aggregation (the denominator comes from the whole
+  batch), and so do the metrics (combined from sufficient statistics,
+  `loss_diagnostics.diagnostic_stats`); the aux loss is the valid-token-weighted mean of the
+  micro-batches' (`_microbatch_loss`)."""
+  norm = normalizer(batch.response_mask_BT, loss_cfg.aggregation)
+  valid_total = jnp.maximum(jnp.sum(batch.valid_BS.astype(jnp.float32)), 1.0)
+  grad_fn = jax.value_and_grad(functools.partial(_microbatch_loss, graphdef=graphdef, loss_cfg=loss_cfg,
+                                                 aux_coef=aux_coef), has_aux=True)
+
+  def body(acc, mb):
+    share = jnp.sum(mb.valid_BS.astype(jnp.float32)) / valid_total
+    (loss, (stats, aux, overflow)), g = grad_fn(params, mb, norm, share)
+    return _pin(jax.tree.map(jnp.add, acc, g), grad_shardings), (loss, stats, aux, overflow)
+
+  zeros = _pin(jax.tree.map(jnp.zeros_like, params), grad_shardings)
+  grads, (losses, stats, aux, overflow) = jax.lax.scan(body, zeros, microbatch.split(batch, microbatches))
+  metrics = dict(finalize_stats(reduce_stacked(stats)), aux_loss=jnp.sum(aux), moe_overflow=jnp.mean(overflow))
+  return jnp.sum(losses), metrics, grads
+
+
+def first_order(params, batch: TrainBatch, *, graphdef: nnx.GraphDef, loss_cfg: LossConfig,
+                microbatches: int = 1, grad_shardings=None) -> dict[str, jax.Array]:
   """The first-order-approximation meter ([MiniRL] Sec. 3) on one mini-batch.
 
   g_tok = grad of J_tok = -(the RL loss of `loss_fn`): the token-level objective the configured
@@ -191,36 +276,58 @@ def first_order(params, batch: TrainBatch, *, graphdef: nnx.GraphDef, loss_cfg: 
   update's routing (replay included), two backward passes. Returns {'cosine', 'norm_ratio'}
   (`meters.grad_alignment`): on-policy (p = q), with PG and 'batch_tokens' or 'constant'
   aggregation, g_tok = g_seq, so both are 1; they move away under mismatch (the w_i differ from
-  1), clipping / masking rules, and the per-response 1 / L_i of 'seq_mean'.
+  1), clipping / masking rules, and the per-response 1 / L_i of 'seq_mean'. Both objectives are
+  sums over responses over a whole-batch denominator, so `microbatches` > 1 accumulates each
+  gradient over strided row micro-batches (`rl.update_microbatch`) with the same result.
   """
   mask_BT = batch.response_mask_BT
   z = meters.seq_normalizer(mask_BT, loss_cfg.aggregation)
+  norm = normalizer(mask_BT, loss_cfg.aggregation)
 
-  def objectives(p):
-    model = nnx.merge(graphdef, p)
-    out = _forward(model, batch, **_replay_kw(batch))
-    loss, _ = _rl_loss(model, out, batch, loss_cfg)
-    logp_BT = _sampled_logp(model, out, batch, loss_cfg)
-    j_seq, _ = meters.seq_objective_surrogate(logp_BT, batch.logq_BT, batch.adv_B, mask_BT, z)
-    return -loss, j_seq
+  def grads(mb):
+    def objectives(p):
+      model = nnx.merge(graphdef, p)
+      out = _forward(model, mb, **_replay_kw(mb))
+      loss, _ = _rl_loss(model, out, mb, loss_cfg, norm=norm)
+      logp_BT = _sampled_logp(model, out, mb, loss_cfg)
+      j_seq, _ = meters.seq_objective_surrogate(logp_BT, mb.logq_BT, mb.adv_B, mb.response_mask_BT, z)
+      return -loss, j_seq
 
-  (j_tok, j_seq), pullback = jax.vjp(objectives, params)
-  one = lambda x: jnp.ones_like(x)
-  zero = lambda x: jnp.zeros_like(x)
-  g_tok, = pullback((one(j_tok), zero(j_seq)))
-  g_seq, = pullback((zero(j_tok), one(j_seq)))
+    (j_tok, j_seq), pullback = jax.vjp(objectives, params)
+    one = lambda x: jnp.ones_like(x)
+    zero = lambda x: jnp.zeros_like(x)
+    g_tok, = pullback((one(j_tok), zero(j_seq)))
+    g_seq, = pullback((zero(j_tok), one(j_seq)))
+    return _pin(g_tok, grad_shardings), _pin(g_seq, grad_shardings)
+
+  if microbatches == 1:
+    g_tok, g_seq = grads(batch)
+  else:
+    def body(acc, mb):
+      return tuple(_pin(jax.tree.map(jnp.add, a, g), grad_shardings) for a, g in zip(acc, grads(mb))), None
+
+    zeros = _pin(jax.tree.map(jnp.zeros_like, params), grad_shardings)
+    (g_tok, g_seq), _ = jax.lax.scan(body, (zeros, zeros), microbatch.split(batch, microbatches))
   return meters.grad_alignment(g_tok, g_seq)
 
 
 def update(params, opt_state, batch: TrainBatch, *, graphdef: nnx.GraphDef, optimizer: Any,
-           loss_cfg: LossConfig, aux_coef: float):
+           loss_cfg: LossConfig, aux_coef: float, microbatches: int = 1, grad_shardings=None):
   """One optimizer step on `batch`; a non-finite loss or gradient leaves params and state unchanged.
 
+  `microbatches` > 1 accumulates the gradient over that many strided row micro-batches
+  (`accumulated_grads`, `rl.update_microbatch`): one micro-batch's activations live at a time;
+  `grad_shardings` (the params') pins the accumulator's layout.
   Returns (params, opt_state, metrics) with `metrics['finite']` telling the host which.
   """
-  (loss, metrics), grads = jax.value_and_grad(
-      lambda p: loss_fn(p, batch, graphdef=graphdef, loss_cfg=loss_cfg, aux_coef=aux_coef),
-      has_aux=True)(params)
+  if microbatches == 1:
+    (loss, metrics), grads = jax.value_and_grad(
+        lambda p: loss_fn(p, batch, graphdef=graphdef, loss_cfg=loss_cfg, aux_coef=aux_coef),
+        has_aux=True)(params)
+  else:
+    loss, metrics, grads = accumulated_grads(params, batch, microbatches, graphdef=graphdef,
+                                             loss_cfg=loss_cfg, aux_coef=aux_coef,
+                                             grad_shardings=grad_shardings)
   gnorm = optax.global_norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
   updates, new_opt = optimizer.update(grads, opt_state, params)
@@ -231,4 +338,4 @@ def update(params, opt_state, batch: TrainBatch, *, graphdef: nnx.GraphDef, opti
 
 
 # Jitted once per (graphdef, loss_cfg): the trainer calls it every `rl.meter_every` steps.
-first_order_jit = jax.jit(first_order, static_argnames=("graphdef", "loss_cfg"))
+first_order_jit = jax.jit(first_order, static_argnames=("graphdef", "loss_cfg", "microbatches"))

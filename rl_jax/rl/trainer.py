@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import time
 from typing import Any
@@ -22,14 +21,12 @@ from rl_jax import workdir as wd
 from rl_jax.metrics import MetricsWriter, read_metrics, resolve_wandb_mode
 from rl_jax.optim import make_optimizer
 from rl_jax.rl import evaluate as evaluate_lib
+from rl_jax.rl import programs as programs_lib
 from rl_jax.rl import plots
-from rl_jax.rl import step as step_lib
-from rl_jax.rl.advantages import compute_advantages
 # The schema lives in job.py; re-exported so `trainer.RLJob` & co. keep resolving.
 from rl_jax.rl.job import RLConfig, RLJob, WarmStartConfig  # noqa: F401
 from rl_jax.rl.step import TrainBatch
 from rl_jax.rl.warm_start import check_sft_section, check_sft_warm_start, warm_start
-from rl_jax.sampler import generate as gen
 from rl_jax.sampler import weights as sampler_weights
 
 
@@ -65,6 +62,7 @@ class RLTrainer:
       raise ConfigError(f"config key 'rl.prompts_per_step': mini-batches of {(b // n) * g} "
                         f"responses do not split over the mesh's batch axes ({div})")
     ex.check_batch(job.rl.eval_size, "rl.eval_size", self.mesh)
+    programs_lib.microbatch_counts(job, self.mesh)   # a bad micro-batch split fails before any compute
     self.task = ex.make_task(job.task)
     # Checked here, not in RLJob: configs ship with the path left for the command line.
     require(job.warm_start.source not in ("hf", "sft") or bool(job.warm_start.path), "warm_start.path",
@@ -72,8 +70,13 @@ class RLTrainer:
             "to start from (--config.warm_start.path=...)")
     if job.warm_start.source == "hf":
       _check_dir(job.warm_start.path, "warm_start.path", "config.json")
+      from rl_jax.models import hf_stage  # pylint: disable=g-import-not-at-top
       from rl_jax.tasks.hf_tokenizer import HFTokenizer  # pylint: disable=g-import-not-at-top
-      self.tok = HFTokenizer.from_dir(job.warm_start.path)
+      # A remote checkpoint is read from a host-local copy (the loader memory-maps it); the stored
+      # config keeps the URI the user gave.
+      local = hf_stage.local_checkpoint(job.warm_start.path)
+      self.job = job = dataclasses.replace(job, warm_start=dataclasses.replace(job.warm_start, path=local))
+      self.tok = HFTokenizer.from_dir(local)
     else:
       self.tok = ex.make_tokenizer(self.task, job.model)
     self._check_tokens()
@@ -119,15 +122,9 @@ class RLTrainer:
       # The newest step that restores; a corrupt newer one is moved aside (Checkpointer.restore).
       self.state, _, self.start_step = self.ckpt.restore(self.state)
       print(f"[rl] resumed from step {self.start_step} in {self.ckpt.directory}")
-    self.sampler_graphdef = sampler_weights.sampler_graphdef(job.model, job.sampler.dtype)
-    # Evaluation uses the clean float32 weights whatever the sampler's dtype.
-    self.eval_graphdef = sampler_weights.sampler_graphdef(job.model, "float32")
-    self.eval_cfg = dataclasses.replace(job.sampler, greedy=True, noise="none", noise_sigma=0.0,
-                                        quant="none", dtype="float32", record_topk=0,
-                                        record_experts=False)
-    self.eval_sampled_cfg = dataclasses.replace(self.eval_cfg, greedy=False,
-                                                temperature=job.rl.eval_temperature)
-    self._build_steps()
+    self.programs = programs_lib.build(
+        job, self.mesh, self.graphdef, jax.tree.map(lambda x: x.sharding, self.state["params"]),
+        jax.tree.map(lambda x: x.sharding, self.state["opt_state"]), self.optimizer)
     self.sync_sampler()
 
   def close(self) -> None:
@@ -167,28 +164,12 @@ class RLTrainer:
   def _warm_start(self):
     return warm_start(self.job, self.config, str(self.run_dir.path("warm_start")), self.mesh)
 
-  def _build_steps(self) -> None:
-    """Jits the module-level step functions (rl_jax.rl.step) with this run's static config."""
-    job, mesh = self.job, self.mesh
-    cfg = dict(graphdef=self.graphdef, loss_cfg=job.loss)
-    aux = dict(aux_coef=job.model.router_aux_loss_coef)
-    param_sh = jax.tree.map(lambda x: x.sharding, self.state["params"])
-    opt_sh = jax.tree.map(lambda x: x.sharding, self.state["opt_state"])
-    self.loss_and_grad = jax.jit(jax.value_and_grad(functools.partial(step_lib.loss_fn, **cfg, **aux),
-                                                    has_aux=True))
-    self._old_forward = jax.jit(functools.partial(step_lib.old_forward, **cfg, replay=job.rl.routing_replay))
-    self._update = jax.jit(functools.partial(step_lib.update, **cfg, **aux, optimizer=self.optimizer),
-                           donate_argnums=(0, 1), out_shardings=(param_sh, opt_sh, sh.replicated(mesh)))
-    self._advantages = jax.jit(functools.partial(compute_advantages, group_size=job.rl.group_size,
-                                                 cfg=job.advantage))
-
   # -- the pieces of one global step ---------------------------------------------------------
 
   def sync_sampler(self) -> None:
     """Sampler weights = cast(quantize(theta + Delta)) from the last synced trainer params."""
     src = self.state.get("sampler_src", self.state["params"])
-    self.sampler_state = sampler_weights.sync_weights(src, self.state.get("noise"),
-                                                      self.job.sampler.quant, self.job.sampler.dtype)
+    self.sampler_state = self.programs.sync(src, self.state.get("noise"))
 
   def prompts(self, step: int, split: str = "train", count: int | None = None, start: int | None = None):
     count = count or self.job.rl.prompts_per_step
@@ -203,8 +184,7 @@ class RLTrainer:
     problems, ids, valid = self.prompts(step)
     ids, valid = rollout_lib.repeat_prompts((ids, valid), g)
     key = jax.random.fold_in(jax.random.key(self.job.seed), step)
-    ro = gen.generate(self.sampler_graphdef, self.sampler_state, ids, valid, key, self.job.sampler,
-                      mesh=self.mesh)
+    ro = self.programs.generate(self.sampler_state, ids, valid, key)
     return [p for p in problems for _ in range(g)], ro
 
   def completions(self, ro) -> list[str]:
@@ -220,9 +200,10 @@ class RLTrainer:
     """Advantages, the theta_old forward and the replay routes of this global step."""
     # The sampler's top-k rides along whenever it was recorded: the loss's drift meter reads it
     # (K more gathered ids per token), score centering too.
-    batch = TrainBatch.from_rollout(ro, self._advantages(jnp.asarray(rewards)), with_topk=True)
+    batch = TrainBatch.from_rollout(ro, self.programs.advantages(jnp.asarray(rewards)), with_topk=True)
     sampler_ids = ro.expert_ids_BSLK if self.job.model.is_moe else None
-    logp_old, own_ids, m = self._old_forward(self.state["params"], batch, sampler_ids, ro.expert_valid_BS)
+    logp_old, own_ids, m = self.programs.old_forward(self.state["params"], batch, sampler_ids,
+                                                     ro.expert_valid_BS)
     batch = batch.replace(logp_old_BT=logp_old)
     replay = self.job.rl.routing_replay
     if replay == "R2":
@@ -241,7 +222,7 @@ class RLTrainer:
     """N optimizer updates on group-aligned mini-batches; raises on a non-finite step."""
     metrics = []
     for i, mb in enumerate(self.minibatches(batch)):
-      params, opt_state, m = self._update(self.state["params"], self.state["opt_state"], mb)
+      params, opt_state, m = self.programs.update(self.state["params"], self.state["opt_state"], mb)
       # Params were donated: keep the returned ones (unchanged when the step was not finite).
       self.state["params"], self.state["opt_state"] = params, opt_state
       m = sh.to_host(m)
@@ -268,8 +249,7 @@ class RLTrainer:
     if meter_every and (step + 1) % meter_every == 0:
       # On the first mini-batch at theta_old, before its update (which donates the params):
       # fetched to the host here, so the meter has finished reading them.
-      fo = step_lib.first_order_jit(self.state["params"], next(self.minibatches(batch)),
-                                    graphdef=self.graphdef, loss_cfg=self.job.loss)
+      fo = self.programs.first_order(self.state["params"], next(self.minibatches(batch)))
       m_first = {f"first_order/{k}": float(v) for k, v in sh.to_host(fo).items()}
     m_upd = self.update(batch, step)
     t3 = time.perf_counter()
@@ -301,11 +281,10 @@ class RLTrainer:
     """Held-out greedy accuracy, sampled mean@k and pass@k; clean fp32 weights (no quant, noise)."""
     n, k = self.job.rl.eval_size, self.job.rl.eval_samples
     problems, ids, valid = self.prompts(0, split="eval", count=n, start=0)
-    clean = sampler_weights.sync_weights(self.state["params"], None, None, "float32")
+    clean = self.programs.clean_weights(self.state["params"])
     key = jax.random.fold_in(jax.random.key(self.job.seed), 0xE7A1)
-    return evaluate_lib.evaluate(self.task, self.score, self.completions, self.eval_graphdef, clean, ids,
-                                 valid, problems, key, self.eval_cfg, self.eval_sampled_cfg, k,
-                                 mesh=self.mesh)
+    return evaluate_lib.evaluate(self.task, self.score, self.completions, self.programs.generate, clean, ids,
+                                 valid, problems, key, k)
 
   def save(self, step: int) -> None:
     self.ckpt.save(step, self.state, {"step": step, "seed": self.job.seed, "job": "rl"})
@@ -341,7 +320,9 @@ class RLTrainer:
         bar.set_postfix(reward=f"{row['reward']:.3f}", kl=f"{row['mismatch/kl_k1']:.2e}")
         if done % job.rl.checkpoint_every == 0 or done == job.rl.steps:
           self.save(done)
-      # Inside the lock: nobody else writes this workdir while the summary is.
+      # The final checkpoint is on disk (its async write finished, or raised) before summary.json
+      # marks the run done; inside the lock: nobody else writes this workdir while the summary is.
+      self.ckpt.wait_until_finished()
       return self.summarize()
     finally:
       if bar is not None:

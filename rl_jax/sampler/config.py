@@ -45,6 +45,12 @@ class SamplerConfig:
   # least `min_phase_steps` long). 1 = every step reads the whole cache.
   decode_phases: int = 4
   min_phase_steps: int = 32
+  # Memory (not results): generate at most this many rows at a time, in waves of strided rows
+  # each with its own KV cache (0 = every row at once), and prefill each wave's prompts this many
+  # rows at a time (0 = the wave at once). Each must divide the rows it splits and the mesh's
+  # batch axes; a row's tokens and log-probs do not depend on the others in its wave.
+  max_rows_in_flight: int = 0
+  prefill_rows: int = 0
 
   def __post_init__(self):
     require(self.max_prompt_len >= 1, "sampler.max_prompt_len", f"must be >= 1, got {self.max_prompt_len}")
@@ -61,6 +67,8 @@ class SamplerConfig:
     require(self.pad_id >= 0, "sampler.pad_id", f"must be >= 0, got {self.pad_id}")
     require(self.decode_phases >= 1, "sampler.decode_phases", f"must be >= 1, got {self.decode_phases}")
     require(self.min_phase_steps >= 1, "sampler.min_phase_steps", f"must be >= 1, got {self.min_phase_steps}")
+    for k in ("max_rows_in_flight", "prefill_rows"):
+      require(getattr(self, k) >= 0, f"sampler.{k}", f"must be >= 0 (0 = all rows), got {getattr(self, k)}")
     quant = self.quant
     if quant is None:
       quant = QuantConfig.preset("none")

@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from rl_jax import microbatch
 from rl_jax.logprobs import next_token_logq
 from rl_jax.models.kv_cache import LayerKV, cache_len, grow_cache, init_cache
 from rl_jax.models.layers import dtype_of
@@ -190,7 +191,12 @@ _STATIC_ARGNAMES = ("graphdef", "cfg", "kv_spec", "mesh")
 
 
 def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: SamplerConfig, kv_spec, mesh):
-  """The traceable generation program (`_generate` is its jit; tests wrap it to count traces)."""
+  """The traceable generation program (`_generate` is its jit; tests wrap it to count traces).
+
+  With `cfg.max_rows_in_flight` the rows run in waves of strided rows (`rl_jax.microbatch`: each
+  wave spans every batch-axis device) in a `lax.scan`, each wave with its own KV cache; row b
+  samples with the b-th of `split(key, B)` either way, so its tokens do not depend on the waves.
+  """
   model = nnx.merge(graphdef, state)
   mcfg = model.cfg
   cfg.check_vocab(mcfg.vocab_size)
@@ -198,6 +204,44 @@ def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: Sampler
     raise ValueError(f"the sampler graph computes in {mcfg.dtype} but sampler.dtype is {cfg.dtype}: build it "
                      "with weights.sampler_graphdef(model_cfg, cfg.dtype)")
   constrain = _constrainer(mesh, mcfg.n_kv_heads)
+  b = prompts_BP.shape[0]
+  keys_B = jax.random.split(key, b)
+  div = batch_divisor(mesh) if mesh is not None else 1
+  waves = microbatch.count(b, cfg.max_rows_in_flight, "sampler.max_rows_in_flight", div)
+  rows = lambda x: _generate_rows(model, *x, cfg=cfg, kv_spec=kv_spec, constrain=constrain, div=div)
+  if waves == 1:
+    return rows((prompts_BP, valid_BP, keys_B))
+  _, ro = jax.lax.scan(lambda c, x: (c, rows(x)), None, microbatch.split((prompts_BP, valid_BP, keys_B), waves))
+  return constrain(microbatch.merge(ro))
+
+
+def _prefill(model, tokens_BP, positions_BP, pvalid_BP, kv_valid_BC, cache_slots: int, *, cfg, kv_spec,
+             constrain, div):
+  """The prompt prefill (no logits) into a fresh cache of `cache_slots` slots, `cfg.prefill_rows`
+  rows at a time (strided chunks in a `lax.scan`); returns (cache, prefill experts or None)."""
+  mcfg = model.cfg
+  p = cfg.max_prompt_len
+
+  def one(tok_bP, pos_bP, pv_bP, kvv_bC):
+    cache = constrain(init_cache(mcfg, tok_bP.shape[0], cache_slots, dtype_of(mcfg.dtype), kv_spec,
+                                 backend=getattr(cfg.quant, "backend", "auto")))
+    out = model(tok_bP[:, :p - 1], pos_bP[:, :p - 1], pv_bP[:, :p - 1], cache=cache, cache_index=0,
+                kv_valid_BC=kvv_bC[:, :cache_len(cache)], compute_logits=False)
+    return constrain(out.cache), out.expert_ids_BSLK
+
+  xs = (tokens_BP, positions_BP, pvalid_BP, kv_valid_BC)
+  chunks = microbatch.count(tokens_BP.shape[0], cfg.prefill_rows, "sampler.prefill_rows", div)
+  if chunks == 1:
+    return one(*xs)
+  _, (caches, experts) = jax.lax.scan(lambda c, x: (c, one(*x)), None, microbatch.split(xs, chunks))
+  # A layer-stacked cache (scanned layers) has its rows on axis 1.
+  merge_kv = lambda kv: jax.tree.map(lambda x: microbatch.merge_axis(x, 1 if kv.stacked else 0), kv)
+  return [merge_kv(kv) for kv in caches], microbatch.merge(experts)
+
+
+def _generate_rows(model, prompts_BP, valid_BP, keys_B, *, cfg: SamplerConfig, kv_spec, constrain, div):
+  """Prefill + decode of one wave of rows, row b sampling with `keys_B[b]` (`generate_program`)."""
+  mcfg = model.cfg
   b = prompts_BP.shape[0]
   p, t, s = cfg.max_prompt_len, cfg.max_new_tokens, cfg.max_len
   n_moe, k_exp = mcfg.n_moe_layers, mcfg.n_experts_per_tok
@@ -214,21 +258,21 @@ def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: Sampler
   # future ones. Rows that finished keep decoding garbage that nobody reads.
   kv_valid_BC = jnp.concatenate([pvalid_BP, jnp.ones((b, t), bool)], axis=1)
   # The cache starts at the first decode phase's slots (the prefill's p-1 fit in them).
-  cache = constrain(init_cache(mcfg, b, cfg.phase_bounds()[0][1], dtype_of(mcfg.dtype), kv_spec,
-                               backend=getattr(cfg.quant, "backend", "auto")))
+  slots0 = cfg.phase_bounds()[0][1]
   experts_BSLK = jnp.zeros((b, s, n_moe, k_exp), jnp.int32) if record_experts else None
 
   # Prefill: every prompt token but the last in one forward pass, no logits. The last
   # prompt token (slot p-1, real for every row thanks to left padding) is the first
   # decode step, so every logged distribution comes out of the same T=1 code path.
   if p > 1:
-    out = model(tokens_BP[:, :p - 1], positions_BP[:, :p - 1], pvalid_BP[:, :p - 1], cache=cache,
-                cache_index=0, kv_valid_BC=kv_valid_BC[:, :cache_len(cache)], compute_logits=False)
-    cache = constrain(out.cache)
+    cache, pre_experts = _prefill(model, tokens_BP, positions_BP, pvalid_BP, kv_valid_BC, slots0, cfg=cfg,
+                                  kv_spec=kv_spec, constrain=constrain, div=div)
     if record_experts:
-      experts_BSLK = jax.lax.dynamic_update_slice(experts_BSLK, out.expert_ids_BSLK, (0, 0, 0, 0))
+      experts_BSLK = jax.lax.dynamic_update_slice(experts_BSLK, pre_experts, (0, 0, 0, 0))
+  else:
+    cache = constrain(init_cache(mcfg, b, slots0, dtype_of(mcfg.dtype), kv_spec,
+                                 backend=getattr(cfg.quant, "backend", "auto")))
 
-  keys_B = jax.random.split(key, b)
   carry = dict(
       step=jnp.zeros((), jnp.int32), cache=cache, tokens_BS=tokens_BS,
       done_B=jnp.zeros((b,), bool),

@@ -1,0 +1,89 @@
+"""benchmarks/device_check.py on CPU: every row ok or skipped with a reason; a failing row never stops the rest."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "benchmarks", "device_check.py")
+
+
+def _load():
+  spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses resolve their module by name
+  spec.loader.exec_module(module)
+  return module
+
+
+def _run(tmp_path, sections, timeout):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  # A person's CPU run: one device, not the test session's 8 simulated ones.
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if not f.startswith("--xla_force_host_platform_device_count"))
+  proc = subprocess.run([sys.executable, SCRIPT, "--small", "--sections", sections, "--out",
+                         str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=timeout)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  report = json.loads((tmp_path / "device_check.json").read_text())
+  assert "INTERPRET" in report["header"] and report["small"]
+  table = (tmp_path / "device_check.md").read_text()
+  for row in report["rows"]:
+    status = row["status"]
+    assert status == "ok" or (status.startswith("skipped: ") and len(status) > len("skipped: ")), row
+    if status == "ok" and row["tol"] is not None:
+      assert row["err"] is not None and row["err"] <= row["tol"], row
+    assert row["name"].replace("|", "\\|") in table
+  return report["rows"]
+
+
+def test_cpu_small_kernels_and_attention(tmp_path):
+  """The kernel sections (<= ~40 s here): every quant kernel, the grouped matmul, attention."""
+  rows = _run(tmp_path, "quant,gmm,attention", timeout=240)
+  names = [r["name"] for r in rows]
+  for op in ("quantize_rows", "dequantize_rows", "quantize_cols", "dequantize_cols", "qmatmul"):
+    assert any(f"quant {op} " in n for n in names), op
+  assert sum(n.startswith("gmm pallas") for n in names) == 3
+  by_impl = {impl: [r for r in rows if r["name"].startswith(f"attention {impl} ")]
+             for impl in ("flash", "cudnn", "splash")}
+  assert len(by_impl["flash"]) == 2 and all(r["status"] == "ok" for r in by_impl["flash"])
+  # No GPU / TPU here: those impls are skipped with the attention module's own reason.
+  assert all("GPU" in r["status"] for r in by_impl["cudnn"])
+  assert all("TPU" in r["status"] for r in by_impl["splash"])
+  assert all(r["status"] == "ok" for r in rows if r["name"].startswith(("quant", "gmm")))
+
+
+@pytest.mark.slow
+def test_cpu_small_rl(tmp_path):
+  """The RL section (~1-2 min on 2 busy cores): zero mismatch of the fp32 sampler, 10 steps."""
+  rows = _run(tmp_path, "rl", timeout=600)
+  assert [r["status"] for r in rows] == ["ok", "ok"], rows
+  assert rows[0]["err"] <= rows[0]["tol"]
+  assert rows[1]["time_s"] > 0
+
+
+def test_a_failing_row_does_not_stop_the_others(monkeypatch):
+  dc = _load()
+
+  def broken():
+    raise RuntimeError("boom")
+
+  def skipped():
+    raise dc.Skip("not here")
+
+  monkeypatch.setattr(dc, "_gmm_rows", lambda sz, runs: [("a", broken), ("b", skipped),
+                                                         ("c", lambda: dict(err=2.0, tol=1.0)),
+                                                         ("d", lambda: dict(err=0.5, tol=1.0))])
+
+  def no_inputs(sz, runs):
+    raise ValueError("no inputs")
+
+  monkeypatch.setattr(dc, "_attention_rows", no_inputs)
+  rows = dc.run_checks(["gmm", "attention"], dc.SMALL, 1, log=lambda *_: None)
+  assert [(r.name, r.status) for r in rows] == [
+      ("a", "FAIL"), ("b", "skipped: not here"), ("c", "FAIL"), ("d", "ok"), ("attention", "FAIL")]
+  assert "boom" in rows[0].note and "no inputs" in rows[4].note
+  assert "| a | FAIL |" in dc.table(rows)
