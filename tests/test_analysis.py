@@ -116,6 +116,33 @@ def test_group_by_config_key_and_figures_tables(tmp_path):
     analysis.group_runs(analysis.load_runs(str(tmp_path / "bare" / "seed*")), group_by="loss.method")
 
 
+def test_grouping_never_pools_what_differs(tmp_path, capsys):
+  """PG and SC share loss.method='pg' (SC is loss.score_centering): grouping by the method alone must
+  not merge them silently; by default the groups are the keys that differ (the seed aside)."""
+  for sc in ("none", "topk"):
+    for seed in (0, 1, 2):
+      cfg = {"seed": seed, "loss": {"method": "pg", "score_centering": sc},
+             "logging": {"run_name": f"r{seed}"}, "warm_start": {"path": f"/ws{seed}"}}
+      write_run(tmp_path / f"{sc}" / f"seed{seed}", rows_of([0.1, 0.2], [0, 1e-3]), config=cfg)
+  runs = analysis.load_runs(str(tmp_path / "*" / "seed*"))
+  groups = analysis.group_runs(runs)
+  assert [(g.line, g.n, g.keys) for g in groups] == [
+      ("loss.score_centering=none", 3, {"loss.score_centering": "none"}),
+      ("loss.score_centering=topk", 3, {"loss.score_centering": "topk"})]
+  with pytest.raises(runs_lib.MixedGroupError, match="pools runs differing in loss.score_centering"):
+    analysis.group_runs(runs, group_by="loss.method")
+  both = analysis.group_runs(runs, group_by="loss.method,loss.score_centering")
+  assert [g.n for g in both] == [3, 3]
+  merged = analysis.group_runs(runs, group_by="loss.method", allow_mixed=True)
+  assert [(g.n, g.mixed) for g in merged] == [(6, ["loss.score_centering"])]
+  out = tmp_path / "cmp"
+  assert cli.main(["--workdirs", str(tmp_path / "*" / "seed*"), "--out", str(out), "--group_by",
+                   "loss.method"]) == 2
+  assert "loss.score_centering" in capsys.readouterr().err
+  assert cli.main(["--workdirs", str(tmp_path / "*" / "seed*"), "--out", str(out)]) == 0
+  assert "grouped by: loss.score_centering" in capsys.readouterr().out
+
+
 def test_cli(tmp_path, capsys):
   for name in ("a", "b"):
     for seed in (0, 1):

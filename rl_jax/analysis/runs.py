@@ -191,48 +191,122 @@ def load_runs(patterns: Iterable[str] | str) -> list[Run]:
 
 @dataclasses.dataclass
 class Group:
-  """Runs of one configuration over seeds, drawn as one line in one panel."""
+  """Runs of one configuration over seeds, drawn as one line in one panel.
+
+  `keys`: the config values that define the group (the grouping keys); `mixed`: other config keys
+  whose values differ between its runs (empty unless merged on purpose, `allow_mixed`)."""
   name: str
   panel: str
   line: str
   runs: list[Run]
+  keys: dict[str, Any] = dataclasses.field(default_factory=dict)
+  mixed: list[str] = dataclasses.field(default_factory=list)
 
   @property
   def n(self) -> int:
     return len(self.runs)
 
 
+# Config keys that never tell two runs' treatments apart: the replicate (seed), where a run reads its
+# warm start from and writes or logs to, and the resume policy.
+NOT_A_TREATMENT = frozenset({"seed", "warm_start.path", "resume"})
+NOT_A_TREATMENT_PREFIXES = ("logging.",)
+
+
+class MixedGroupError(ValueError):
+  """A grouping would pool runs whose configs differ in keys it does not group by."""
+
+
+def flat_config(run: Run) -> dict[str, Any] | None:
+  """The run's config as {'a.b': value}: the stored config, else the study runner's overrides."""
+  from rl_jax.workdir import flatten  # pylint: disable=g-import-not-at-top
+  if run.config is not None:
+    return flatten(run.config)
+  if run.study is not None and run.study.get("overrides") is not None:
+    out = {}
+    for k, v in run.study["overrides"].items():   # dotted keys; a dict value is a whole section
+      out.update(flatten(v, f"{k}.") if isinstance(v, dict) else {k: v})
+    return out
+  return None
+
+
+def _treatment(key: str) -> bool:
+  return key not in NOT_A_TREATMENT and not key.startswith(NOT_A_TREATMENT_PREFIXES)
+
+
+def differing_keys(runs: Iterable[Run], exclude: Iterable[str] = ()) -> list[str]:
+  """Treatment keys (not the seed, paths, logging) whose values differ between `runs`, sorted; a key
+  one run lacks counts as differing. Runs without a config are ignored."""
+  configs = [c for c in (flat_config(r) for r in runs) if c is not None]
+  exclude = set(exclude)
+  keys = set().union(*configs) if configs else set()
+  out = []
+  for k in sorted(keys):
+    if k in exclude or not _treatment(k):
+      continue
+    vals = {json.dumps(c[k] if k in c else "<absent>", sort_keys=True, default=str) for c in configs}
+    if len(vals) > 1:
+      out.append(k)
+  return out
+
+
 def _label(v: Any) -> str:
   return "unset" if v is None else (f"{v:g}" if isinstance(v, float) and math.isfinite(v) else str(v))
 
 
-def group_runs(runs: list[Run], group_by: str | None = None, panel_by: str | None = None) -> list[Group]:
-  """Groups runs by name (or by the config key `group_by`), one panel per `panel_by` value.
+def group_runs(runs: list[Run], group_by: str | None = None, panel_by: str | None = None,
+               allow_mixed: bool = False) -> list[Group]:
+  """Groups runs over seeds; one panel per `panel_by` value.
 
-  Without `panel_by`, runs the study runner labelled keep their study panel and line; other
-  runs go into one panel named 'all'. Order: first appearance.
+  `group_by`: a config key or comma-separated keys. Default: the treatment keys whose values differ
+  across `runs` (`differing_keys`: not the seed, paths or logging), so that no group pools runs of
+  different configurations; with no stored configs, the run name. A group whose runs still differ
+  in a key it is not grouped by is refused (`MixedGroupError`, naming the keys) unless
+  `allow_mixed`, which keeps it and lists the keys in `Group.mixed`.
+
+  Labels: runs the study runner labelled keep their study panel and line when the group is exactly
+  one study cell; otherwise the line is the value of a single `group_by` key, or 'key=value, ...'
+  of the grouping keys; the panel is 'all'.
+  Order: first appearance.
   """
-  groups: dict[tuple[str, str], Group] = {}
-  for r in runs:
-    if group_by:
-      line = _label(r.config_value(group_by))
+  panel_keys = [panel_by] if panel_by else []
+  if group_by:
+    keys = [k for k in group_by.split(",") if k]
+    for r in runs:
       if r.config is None and r.study is None:
         raise ValueError(f"--group_by {group_by}: {r.workdir} has no stored config (config.json) "
                          "nor study.json; group by run name instead (omit --group_by)")
-    elif r.study is not None and r.study.get("line"):
-      line = r.study["line"]
-    else:
-      line = r.name
-    if panel_by:
-      panel = f"{panel_by}={_label(r.config_value(panel_by))}"
-    elif not group_by and r.study is not None and r.study.get("panel"):
-      panel = r.study["panel"]
-    else:
-      panel = "all"
-    name = line if panel == "all" else f"{panel}/{line}"
-    if (panel, line) not in groups:
-      groups[(panel, line)] = Group(name=name, panel=panel, line=line, runs=[])
-    groups[(panel, line)].runs.append(r)
+  elif all(flat_config(r) is not None for r in runs):
+    keys = differing_keys(runs, exclude=panel_keys)
+  else:
+    keys = None   # no configs to compare: the run name
+  groups: dict[tuple, Group] = {}
+  for r in runs:
+    values = {k: r.config_value(k) for k in keys} if keys is not None else {}
+    ident = tuple(json.dumps(values.get(k), sort_keys=True, default=str) for k in keys) if keys else (r.name,)
+    panel = f"{panel_by}={_label(r.config_value(panel_by))}" if panel_by else "all"
+    key = (panel, ident)
+    if key not in groups:
+      if group_by and len(keys) == 1:   # the key is the user's own word: its value names the line
+        line = _label(values[keys[0]])
+      else:
+        line = ", ".join(f"{k}={_label(v)}" for k, v in values.items()) if keys else r.name
+      groups[key] = Group(name="", panel=panel, line=line or r.name, runs=[], keys=values)
+    groups[key].runs.append(r)
+  out = []
   for g in groups.values():
     g.runs.sort(key=lambda r: (r.seed is None, r.seed, r.workdir))
-  return list(groups.values())
+    cells = {((r.study or {}).get("panel"), (r.study or {}).get("line")) for r in g.runs}
+    cell_panel, cell_line = next(iter(cells)) if len(cells) == 1 else (None, None)
+    if not panel_by and cell_line:   # exactly one study cell: its labels
+      g.panel, g.line = cell_panel or "all", cell_line
+    g.name = g.line if g.panel == "all" else f"{g.panel}/{g.line}"
+    g.mixed = differing_keys(g.runs, exclude=(keys or []) + panel_keys) if keys is not None else []
+    out.append(g)
+  bad = [g for g in out if g.mixed]
+  if bad and not allow_mixed:
+    detail = "; ".join(f"group {g.name!r} pools runs differing in {', '.join(g.mixed)}" for g in bad)
+    raise MixedGroupError(f"{detail}. Group by those keys too (e.g. --group_by "
+                          f"{','.join(dict.fromkeys((keys or []) + bad[0].mixed))}), or pass --allow_mixed "
+                          "to pool them anyway")
+  return out

@@ -2,7 +2,8 @@
 
   python -m rl_jax.study STUDY --root ROOT --publish docs/results
 
-writes docs/results/STUDY/{verdict.md, table.md, figure.png}. The figure is downscaled to at most
+writes docs/results/STUDY/{verdict.md, table.md, figure.png} and, for a study with a protocol, its
+per-seed table (per_seed.csv / .json), contrasts.json and protocol.json. The figure is downscaled to at most
 `MAX_WIDTH` pixels and stored as a palette PNG, so that a committed study costs ~100-300 KB rather
 than the megabyte of the full-resolution figure the runner leaves in ROOT.
 
@@ -19,6 +20,8 @@ from PIL import Image
 
 MAX_WIDTH = 1800
 FILES = ("verdict.md", "table.md")
+# Written by a protocol study's analysis (rl_jax/study/analyze.py): published when present.
+PROTOCOL_FILES = ("per_seed.csv", "per_seed.json", "contrasts.json", "protocol.json")
 VERDICT_HEADING = "## Verdict"
 PLACEHOLDER = "Not yet written"
 
@@ -66,4 +69,7 @@ def publish(root: str, study: str, out: str) -> dict[str, str]:
     print(f"[study] kept the written verdict of {paths['verdict.md']}: re-read it against the new numbers")
   paths["figure.png"] = os.path.join(dst, "figure.png")
   small_png(os.path.join(root, "figure.png"), paths["figure.png"])
+  for name in PROTOCOL_FILES:
+    if os.path.exists(os.path.join(root, name)):
+      paths[name] = shutil.copyfile(os.path.join(root, name), os.path.join(dst, name))
   return paths
