@@ -173,25 +173,21 @@ def _codec_rows(sz: Sizes, runs: int):
   for name, block, sd in CODEC_CASES:
     fmt = F.get_format(name)
     tag = f"{name}" + (f"/{block}" if block else "") + f" {sd}"
-    # Bound now (functools.partial), not read from the loop variables when run_checks calls them.
-    cases = {
-        "quantize_rows": (lambda x, fmt=fmt, block=block, sd=sd: K.quantize_rows(x, fmt, block, sd, **opts),
-                          lambda x, fmt=fmt, block=block, sd=sd: F.quantize_ref(x, fmt, 1, block, sd),
-                          lambda: (x,)),
-        "dequantize_rows": (lambda c, s, fmt=fmt, block=block, sd=sd: K.dequantize_rows(
-                                c, s, fmt, block, sd, k, jnp.float32, **opts),
-                            lambda c, s, fmt=fmt, sd=sd: F.dequantize_ref(c, s, fmt, 1, k, sd, jnp.float32),
-                            lambda fmt=fmt, block=block, sd=sd: F.quantize_ref(x, fmt, 1, block, sd)),
-        "quantize_cols": (lambda w, fmt=fmt, block=block, sd=sd: K.quantize_cols(w, fmt, block, sd, **opts),
-                          lambda w, fmt=fmt, block=block, sd=sd: F.quantize_ref(w, fmt, 1, block, sd),
-                          lambda: (w,)),
-        "dequantize_cols": (lambda c, s, fmt=fmt, block=block, sd=sd: K.dequantize_cols(
-                                c, s, fmt, block, sd, k, jnp.bfloat16, **opts),
-                            lambda c, s, fmt=fmt, sd=sd: F.dequantize_ref(c, s, fmt, 1, k, sd, jnp.bfloat16),
-                            lambda fmt=fmt, block=block, sd=sd: F.quantize_ref(w, fmt, 1, block, sd)),
-    }
-    for op, (kern, ref, make_args) in cases.items():
-      yield f"quant {op} {tag}", functools.partial(exact, jax.jit(kern), jax.jit(ref), make_args)
+    # Row-wise codecs on x (dequantized to f32), column-wise on w (to bf16). Every value is bound now
+    # (default arguments, functools.partial), not read from the loop when run_checks calls the row.
+    for axis, a, out in (("rows", x, jnp.float32), ("cols", w, jnp.bfloat16)):
+      quant_k, dequant_k = getattr(K, f"quantize_{axis}"), getattr(K, f"dequantize_{axis}")
+      ref_q = lambda v, fmt=fmt, block=block, sd=sd: F.quantize_ref(v, fmt, 1, block, sd)
+      cases = {
+          f"quantize_{axis}": (lambda v, q=quant_k, fmt=fmt, block=block, sd=sd: q(v, fmt, block, sd, **opts),
+                               ref_q, lambda a=a: (a,)),
+          f"dequantize_{axis}": (
+              lambda c, s, d=dequant_k, fmt=fmt, block=block, sd=sd, out=out: d(c, s, fmt, block, sd, k, out, **opts),
+              lambda c, s, fmt=fmt, sd=sd, out=out: F.dequantize_ref(c, s, fmt, 1, k, sd, out),
+              lambda a=a, ref_q=ref_q: ref_q(a)),
+      }
+      for op, (kern, ref, make_args) in cases.items():
+        yield f"quant {op} {tag}", functools.partial(exact, jax.jit(kern), jax.jit(ref), make_args)
 
 
 def _qmatmul_rows(sz: Sizes, runs: int):
