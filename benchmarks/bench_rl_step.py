@@ -5,6 +5,8 @@
 #   python benchmarks/bench_rl_step.py --vocab-heavy   # the same with an 8192-token vocabulary
 #   python benchmarks/bench_rl_step.py --compare meters  # first-order meter every M steps vs off
 #   python benchmarks/bench_rl_step.py --compare drift   # top-k carried to the loss (drift meter) vs not
+#   XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/bench_rl_step.py --compare mode
+#                                                         # async (K=1, sampler on half the devices) vs sync
 #
 # Two `RLTrainer`s are built from the config with warm_start.source='none' (random init:
 # timing only), wandb disabled, in a temporary workdir. `--compare sc` (default): "sc" with
@@ -12,7 +14,10 @@
 # the first-order meter off. `--compare meters`: the config's loss with rl.meter_every=M
 # ("on") vs 0 ("off"). `--compare drift`: plain PG, meter off, "drift" carrying the sampler's
 # top-k to the loss (the default: the loss then computes drift/tv_*) vs "nodrift", whose batch
-# drops it (the behaviour before the drift meter was on by default). A loss config is baked into
+# drops it (the behaviour before the drift meter was on by default). `--compare mode`: "async"
+# (rl.mode='async', max_staleness 1, the sampler on half the devices, the trainer on the other
+# half) vs "sync" on half the devices (the same mesh for its trainer, so the ratio is the overlap); 'sampler_wait' is how long async's host waited for the rollout
+# generated ahead once the updates were done. A loss config is baked into
 # each trainer's jitted update, hence two trainers; both keep the same sampler settings,
 # prompts and keys (top-k still recorded), so the difference is the loss / meter (the rollouts
 # themselves diverge after step 1, as the two policies do). Step 0 of each is the warm-up
@@ -48,7 +53,7 @@ from configs import countdown_tiny  # pylint: disable=g-import-not-at-top,wrong-
 from rl_jax.rl.job import RLConfig  # pylint: disable=g-import-not-at-top,wrong-import-position
 from rl_jax.rl.trainer import RLTrainer  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-PHASES = ("sample", "p_old", "update", "sync")
+PHASES = ("sample", "p_old", "update", "sync", "sampler_wait")
 TARGET = 1.05          # score centering's full-step target
 METER_TARGET = 1.03    # the meters' target at the default M
 
@@ -67,6 +72,7 @@ PAIRS = {
     "sc": {"sc": ("topk", 0, RLTrainer), "pg": ("none", 0, RLTrainer)},
     "meters": {"on": (None, None, RLTrainer), "off": (None, 0, RLTrainer)},
     "drift": {"drift": ("none", 0, RLTrainer), "nodrift": ("none", 0, NoDriftTrainer)},
+    "mode": {"async": (None, 0, RLTrainer), "sync": (None, 0, RLTrainer)},
 }
 
 
@@ -88,11 +94,12 @@ class CompileMeter:
     return self.count, self.seconds
 
 
-def make_config(args, centering: str | None, meter_every: int | None):
+def make_config(args, centering: str | None, meter_every: int | None, name: str = ""):
   cfg = countdown_tiny.get_config("test" if args.small else None)
   cfg.warm_start.source = "none"
   cfg.logging.wandb_mode = "disabled"
   cfg.rl.plot = False
+  cfg.rl.steps = 10_000  # the async loop generates ahead only up to rl.steps
   cfg.rl.meter_every = args.meter_every if meter_every is None else meter_every
   if centering is not None:
     cfg.loss.score_centering = centering
@@ -100,13 +107,20 @@ def make_config(args, centering: str | None, meter_every: int | None):
   cfg.sampler.record_topk = max(cfg.sampler.record_topk, args.k)
   if args.vocab_heavy:
     cfg.model.vocab_size = args.heavy_vocab
+  if name == "async":
+    if jax.device_count() < 2:
+      sys.exit("--compare mode needs >= 2 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    cfg.rl.mode, cfg.rl.max_staleness = "async", 1
+    cfg.mesh.sampler_devices = jax.device_count() // 2
+  if name == "sync":  # as many devices as async's trainer: the ratio is the overlap, not the mesh size
+    cfg.mesh.num_devices = jax.device_count() // 2
   return cfg
 
 
 def timed_step(trainer: RLTrainer, step: int) -> dict:
   t0 = time.perf_counter()
   row = trainer.train_step(step)
-  out = {p: row[f"time/{p}_s"] for p in PHASES}
+  out = {p: row.get(f"time/{p}_s", 0.0) for p in PHASES}  # sync_s: sync loop; sampler_wait_s: async
   out["step"] = time.perf_counter() - t0
   return out
 
@@ -122,7 +136,8 @@ def main():
   p.add_argument("--heavy-vocab", type=int, default=8192)
   p.add_argument("--compare", choices=tuple(PAIRS), default="sc",
                  help="sc: top-k score centering vs none; meters: first-order meter every "
-                      "--meter-every steps vs off; drift: top-k carried to the loss vs dropped")
+                      "--meter-every steps vs off; drift: top-k carried to the loss vs dropped; "
+                      "mode: async (K=1, split devices) vs sync")
   p.add_argument("--meter-every", type=int, default=RLConfig.meter_every,
                  help="M of --compare meters (default: rl.meter_every's default)")
   args = p.parse_args()
@@ -139,7 +154,7 @@ def main():
   with tempfile.TemporaryDirectory(prefix="bench_rl_step_") as root:
     for name in names:
       centering, meter_every, cls = pair[name]
-      cfg = make_config(args, centering, meter_every)
+      cfg = make_config(args, centering, meter_every, name)
       c0, s0 = meter.snapshot()
       t0 = time.perf_counter()
       trainers[name] = cls(cfg, os.path.join(root, name))
@@ -202,13 +217,19 @@ def main():
     a, b = times[a_name][key], times[b_name][key]
     paired = statistics.median(x / y for x, y in zip(a, b)) if min(b) > 0 else float("nan")
     share = med[a_name][key] / med[a_name]["step"]
+    if med[b_name][key] == 0:  # a phase only one of the two has (sync_s / sampler_wait_s)
+      print(f"{key:8} {med[a_name][key]:8.4f} {med[b_name][key]:8.4f} {share:10.1%} {'-':>9} {'-':>7}")
+      continue
     print(f"{key:8} {med[a_name][key]:8.4f} {med[b_name][key]:8.4f} {share:10.1%} "
           f"{med[a_name][key] / med[b_name][key]:9.3f} {paired:7.3f}")
   full = med[a_name]["step"] / med[b_name]["step"]
   upd = med[a_name]["update"] / med[b_name]["update"]
   target = METER_TARGET if args.compare != "sc" else TARGET
   print(f"\nfull-step ratio {ratio} (medians): {full:.3f}; update-only ratio {ratio}: {upd:.3f}")
-  if args.compare != "meters":
+  if args.compare == "mode":
+    print("  (no target: what overlaps depends on the devices; on simulated CPU devices both groups "
+          "share the same cores)")
+  elif args.compare != "meters":
     print(f"  (target <= {target}: {'met' if full <= target else 'MISSED'})")
   else:
     m_every = trainers[a_name].job.rl.meter_every

@@ -24,7 +24,7 @@ def tiny_dense_model() -> ml_collections.ConfigDict:
 
 
 def mesh(**axes) -> ml_collections.ConfigDict:
-  base = dict(data=1, fsdp=-1, expert=1, tensor=1, num_devices=0)
+  base = dict(data=1, fsdp=-1, expert=1, tensor=1, num_devices=0, sampler_devices=0)
   base.update(axes)
   return ml_collections.ConfigDict(base)
 

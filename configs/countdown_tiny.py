@@ -56,7 +56,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cfg.rl = ml_collections.ConfigDict(dict(
       steps=160, prompts_per_step=32, group_size=8, n_minibatches=1, staleness=1,
       routing_replay="none", eval_every=40, eval_size=256, eval_temperature=1.0, eval_samples=4,
-      checkpoint_every=40, max_to_keep=2, plot=True))
+      checkpoint_every=40, max_to_keep=2, plot=True, mode="sync", max_staleness=1, p_old_version="latest"))
   cfg.logging = common.logging()
   # On a workdir with checkpoints a changed config fails naming the keys; --config.resume=force resumes anyway.
   cfg.resume = common.RESUME

@@ -35,9 +35,18 @@ cleanup() {
   for pid in ${pids[@]+"${pids[@]}"} $tail_pid; do kill "$pid" 2>/dev/null || true; done
 }
 trap cleanup EXIT
-# Ctrl-C / kill: stop the processes and exit (a bare INT trap would return into the wait loop).
-trap 'cleanup; exit 130' INT
-trap 'cleanup; exit 143' TERM
+# Ctrl-C / kill (a preemption): forward the signal and wait. Each process finishes its step, every
+# process agrees on it, checkpoints and exits 75 (rl_jax.preempt), which this script then returns.
+# A second signal stops them at once.
+forwarded=""
+forward() {
+  if [[ -n "$forwarded" ]]; then cleanup; exit 130; fi
+  forwarded="$1"
+  echo "[local_multiprocess] SIG$1: forwarded to every process; waiting for their checkpoint" >&2
+  for pid in ${pids[@]+"${pids[@]}"}; do kill -s "$1" "$pid" 2>/dev/null || true; done
+}
+trap 'forward INT' INT
+trap 'forward TERM' TERM
 
 # Created before any process starts so that `tail -f` below never races a log file into existence.
 for ((i = 0; i < NUM; i++)); do : >"$LOG_DIR/process_$i.log"; done
@@ -64,10 +73,15 @@ while (( ${#running[@]} > 0 )); do
     set +e; wait "$pid"; rc=$?; set -e
     if (( rc != 0 && status == 0 )); then
       status=$rc
-      echo "[local_multiprocess] process pid $pid exited with status $rc; stopping the others" >&2
+      if [[ -n "$forwarded" ]]; then
+        echo "[local_multiprocess] process pid $pid exited with status $rc; waiting for the others" >&2
+      else
+        echo "[local_multiprocess] process pid $pid exited with status $rc; stopping the others" >&2
+      fi
     fi
   done
-  (( status != 0 )) && break
+  # Preempted: the others are checkpointing the same step (a collective write); let them finish.
+  (( status != 0 )) && [[ -z "$forwarded" ]] && break
   running=(${still[@]+"${still[@]}"})
   (( ${#running[@]} > 0 )) && sleep 0.5
 done

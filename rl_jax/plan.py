@@ -268,8 +268,12 @@ def compile_program(plan: ProgramPlan, lowered) -> Any:
 PROGRAMS = ("sync", "generate", "old_forward", "update", "first_order", "eval_greedy", "eval_sampled")
 
 
-def plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramPlan]:
+def plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "") -> list[ProgramPlan]:
   """Lowers and compiles `programs` (default: sync, generate, old_forward, update) for `job` on `mesh`.
+
+  `group` 'sampler' / 'trainer': async RL on split devices (`mesh.sampler_devices`), where each
+  group's devices hold only their own state (the sampler's weights, or the trainer's params and
+  optimizer state); '' (default): both on every device.
 
   Inside `jax.set_mesh(mesh)`: the model reads the context mesh while tracing, for the
   `shard_map` MoE dispatch and for the batch-sharding constraint on its residual stream
@@ -277,7 +281,7 @@ def plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramPl
   """
   import jax  # pylint: disable=g-import-not-at-top
   with jax.set_mesh(mesh):
-    return _plan_step(job, mesh, programs)
+    return _plan_step(job, mesh, programs, group)
 
 
 def dispatch_comm(job, mesh, tokens_per_device: float) -> float:
@@ -296,7 +300,7 @@ def dispatch_comm(job, mesh, tokens_per_device: float) -> float:
   return per_token * tokens_per_device * m.n_moe_layers
 
 
-def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramPlan]:
+def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "") -> list[ProgramPlan]:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from rl_jax import microbatch  # pylint: disable=g-import-not-at-top
@@ -334,6 +338,8 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramP
     trainer_extra["sampler noise"] = device_bytes(delta)
   if rl.staleness > 1:
     trainer_extra["sampler_src copy"] = n_params
+  if rl.mode == "async" and rl.p_old_version == "rollout":
+    trainer_extra["params copy (p_old at the rollout's version)"] = n_params
   plans = []
 
   # Sampler weights: cast(quantize(params + Delta)), the trainer's sync program.
@@ -346,6 +352,10 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramP
   n_sampler = device_bytes(sampler_state)
   sync.bytes_model = n_params + n_sampler
   plans.append(sync)
+  if group == "sampler":   # its devices hold the sampler's weights and the params copied in to sync
+    sync.resident, trainer_extra = {}, {}
+  elif group == "trainer":  # the sampler's weights live on the other group
+    n_sampler = 0
   mm = matmul_params(mcfg)
 
   def plan_generate(name: str, kind: str, rows: int, state, n_state: int, cfg) -> None:
@@ -355,8 +365,9 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramP
     pvalid = _sds(jax.ShapeDtypeStruct((rows, p), jnp.bool_), sh.batch_sharding(mesh, 2))
     key = _sds(jax.eval_shape(lambda: jax.random.key(0)), sh.replicated(mesh))
     g = ProgramPlan(name, args={"sampler weights": n_state, "batch": device_bytes((prompts, pvalid, key))},
-                    resident={"params": n_params, "optimizer state": n_opt, **trainer_extra,
-                              **({"sampler weights": n_sampler} if kind != "rollout" else {})})
+                    resident={} if group == "sampler" else {
+                        "params": n_params, "optimizer state": n_opt, **trainer_extra,
+                        **({"sampler weights": n_sampler} if kind != "rollout" and n_sampler else {})})
     n_waves = microbatch.count(rows, cfg.max_rows_in_flight, "sampler.max_rows_in_flight", div)
     kv_spec = None if kind != "rollout" else getattr(cfg.quant, "kv", None)
     g.kv_cache = kv_cache_bytes(mcfg, cfg, rows // n_waves, kv_spec if getattr(kv_spec, "format", None)
@@ -406,7 +417,8 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramP
     sampler_valid = arr((b_global, s), jnp.bool_)
   old = ProgramPlan("old_forward", args={"params": n_params,
                                          "batch": device_bytes((batch, sampler_ids, sampler_valid))},
-                    resident={"optimizer state": n_opt, "sampler weights": n_sampler, **trainer_extra})
+                    resident={"optimizer state": n_opt, **({"sampler weights": n_sampler} if n_sampler else {}),
+                              **trainer_extra})
   if "old_forward" in programs:
     compile_program(old, progs.old_forward.lower(params, batch, sampler_ids, sampler_valid))
     old.flops_model = 2 * mm * b_dev * s + attn_flops(mcfg, b_dev * s, s / 2)
@@ -425,7 +437,7 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS) -> list[ProgramP
     if name not in programs:
       continue
     args = {"params": n_params, "batch": n_mb}
-    resident = {"sampler weights": n_sampler, **trainer_extra,
+    resident = {**({"sampler weights": n_sampler} if n_sampler else {}), **trainer_extra,
                 **({"rest of the global batch": n_full - n_mb} if n_full > n_mb else {})}
     if name == "update":
       args["optimizer state"] = n_opt
@@ -520,25 +532,27 @@ def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=No
     raise SystemExit(f"--device {device!r}: not one of {sorted(plan_hw.DEVICES)}")
   acc = plan_hw.DEVICES[device]
   job = RLJob.from_config(config)
-  mesh = mesh if mesh is not None else sh.make_mesh(job.mesh, _first_devices(mesh_size(config.mesh, devices)))
-  full_l = job.model.n_layers
-  if layers and layers < full_l:
-    la, lb = layers, 2 * layers
-    if lb > full_l:
-      raise SystemExit(f"--layers {layers}: needs 2 x {layers} <= model.n_layers={full_l}")
-    pa = plan_step(_with_layers(job, la), mesh, programs)
-    pb = plan_step(_with_layers(job, lb), mesh, programs)
-    plans = [extrapolate(a, b, la, lb, full_l) for a, b in zip(pa, pb)]
-    note = (f"figures compiled at {la} and {lb} of {full_l} layers and extrapolated linearly in the "
-            f"layer count; compile s is the {lb}-layer compile")
+  split = job.rl.mode == "async" and job.mesh.sampler_devices > 0 and mesh is None
+  if split:
+    # Async on split devices: the sampler's programs on its group, the trainer's on the rest.
+    mesh, sampler_mesh = sh.split_meshes(job.mesh, _first_devices(mesh_size(config.mesh, devices)))
+    groups = [(sampler_mesh, tuple(p for p in programs if p in SAMPLER_PROGRAMS)),
+              (mesh, tuple(p for p in programs if p not in SAMPLER_PROGRAMS))]
   else:
-    plans = plan_step(job, mesh, programs)
-    note = f"all {full_l} layers compiled"
+    mesh = mesh if mesh is not None else sh.make_mesh(job.mesh, _first_devices(mesh_size(config.mesh, devices)))
+    groups = [(mesh, programs)]
+  plans, note = [], ""
   mem_fraction = plan_hw.MEM_FRACTION if mem_fraction is None else mem_fraction
-  for p in plans:
-    # Collectives: the HLO's (loop bodies once) or the analytic MoE dispatch, whichever is larger.
-    p.time_s = plan_hw.roofline_s(max(p.flops_xla, p.flops_model), max(p.bytes_xla, p.bytes_model), acc,
-                                  comm_bytes=max(p.comm_xla, p.comm_model), n_devices=mesh.size)
+  for group_mesh, group in groups:
+    if not group:
+      continue
+    group_plans, note = _plan_layers(job, group_mesh, group, layers,
+                                     ("sampler" if group_mesh is sampler_mesh else "trainer") if split else "")
+    for p in group_plans:
+      # Collectives: the HLO's (loop bodies once) or the analytic MoE dispatch, whichever is larger.
+      p.time_s = plan_hw.roofline_s(max(p.flops_xla, p.flops_model), max(p.bytes_xla, p.bytes_model), acc,
+                                    comm_bytes=max(p.comm_xla, p.comm_model), n_devices=group_mesh.size)
+    plans += group_plans
   fits = {}
   for p in plans:
     try:
@@ -547,6 +561,9 @@ def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=No
     except plan_hw.DoesNotFit as e:
       fits[p.name] = str(e)
   mesh_desc = ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
+  if split:
+    mesh_desc = (f"trainer {mesh_desc}; sampler (sync, generate) "
+                 + ", ".join(f"{k}={v}" for k, v in sampler_mesh.shape.items()))
   model_desc = f"model.scan_layers={job.model.scan_layers}"
   if job.model.is_moe:
     model_desc += f", model.moe_dispatch={job.model.moe_dispatch}"
@@ -571,7 +588,33 @@ def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=No
       "not overlapped")
   out(f"roofline per global step ({terms}): "
       f"{total:.2f} s on {acc.name}")
+  if split:
+    amortized = {p.name: p.time_s * every.get(p.name, (1, ""))[0] for p in plans}
+    gen = sum(t for k, t in amortized.items() if k in SAMPLER_PROGRAMS)
+    rest = sum(t for k, t in amortized.items() if k not in SAMPLER_PROGRAMS)
+    out(f"async (rl.max_staleness >= 1): the groups run side by side, max(sampler {gen:.2f} s on "
+        f"{sampler_mesh.size}, trainer {rest:.2f} s on {mesh.size}) = {max(gen, rest):.2f} s per step on "
+        f"{acc.name} (plus the weights' copy between the groups, not modelled)")
   return plans, fits
+
+
+# The programs of the sampler's device group under async RL (`mesh.sampler_devices`).
+SAMPLER_PROGRAMS = ("sync", "generate")
+
+
+def _plan_layers(job, mesh, programs, layers: int, group: str = ""):
+  """(plans, note): `programs` compiled on `mesh`, at all layers or extrapolated from `layers`, 2x."""
+  full_l = job.model.n_layers
+  if layers and layers < full_l:
+    la, lb = layers, 2 * layers
+    if lb > full_l:
+      raise SystemExit(f"--layers {layers}: needs 2 x {layers} <= model.n_layers={full_l}")
+    pa = plan_step(_with_layers(job, la), mesh, programs, group)
+    pb = plan_step(_with_layers(job, lb), mesh, programs, group)
+    return ([extrapolate(a, b, la, lb, full_l) for a, b in zip(pa, pb)],
+            f"figures compiled at {la} and {lb} of {full_l} layers and extrapolated linearly in the "
+            f"layer count; compile s is the {lb}-layer compile")
+  return plan_step(job, mesh, programs, group), f"all {full_l} layers compiled"
 
 
 def set_key(config, item: str) -> None:

@@ -16,6 +16,7 @@ from flax import nnx
 
 from rl_jax import data as data_lib
 from rl_jax import experiment as ex
+from rl_jax import preempt
 from rl_jax import sharding as sh
 from rl_jax import workdir as wd
 from rl_jax.checkpoint import Checkpointer
@@ -137,11 +138,11 @@ def validate(config: Any):
 def run(config: Any, workdir: Any) -> dict:
   """Runs (or resumes) SFT in `workdir` (local or remote); returns the final metrics."""
   job, mesh, task, tok = validate(config)
-  with sh.mesh_context(mesh):
-    return _run(config, workdir, job, mesh, task, tok)
+  with sh.mesh_context(mesh), preempt.Guard() as guard:
+    return _run(config, workdir, job, mesh, task, tok, guard)
 
 
-def _run(config: Any, workdir: Any, job, mesh, task, tok) -> dict:
+def _run(config: Any, workdir: Any, job, mesh, task, tok, guard: preempt.Guard) -> dict:
   logging_cfg = dataclasses.replace(job.logging, wandb_mode=resolve_wandb_mode(job.logging.wandb_mode))
   config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   run_dir = wd.RunDir.open(workdir, config_dict, resume=config.get("resume", "check"),
@@ -193,8 +194,12 @@ def _run(config: Any, workdir: Any, job, mesh, task, tok) -> dict:
         bar.set_postfix(loss=f"{float(m['loss']):.3f}", acc=f"{row['eval_accuracy']:.3f}")
       writer.write(done, row)
       final = row
-      if done % s.checkpoint_every == 0 or done == s.steps:
+      stop = done < s.steps and guard.stop_requested()  # SIGTERM / SIGINT: checkpoint, then exit
+      if stop or done % s.checkpoint_every == 0 or done == s.steps:
         ckpt.save(done, {"params": params, "opt_state": opt_state}, {"step": done, "job": "sft"})
+      if stop:
+        ckpt.wait_until_finished()
+        raise preempt.Preempted(done, guard.signum, ckpt.directory)
     ckpt.wait_until_finished()  # the final checkpoint is on disk before summary.json says done
     if jax.process_index() == 0 and final:
       summary = {k: float(v) for k, v in final.items()}

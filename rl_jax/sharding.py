@@ -38,12 +38,16 @@ class MeshConfig:
   """Mesh axis sizes; one axis may be -1 to take all remaining devices.
 
   `num_devices` > 0 builds the mesh over only the first that many devices (0 = all).
+  `sampler_devices` > 0 (with `rl.mode='async'`) gives the sampler that many of them, the same
+  share of every process's devices, and the trainer the rest; both meshes take these axis sizes,
+  the -1 axis absorbing each group's count (`split_meshes`). 0: both share every device.
   """
   data: int = 1
   fsdp: int = -1
   expert: int = 1
   tensor: int = 1
   num_devices: int = 0
+  sampler_devices: int = 0
 
   def __post_init__(self):
     sizes = [self.data, self.fsdp, self.expert, self.tensor]
@@ -51,6 +55,7 @@ class MeshConfig:
     for name, s in zip(MESH_AXES, sizes):
       require(s == -1 or s >= 1, f"mesh.{name}", f"must be >= 1 or -1, got {s}")
     require(self.num_devices >= 0, "mesh.num_devices", f"must be >= 0, got {self.num_devices}")
+    require(self.sampler_devices >= 0, "mesh.sampler_devices", f"must be >= 0, got {self.sampler_devices}")
 
   def resolve(self, n_devices: int) -> tuple[int, ...]:
     sizes = [self.data, self.fsdp, self.expert, self.tensor]
@@ -75,6 +80,54 @@ def make_mesh(cfg: MeshConfig | None = None, devices=None) -> Mesh:
     devices = devices[:cfg.num_devices]
   shape = cfg.resolve(len(devices))
   return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def split_meshes(cfg: MeshConfig, devices=None) -> tuple[Mesh, Mesh]:
+  """(trainer mesh, sampler mesh) of `cfg.sampler_devices` (0: one mesh for both).
+
+  Each process gives the sampler the first `sampler_devices / process_count` of its own devices,
+  so both groups span every process and every host reads its rows of either group's arrays.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  if cfg.num_devices:
+    devices = devices[:cfg.num_devices]
+  if not cfg.sampler_devices:
+    mesh = make_mesh(dataclasses.replace(cfg, num_devices=0), devices)
+    return mesh, mesh
+  procs = sorted({d.process_index for d in devices})
+  n = cfg.sampler_devices
+  if n % len(procs) or n >= len(devices):
+    raise ConfigError(f"config key 'mesh.sampler_devices': {n} must be fewer than the {len(devices)} "
+                      f"devices and a multiple of the {len(procs)} processes")
+  per = n // len(procs)
+  sampler = [d for p in procs for d in [d for d in devices if d.process_index == p][:per]]
+  trainer = [d for d in devices if d not in sampler]
+  base = dataclasses.replace(cfg, num_devices=0, sampler_devices=0)
+  try:
+    sampler_mesh = make_mesh(base, sampler)
+  except ConfigError as e:
+    raise ConfigError(f"config key 'mesh.sampler_devices': the sampler's {n} devices do not take the "
+                      f"mesh's axis sizes ({e})") from None
+  return make_mesh(base, trainer), sampler_mesh
+
+
+def on_mesh(tree: Any, mesh: Mesh, shardings: Any = None) -> Any:
+  """`tree`'s arrays moved to `mesh` (a device-to-device copy), with the same partition specs or
+  with `shardings` (a matching pytree).
+
+  Multi-controller JAX reshards across device sets only on TPU; elsewhere each process gathers
+  the arrays on the host and places its own shards (a host round trip: fine for rollouts and
+  small models, a cost to plan for large ones on several GPU hosts).
+  """
+  if shardings is None:
+    shardings = jax.tree.map(lambda x: NamedSharding(mesh, x.sharding.spec if isinstance(
+        getattr(x, "sharding", None), NamedSharding) else P()), tree)
+  if jax.process_count() == 1 or jax.devices()[0].platform == "tpu":
+    return jax.device_put(tree, shardings)
+  # The gather is a jit: it runs under the arrays' own mesh, whatever the context mesh is.
+  with mesh_context(jax.tree.leaves(tree)[0].sharding.mesh):
+    host = to_host(tree)
+  return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx: x[idx]), host, shardings)
 
 
 def _is_var(x) -> bool:

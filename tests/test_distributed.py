@@ -1,9 +1,12 @@
 """Two local CPU processes join through rl_jax.distributed.maybe_initialize and sum a global array."""
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -59,6 +62,24 @@ def _two_processes(args: list[str], timeout: int = TIMEOUT_S) -> list[str]:
   for i, (p, out) in enumerate(zip(procs, outs)):
     assert p.returncode == 0, f"process {i} (rc {p.returncode}):\n{out[-5000:]}"
   return outs
+
+
+PREEMPT_WORKER = textwrap.dedent("""
+    import signal, jax
+    from rl_jax import distributed, preempt
+    distributed.maybe_initialize()
+    guard = preempt.Guard()
+    assert not guard.stop_requested()          # nobody signalled: both go on
+    if jax.process_index() == 1:               # a SIGTERM that reached one host only
+      guard.signum = int(signal.SIGTERM)
+    assert guard.stop_requested() and guard.signum == signal.SIGTERM, guard.signum
+    print("PREEMPT_AGREED", jax.process_index(), flush=True)
+""")
+
+
+def test_a_signal_on_one_process_stops_every_process_after_the_same_step():
+  for i, out in enumerate(_two_processes(["-c", PREEMPT_WORKER])):
+    assert f"PREEMPT_AGREED {i}" in out, f"process {i}:\n{out}"
 
 
 def test_two_processes_global_sum():
@@ -138,3 +159,34 @@ def test_two_process_rl_run_matches_one_process_and_resumes(tmp_path):
   diff = float(r.stdout.split("MAXDIFF")[1])
   # Observed 5e-7 (Gloo all-reduces sum in another order than one process's XLA).
   assert diff < 1e-5, diff
+
+
+@pytest.mark.slow  # ~4 min: SFT then async RL on 2 processes, preempted and resumed
+def test_readme_two_process_command_with_sft_async_preempted_and_resumed(tmp_path):
+  """The README's launch command as a user runs it (its SFT warm start included), in async mode on
+  2 processes x 2 devices: SIGTERM to the launcher is forwarded, both processes checkpoint the same
+  step and exit 75, and the rerun resumes with the rollout in flight, writing each step once."""
+  script = os.path.join(REPO, "launch", "local_multiprocess.sh")
+  workdir = tmp_path / "run"
+  cmd = [script, "2", "--config=configs/countdown_tiny.py:test", f"--workdir={workdir}",
+         "--config.rl.mode=async", "--config.mesh.sampler_devices=2", "--config.rl.steps=12",
+         "--config.rl.checkpoint_every=100", "--config.rl.eval_every=100"]
+  env = _child_env(DEVICES_PER_PROCESS="2", TIMEOUT_S="900", WANDB_MODE="disabled")
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  metrics = workdir / "metrics.jsonl"
+  deadline = time.time() + 900
+  while time.time() < deadline and proc.poll() is None:
+    if metrics.exists() and metrics.read_text().count('"reward"') >= 2:
+      break
+    time.sleep(1)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=600)
+  assert proc.returncode == 75, out[-3000:]
+  steps = [int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]
+  assert len(steps) == 1 and 2 <= steps[0] < 12, (steps, out[-3000:])
+  r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  assert f"resumed from step {steps[0]}" in r.stdout + r.stderr
+  rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+  assert [row["step"] for row in rows if "reward" in row] == list(range(1, 13))
+  assert [row["async/lag"] for row in rows if "reward" in row] == [0.0] + [1.0] * 11

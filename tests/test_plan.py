@@ -153,3 +153,19 @@ def test_planner_compiles_the_programs_the_trainer_runs(tmp_path, fast_compile):
     want = {k: plan.fingerprint(v.compile()) for k, v in lowered.items()}
     plans = plan.plan_step(tr.job, tr.mesh, programs=("old_forward", "update"))
   assert {p.name: p.fingerprint for p in plans} == want
+
+
+def test_async_split_plans_each_group_on_its_own_devices(fast_compile):
+  """rl.mode='async' with mesh.sampler_devices: the sampler's programs compile on its 4 devices and
+  hold only its weights; the trainer's on the other 4, without the sampler's weights; the step's
+  roofline is the slower group's."""
+  config = countdown_tiny.get_config("test")
+  config.rl.mode, config.mesh.sampler_devices = "async", 4
+  lines = []
+  plans, fits = plan.run(config, "h100", 8, programs=("sync", "generate", "update"), out=lines.append)
+  by = {p.name: p for p in plans}
+  assert set(by) == {"sync", "generate", "update"} and all(m is None for m in fits.values())
+  assert by["generate"].resident == {} and "params" not in by["sync"].resident
+  assert "sampler weights" not in by["update"].resident and "params" in by["update"].args
+  text = "\n".join(lines)
+  assert "sampler (sync, generate) data=1, fsdp=4" in text and "max(sampler" in text, text

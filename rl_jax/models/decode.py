@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rl_jax.sharding import to_host
+
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _next_token(graphdef, state, buf_BS, valid_BS, pos):
@@ -36,7 +38,8 @@ def greedy_reference(model, prompts_BP: np.ndarray, prompt_valid_BP: np.ndarray,
   for i in range(max_new_tokens):
     # Keys beyond the current step are masked as invalid, so the fixed-size buffer
     # gives one compilation for the whole loop.
-    nxt = np.asarray(_next_token(graphdef, state, jnp.asarray(buf), jnp.asarray(valid), p + i))
+    # to_host: with params sharded over several processes no one process holds the whole output.
+    nxt = to_host(_next_token(graphdef, state, jnp.asarray(buf), jnp.asarray(valid), p + i))
     nxt = np.where(done, pad_id, nxt)
     out[:, i] = nxt
     buf[:, p + i] = nxt

@@ -32,6 +32,7 @@ class StepPrograms:
   """
   job: Any
   mesh: Any
+  sampler_mesh: Any
   graphdef: nnx.GraphDef
   sampler_graphdef: nnx.GraphDef
   eval_graphdef: nnx.GraphDef
@@ -68,16 +69,27 @@ class StepPrograms:
       return self.eval_graphdef, self.eval_sampled_cfg
     raise ValueError(f"generate kind {kind!r}: one of 'rollout', 'greedy', 'sampled'")
 
+  def _generate_mesh(self, kind: str):
+    # Rollouts run on the sampler's devices (async RL may split them off); evaluation on the trainer's.
+    return self.sampler_mesh if kind == "rollout" else self.mesh
+
   def generate(self, state, prompts_BP, valid_BP, key, kind: str = "rollout"):
     """`kind` 'rollout' (the sampler's weights and config), 'greedy' / 'sampled' (evaluation)."""
     graphdef, cfg = self._generate_args(kind)
-    return gen.generate(graphdef, state, prompts_BP, valid_BP, key, cfg, mesh=self.mesh)
+    return gen.generate(graphdef, state, prompts_BP, valid_BP, key, cfg, mesh=self._generate_mesh(kind))
 
   def lower_generate(self, state, prompts_BP, valid_BP, key, kind: str = "rollout"):
     graphdef, cfg = self._generate_args(kind)
     kv_spec = gen._resolve_kv_spec(None, cfg)  # pylint: disable=protected-access
     return gen._generate.lower(graphdef, state, prompts_BP, valid_BP, key, cfg=cfg,  # pylint: disable=protected-access
-                               kv_spec=kv_spec, mesh=self.mesh)
+                               kv_spec=kv_spec, mesh=self._generate_mesh(kind))
+
+  def rollout_shapes(self, state, prompts_BP, valid_BP, key):
+    """The abstract Rollout of a rollout `generate` (shapes and dtypes; nothing runs)."""
+    graphdef, cfg = self._generate_args("rollout")
+    kv_spec = gen._resolve_kv_spec(None, cfg)  # pylint: disable=protected-access
+    return jax.eval_shape(functools.partial(gen._generate, graphdef, cfg=cfg, kv_spec=kv_spec,  # pylint: disable=protected-access
+                                            mesh=self.sampler_mesh), state, prompts_BP, valid_BP, key)
 
 
 def eval_configs(sampler: SamplerConfig, eval_temperature: float,
@@ -101,15 +113,17 @@ def microbatch_counts(job, mesh) -> tuple[int, int]:
           microbatch.count(rows // rl.n_minibatches, rl.update_microbatch, "rl.update_microbatch", div))
 
 
-def build(job, mesh, graphdef: nnx.GraphDef, param_shardings, opt_shardings, optimizer) -> StepPrograms:
-  """Every program of `job`'s RL step on `mesh` (the shardings are the params' and optimizer state's)."""
+def build(job, mesh, graphdef: nnx.GraphDef, param_shardings, opt_shardings, optimizer,
+          sampler_mesh=None) -> StepPrograms:
+  """Every program of `job`'s RL step on `mesh` (the shardings are the params' and optimizer state's);
+  rollouts are generated on `sampler_mesh` (default: `mesh`)."""
   rl = job.rl
   fwd_n, upd_n = microbatch_counts(job, mesh)
   cfg = dict(graphdef=graphdef, loss_cfg=job.loss)
   aux = dict(aux_coef=job.model.router_aux_loss_coef)
   greedy, sampled = eval_configs(job.sampler, rl.eval_temperature, rl.eval_rows_in_flight)
   return StepPrograms(
-      job=job, mesh=mesh, graphdef=graphdef,
+      job=job, mesh=mesh, sampler_mesh=mesh if sampler_mesh is None else sampler_mesh, graphdef=graphdef,
       sampler_graphdef=sampler_weights.sampler_graphdef(job.model, job.sampler.dtype),
       # Evaluation uses the clean float32 weights whatever the sampler's dtype.
       eval_graphdef=sampler_weights.sampler_graphdef(job.model, "float32"),

@@ -1,6 +1,7 @@
-"""RL job loop: sample, score, p_old forward, N updates, sync; the pieces live in job/step/evaluate/warm_start."""
+"""RL job loop: sample, score, p_old forward, N updates, sync (or the async pipeline); pieces in job/step/evaluate."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import time
@@ -13,6 +14,7 @@ import tqdm
 
 from rl_jax import data as data_lib
 from rl_jax import experiment as ex
+from rl_jax import preempt
 from rl_jax import rollout as rollout_lib
 from rl_jax import sharding as sh
 from rl_jax.checkpoint import Checkpointer
@@ -21,6 +23,7 @@ from rl_jax import workdir as wd
 from rl_jax.metrics import MetricsWriter, read_metrics, resolve_wandb_mode
 from rl_jax.optim import make_optimizer
 from rl_jax.rl import evaluate as evaluate_lib
+from rl_jax.rl import inflight as inflight_lib
 from rl_jax.rl import programs as programs_lib
 from rl_jax.rl import plots
 # The schema lives in job.py; re-exported so `trainer.RLJob` & co. keep resolving.
@@ -55,12 +58,18 @@ class RLTrainer:
     self.config = config
     self.config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     self.job = job = RLJob.from_config(config)
-    self.mesh = sh.make_mesh(job.mesh)
+    require(job.mesh.sampler_devices == 0 or job.rl.mode == "async", "mesh.sampler_devices",
+            f"{job.mesh.sampler_devices} needs rl.mode='async' (the sync loop runs both on every device)")
+    # The trainer's mesh and the sampler's: one and the same unless async splits the devices.
+    self.mesh, self.sampler_mesh = sh.split_meshes(job.mesh)
     b, g, n = job.rl.prompts_per_step, job.rl.group_size, job.rl.n_minibatches
     div = sh.batch_divisor(self.mesh)
     if (b // n) * g % div:
       raise ConfigError(f"config key 'rl.prompts_per_step': mini-batches of {(b // n) * g} "
                         f"responses do not split over the mesh's batch axes ({div})")
+    if b * g % sh.batch_divisor(self.sampler_mesh):
+      raise ConfigError(f"config key 'rl.prompts_per_step': {b * g} responses do not split over the "
+                        f"sampler mesh's batch axes ({sh.batch_divisor(self.sampler_mesh)})")
     ex.check_batch(job.rl.eval_size, "rl.eval_size", self.mesh)
     programs_lib.microbatch_counts(job, self.mesh)   # a bad micro-batch split fails before any compute
     self.task = ex.make_task(job.task)
@@ -118,14 +127,26 @@ class RLTrainer:
       # A copy: the trainer's params are donated to every update.
       self.state["sampler_src"] = jax.tree.map(jnp.copy, params)
     self.start_step = 0
+    meta = {}
     if self.resuming:
       # The newest step that restores; a corrupt newer one is moved aside (Checkpointer.restore).
-      self.state, _, self.start_step = self.ckpt.restore(self.state)
+      self.state, meta, self.start_step = self.ckpt.restore(self.state)
       print(f"[rl] resumed from step {self.start_step} in {self.ckpt.directory}")
     self.programs = programs_lib.build(
         job, self.mesh, self.graphdef, jax.tree.map(lambda x: x.sharding, self.state["params"]),
-        jax.tree.map(lambda x: x.sharding, self.state["opt_state"]), self.optimizer)
+        jax.tree.map(lambda x: x.sharding, self.state["opt_state"]), self.optimizer,
+        sampler_mesh=self.sampler_mesh)
+    self._sampler_shardings = None
+    if self.sampler_mesh is not self.mesh:
+      self._sampler_shardings = sh.param_shardings(ex.abstract_state(job.model)[1], self.sampler_mesh)
+      if "noise" in self.state:  # fixed for the run: moved to the sampler's devices once
+        self._noise_s = sh.on_mesh(self.state["noise"], self.sampler_mesh, self._sampler_shardings)
     self.sync_sampler()
+    # Async: the rollouts generated ahead of the step that trains them (rl_jax/rl/inflight.py),
+    # restored from the checkpoint on resume, so nothing in flight is lost or trained twice.
+    self.queue: collections.deque = collections.deque()
+    if self.resuming and meta.get("inflight_steps"):
+      self._restore_inflight(meta)
 
   def close(self) -> None:
     """Closes the checkpointer and releases the workdir lock (idempotent; `run()` calls it)."""
@@ -167,9 +188,18 @@ class RLTrainer:
   # -- the pieces of one global step ---------------------------------------------------------
 
   def sync_sampler(self) -> None:
-    """Sampler weights = cast(quantize(theta + Delta)) from the last synced trainer params."""
+    """Sampler weights = cast(quantize(theta + Delta)) from the last synced trainer params.
+
+    With split devices the params are first copied to the sampler's (dispatched, not waited
+    for: the copy reads the params before the next update, which donates them, overwrites them).
+    """
     src = self.state.get("sampler_src", self.state["params"])
-    self.sampler_state = self.programs.sync(src, self.state.get("noise"))
+    if self._sampler_shardings is None:
+      self.sampler_state = self.programs.sync(src, self.state.get("noise"))
+      return
+    src = sh.on_mesh(src, self.sampler_mesh, self._sampler_shardings)
+    with sh.mesh_context(self.sampler_mesh):
+      self.sampler_state = self.programs.sync(src, getattr(self, "_noise_s", None))
 
   def prompts(self, step: int, split: str = "train", count: int | None = None, start: int | None = None):
     count = count or self.job.rl.prompts_per_step
@@ -179,13 +209,34 @@ class RLTrainer:
     return problems, ids, valid
 
   def rollout(self, step: int):
-    """B prompts x G completions from the sampler; deterministic in (seed, step)."""
+    """B prompts x G completions from the sampler; deterministic in (seed, step).
+
+    Dispatched on the sampler's devices and returned at once (JAX's asynchronous dispatch):
+    reading its tokens (`completions`) is what waits for the sampler.
+    """
     g = self.job.rl.group_size
     problems, ids, valid = self.prompts(step)
-    ids, valid = rollout_lib.repeat_prompts((ids, valid), g)
-    key = jax.random.fold_in(jax.random.key(self.job.seed), step)
-    ro = self.programs.generate(self.sampler_state, ids, valid, key)
+    with sh.mesh_context(self.sampler_mesh):  # eager ops (the repeat, the key) place on the context mesh
+      ids, valid = rollout_lib.repeat_prompts((ids, valid), g)
+      key = jax.random.fold_in(jax.random.key(self.job.seed), step)
+      ro = self.programs.generate(self.sampler_state, ids, valid, key)
     return [p for p in problems for _ in range(g)], ro
+
+  def produce(self, step: int, version: int, problems, ro, old_params=None) -> inflight_lib.InFlight:
+    """The rollout of `step` scored on the host and moved to the trainer's devices; with
+    `old_params` (the weights of `version`) its p_old forward runs now (`rl.p_old_version`)."""
+    if self.sampler_mesh is not self.mesh:  # first: eager ops below run on the trainer's (context) mesh
+      ro = sh.on_mesh(ro, self.mesh)
+    rewards = self.score(problems, ro)
+    item = inflight_lib.InFlight(step=step, version=version, ro=ro, rewards=rewards)
+    if old_params is not None:
+      item.old = self._old_forward(old_params, ro, rewards)
+    return item
+
+  def _old_forward(self, params, ro, rewards):
+    batch = TrainBatch.from_rollout(ro, self.programs.advantages(jnp.asarray(rewards)), with_topk=True)
+    sampler_ids = ro.expert_ids_BSLK if self.job.model.is_moe else None
+    return self.programs.old_forward(params, batch, sampler_ids, ro.expert_valid_BS)
 
   def completions(self, ro) -> list[str]:
     """Response texts on the host: the only place tokens leave the device."""
@@ -196,14 +247,21 @@ class RLTrainer:
     return np.asarray([self.task.reward(p, t) for p, t in zip(problems, self.completions(ro))],
                       np.float32)
 
-  def prepare(self, ro: rollout_lib.Rollout, rewards: np.ndarray) -> tuple[TrainBatch, dict]:
-    """Advantages, the theta_old forward and the replay routes of this global step."""
+  def prepare(self, ro: rollout_lib.Rollout, rewards: np.ndarray, old=None) -> tuple[TrainBatch, dict]:
+    """Advantages, the theta_old forward and the replay routes of this global step.
+
+    `old`: the p_old forward's outputs when they were computed at the rollout's version
+    (`produce`); None runs it here at the policy `rl.p_old_version` names.
+    """
     # The sampler's top-k rides along whenever it was recorded: the loss's drift meter reads it
     # (K more gathered ids per token), score centering too.
     batch = TrainBatch.from_rollout(ro, self.programs.advantages(jnp.asarray(rewards)), with_topk=True)
-    sampler_ids = ro.expert_ids_BSLK if self.job.model.is_moe else None
-    logp_old, own_ids, m = self.programs.old_forward(self.state["params"], batch, sampler_ids,
-                                                     ro.expert_valid_BS)
+    if old is None:
+      # Emulated staleness: the rollout's version is the last synced params.
+      params = (self.state["sampler_src"] if self.job.rl.p_old_version == "rollout" and "sampler_src" in self.state
+                else self.state["params"])
+      old = self._old_forward(params, ro, rewards)
+    logp_old, own_ids, m = old
     batch = batch.replace(logp_old_BT=logp_old)
     replay = self.job.rl.routing_replay
     if replay == "R2":
@@ -237,11 +295,59 @@ class RLTrainer:
 
   def train_step(self, step: int) -> dict:
     """One global step; returns its metrics (docs/metrics.md)."""
+    if self.job.rl.mode == "async" and self.job.rl.max_staleness > 0:
+      return self._async_step(step)
     t0 = time.perf_counter()
     problems, ro = self.rollout(step)
-    rewards = self.score(problems, ro)
+    item = self.produce(step, step, problems, ro)
     t1 = time.perf_counter()
-    batch, m_old = self.prepare(ro, rewards)
+    row = self._train_on(item, t0, t1)
+    t3 = time.perf_counter()
+    if (step + 1) % self.job.rl.staleness == 0:
+      if "sampler_src" in self.state:
+        self.state["sampler_src"] = jax.tree.map(jnp.copy, self.state["params"])
+      self.sync_sampler()
+      jax.block_until_ready(self.sampler_state)
+    row["time/sync_s"] = time.perf_counter() - t3
+    return row
+
+  def _async_step(self, step: int) -> dict:
+    """Step s trains the rollout generated at version s - K while the sampler generates s + K.
+
+    Order of dispatch: the sampler's weights of version s (before update s donates the params),
+    the generation of step s + K on the sampler's devices, then the trainer's p_old forward and
+    updates on its own; only then does the host wait for the new tokens and score them.
+    """
+    rl = self.job.rl
+    k = rl.max_staleness
+    t0 = time.perf_counter()
+    if not self.queue:  # a fresh run: steps 0..K-1 come from the initial weights (version 0)
+      for s in range(step, min(step + k, rl.steps)):
+        problems, ro = self.rollout(s)
+        self.queue.append(self.produce(s, step, problems, ro,
+                                       self.state["params"] if rl.p_old_version == "rollout" else None))
+    item = self.queue.popleft()
+    assert item.step == step, (item.step, step)
+    ahead = step + k
+    keep = None
+    if ahead < rl.steps:
+      self.sync_sampler()  # version `step`
+      if rl.p_old_version == "rollout":
+        keep = jax.tree.map(jnp.copy, self.state["params"])  # theta_step, for the p_old of step + K
+      ahead_rollout = self.rollout(ahead)
+    t1 = time.perf_counter()
+    row = self._train_on(item, t0, t1)
+    t3 = time.perf_counter()
+    if ahead < rl.steps:
+      self.queue.append(self.produce(ahead, step, *ahead_rollout, keep))
+    # The host's wait for the sampler after the trainer finished (0 when generation kept up).
+    row["time/sampler_wait_s"] = time.perf_counter() - t3
+    return row
+
+  def _train_on(self, item: inflight_lib.InFlight, t0: float, t1: float) -> dict:
+    """p_old, the meter and the N updates of `item`'s step; its metrics row."""
+    step, ro, rewards = item.step, item.ro, item.rewards
+    batch, m_old = self.prepare(ro, rewards, item.old)
     m_old = sh.to_host(m_old)
     t2 = time.perf_counter()
     meter_every = self.job.rl.meter_every
@@ -253,13 +359,6 @@ class RLTrainer:
       m_first = {f"first_order/{k}": float(v) for k, v in sh.to_host(fo).items()}
     m_upd = self.update(batch, step)
     t3 = time.perf_counter()
-    done = step + 1
-    if done % self.job.rl.staleness == 0:
-      if "sampler_src" in self.state:
-        self.state["sampler_src"] = jax.tree.map(jnp.copy, self.state["params"])
-      self.sync_sampler()
-      jax.block_until_ready(self.sampler_state)
-    t4 = time.perf_counter()
     # Batch-sharded arrays: on a multi-host mesh each process holds only its rows.
     lengths = sh.to_host(ro.lengths_B)
     head = sh.to_host(ro.head_mass_BT)
@@ -271,7 +370,7 @@ class RLTrainer:
            **{k if k.startswith("drift/") else f"loss/{k}": v for k, v in m_upd.items()},
            **m_first,
            "time/sample_s": t1 - t0, "time/p_old_s": t2 - t1, "time/update_s": t3 - t2,
-           "time/sync_s": t4 - t3}
+           "async/lag": float(item.lag)}
     if mask.any():  # the sampler's top-k mass (its top-1 mass when record_topk = 0: a floor)
       row["mismatch/head_mass_mean"] = float(np.asarray(head)[mask].mean())
       row["mismatch/head_mass_min"] = float(np.asarray(head)[mask].min())
@@ -287,16 +386,44 @@ class RLTrainer:
                                  valid, problems, key, k)
 
   def save(self, step: int) -> None:
-    self.ckpt.save(step, self.state, {"step": step, "seed": self.job.seed, "job": "rl"})
+    """The state at `step` and, async, the rollouts in flight (generated, not yet trained on)."""
+    items = dict(self.state)
+    meta = {"step": step, "seed": self.job.seed, "job": "rl"}
+    if self.queue:
+      items["inflight"] = {str(i): inflight_lib.to_tree(it) for i, it in enumerate(self.queue)}
+      meta.update(inflight_steps=[it.step for it in self.queue], inflight_versions=[it.version for it in self.queue])
+    self.ckpt.save(step, items, meta)
+
+  def _restore_inflight(self, meta: dict) -> None:
+    """The queue saved with the restored step (its abstract layout from the programs' shapes)."""
+    steps, versions = meta["inflight_steps"], meta["inflight_versions"]
+    _, ids, valid = self.prompts(steps[0])
+    ids, valid = rollout_lib.repeat_prompts((ids, valid), self.job.rl.group_size)
+    with sh.mesh_context(self.sampler_mesh):
+      ro = self.programs.rollout_shapes(self.sampler_state, ids, valid, jax.random.key(0))
+    rewards = jax.ShapeDtypeStruct((ids.shape[0],), jnp.float32)
+    old_params = self.state["params"] if self.job.rl.p_old_version == "rollout" else None
+    shapes = jax.eval_shape(lambda r, w: inflight_lib.to_tree(inflight_lib.InFlight(
+        0, 0, r, w, None if old_params is None else self._old_forward(old_params, r, w))), ro, rewards)
+    targets = {"inflight": {str(i): inflight_lib.target(shapes, self.mesh) for i in range(len(steps))}}
+    items, _, _ = self.ckpt.restore(targets, step=self.start_step)
+    prompt_len = self.job.sampler.max_prompt_len
+    self.queue.extend(inflight_lib.from_tree(items["inflight"][str(i)], s, v, prompt_len)
+                      for i, (s, v) in enumerate(zip(steps, versions)))
+    print(f"[rl] restored {len(steps)} rollout(s) in flight (steps {steps}, versions {versions})")
 
   # -- the job ---------------------------------------------------------------------------------
 
   def run(self) -> dict:
-    """The loop from `start_step` to `rl.steps`; closes the trainer (and its lock) when done."""
-    with sh.mesh_context(self.mesh):
-      return self._run()
+    """The loop from `start_step` to `rl.steps`; closes the trainer (and its lock) when done.
 
-  def _run(self) -> dict:
+    SIGTERM / SIGINT (a preemption) end it after the step in progress with a checkpoint of that
+    step: `preempt.Preempted` is raised (the entry point exits with code 75).
+    """
+    with sh.mesh_context(self.mesh), preempt.Guard() as guard:
+      return self._run(guard)
+
+  def _run(self, guard: preempt.Guard) -> dict:
     job = self.job
     writer = None
     bar = None
@@ -318,8 +445,12 @@ class RLTrainer:
           row.update(self.evaluate())
         writer.write(done, row)
         bar.set_postfix(reward=f"{row['reward']:.3f}", kl=f"{row['mismatch/kl_k1']:.2e}")
-        if done % job.rl.checkpoint_every == 0 or done == job.rl.steps:
+        stop = done < job.rl.steps and guard.stop_requested()  # SIGTERM / SIGINT: checkpoint, exit
+        if stop or done % job.rl.checkpoint_every == 0 or done == job.rl.steps:
           self.save(done)
+        if stop:
+          self.ckpt.wait_until_finished()
+          raise preempt.Preempted(done, guard.signum, self.ckpt.directory)
       # The final checkpoint is on disk (its async write finished, or raised) before summary.json
       # marks the run done; inside the lock: nobody else writes this workdir while the summary is.
       self.ckpt.wait_until_finished()
@@ -345,6 +476,14 @@ class RLTrainer:
     if train:
       summary.update(final_reward=train[-1]["reward"], mean_kl_k1=float(np.mean([r["mismatch/kl_k1"] for r in train])),
                      steps=train[-1]["step"])
+      if any(r.get("async/lag") for r in train):
+        # The version-lag distribution: steps per lag, and the share of response tokens at each
+        # (every row of a step shares its rollout's lag; tokens = mean length x rows).
+        lags = [int(r.get("async/lag", 0)) for r in train]
+        tokens = np.asarray([r["response_length"] for r in train])
+        summary["lag_steps"] = {str(k): lags.count(k) for k in sorted(set(lags))}
+        summary["lag_token_share"] = {str(k): float(tokens[np.asarray(lags) == k].sum() / tokens.sum())
+                                      for k in sorted(set(lags))}
     if jax.process_index() == 0:
       self.run_dir.path("summary.json").write_text(json.dumps(summary, indent=1))
       if self.job.rl.plot and rows:
