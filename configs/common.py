@@ -31,3 +31,10 @@ def mesh(**axes) -> ml_collections.ConfigDict:
 
 def logging(wandb_mode: str = "offline") -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(wandb_mode=wandb_mode, wandb_project="rl_jax", run_name=""))
+
+
+def complete(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Every config file's last step: the schema keys it leaves out, at their defaults, so any key of
+  the job's schema is overridable with `--config.SECTION.KEY=VALUE` (rl_jax/config_schema.py)."""
+  from rl_jax import config_schema  # pylint: disable=g-import-not-at-top
+  return config_schema.complete(cfg)

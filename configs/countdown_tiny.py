@@ -71,4 +71,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     cfg.rl.checkpoint_every = 1
     cfg.rl.plot = False
     cfg.logging.wandb_mode = "disabled"
-  return cfg
+  return common.complete(cfg)

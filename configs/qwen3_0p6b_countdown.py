@@ -93,4 +93,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       routing_replay="none", eval_every=50, eval_size=512, eval_temperature=1.0,
       checkpoint_every=50, max_to_keep=2, plot=True))
   cfg.logging = common.logging()
-  return cfg
+  return common.complete(cfg)

@@ -126,4 +126,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       forward_microbatch=FORWARD_MICROBATCH, update_microbatch=UPDATE_MICROBATCH))
   cfg.logging = common.logging()
   cfg.logging.run_name = f"qwen3_30b_a3b_minirl_n{n}"
-  return cfg
+  return common.complete(cfg)

@@ -42,4 +42,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     cfg.logging.wandb_mode = "disabled"
   elif arg:
     raise ValueError(f"unknown config arg {arg!r} (valid: 'test')")
-  return cfg
+  return common.complete(cfg)

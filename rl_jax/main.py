@@ -3,7 +3,9 @@ if __name__ == "__main__":  # before jax loads: XLA:CPU runs re-exec with tcmall
   from rl_jax import host_memory
   host_memory.reexec_tuned()
 
+import os  # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys  # pylint: disable=g-import-not-at-top,wrong-import-position
+import traceback  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from absl import app, flags, logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ml_collections import config_flags
@@ -17,6 +19,41 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 JOBS = ("sft", "rl")
 
+# Exit codes (README, launch/README.md): 0 done, 2 a config / usage error (nothing ran, or the run
+# refused to start), 3 a run error (a non-finite step stopped it; the last good checkpoint stays),
+# 75 preempted (checkpointed on SIGTERM / SIGINT: rerun to resume). Anything else is a crash.
+CONFIG_ERROR, RUN_ERROR = 2, 3
+# RL_JAX_TRACEBACK=1 prints the full traceback of an expected failure too.
+TRACEBACK_ENV = "RL_JAX_TRACEBACK"
+
+
+def _fail(code: int, message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+  if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+    traceback.print_exc()
+  sys.exit(code)
+
+
+def _parse_flags(argv):
+  """absl's flag parsing, with a bad `--config.a.b=v` reported in one line naming the key and the
+  schema's closest keys instead of ml_collections' chained traceback."""
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
+    bad = [a.split("=", 1)[0][len("--config."):] for a in argv[1:] if a.startswith("--config.")]
+    unknown = [k for k in bad if not _known(k)]
+    if unknown:
+      from rl_jax import config_schema  # pylint: disable=g-import-not-at-top
+      near = {k: config_schema.closest_keys(k) for k in unknown}
+      _fail(CONFIG_ERROR, "config error: unknown config key(s) " + "; ".join(
+          f"'{k}'" + (f" (closest: {', '.join(v)})" if v else "") for k, v in near.items()))
+    _fail(CONFIG_ERROR, f"config error: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}")
+
+
+def _known(key: str) -> bool:
+  from rl_jax import config_schema  # pylint: disable=g-import-not-at-top
+  return key in config_schema.defaults("rl") or key in config_schema.defaults("sft") or "." not in key
+
 
 def main(argv):
   del argv
@@ -25,7 +62,9 @@ def main(argv):
   config = _CONFIG.value
   job = config.get("job")
   if job not in JOBS:
-    raise app.UsageError(f"config key 'job': {job!r} is not one of {list(JOBS)}")
+    _fail(CONFIG_ERROR, f"config error: config key 'job': {job!r} is not one of {list(JOBS)}")
+  from rl_jax.config_utils import ConfigError  # pylint: disable=g-import-not-at-top
+  from rl_jax.workdir import LockHeldError  # pylint: disable=g-import-not-at-top
   try:
     if job == "sft":
       from rl_jax import sft  # pylint: disable=g-import-not-at-top
@@ -36,7 +75,11 @@ def main(argv):
   except preempt.Preempted as e:
     print(f"[{job}] {e}", flush=True)
     sys.exit(preempt.PREEMPTED_EXIT_CODE)
+  except (ConfigError, LockHeldError) as e:
+    _fail(CONFIG_ERROR, f"config error: {e}")
+  except FloatingPointError as e:
+    _fail(RUN_ERROR, f"run error: {e}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

@@ -16,9 +16,10 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class Preempted(Exception):
   """The job stopped on a signal after checkpointing `step`; rerunning it resumes there."""
 
-  def __init__(self, step: int, signum: int, checkpoint_dir):
-    super().__init__(f"preempted by {signal.Signals(signum).name}: stopped after step {step} with its "
-                     f"checkpoint in {checkpoint_dir}; rerun the same command to resume")
+  def __init__(self, step: int | None, signum: int, checkpoint_dir):
+    where = (f"stopped after step {step} with its checkpoint in {checkpoint_dir}" if step is not None
+             else f"the runs in progress under {checkpoint_dir} checkpointed")
+    super().__init__(f"preempted by {signal.Signals(signum).name}: {where}; rerun the same command to resume")
     self.step, self.signum = step, signum
 
 
@@ -30,8 +31,10 @@ class Guard:
   Off the main thread (where Python cannot install handlers) the guard is inert.
   """
 
-  def __init__(self):
+  def __init__(self, on_signal=None):
+    """`on_signal(signum)`: also called on the first signal (e.g. to forward it to child processes)."""
     self.signum: int | None = None
+    self.on_signal = on_signal
     self._previous: dict = {}
 
   def _handle(self, signum, frame):  # pylint: disable=unused-argument
@@ -40,6 +43,8 @@ class Guard:
     self.signum = signum
     print(f"[preempt] {signal.Signals(signum).name}: finishing the current step, then checkpointing "
           "and exiting", flush=True)
+    if self.on_signal is not None:
+      self.on_signal(signum)
 
   def __enter__(self) -> "Guard":
     if threading.current_thread() is threading.main_thread():

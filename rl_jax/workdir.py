@@ -233,19 +233,27 @@ def is_safe_key(key: str, safe: Iterable[str] = SAFE_TO_CHANGE) -> bool:
   return key in safe or key.startswith(SAFE_PREFIXES)
 
 
-def config_diff(stored: dict, new: dict) -> list[tuple[str, Any, Any]]:
-  """(key, stored value, new value) for every differing flattened key; a missing side is '<absent>'."""
+def config_diff(stored: dict, new: dict, defaults: dict | None = None) -> list[tuple[str, Any, Any]]:
+  """(key, stored value, new value) for every differing flattened key; a missing side is '<absent>'.
+
+  A key one side leaves out and the other sets to its schema default (`defaults`, flattened) is no
+  difference: a config written before that key was listed means the same run.
+  """
   a, b = flatten(stored), flatten(new)
   missing = "<absent>"
+  defaults = defaults or {}
+  a = {**{k: v for k, v in defaults.items() if k in b}, **a}
+  b = {**{k: v for k, v in defaults.items() if k in a}, **b}
   return [(k, a.get(k, missing), b.get(k, missing)) for k in sorted(a.keys() | b.keys())
           if a.get(k, missing) != b.get(k, missing)]
 
 
-def check_config(stored: dict, new: dict, resume: str = "check") -> list[tuple[str, Any, Any]]:
+def check_config(stored: dict, new: dict, resume: str = "check",
+                 defaults: dict | None = None) -> list[tuple[str, Any, Any]]:
   """Raises ConfigError listing the unsafe differences unless resume='force'; returns all differences."""
   if resume not in ("check", "force"):
     raise ConfigError(f"config key 'resume': {resume!r} is not one of ['check', 'force']")
-  diff = config_diff(stored, new)
+  diff = config_diff(stored, new, defaults)
   unsafe = [d for d in diff if not is_safe_key(d[0])]
   if unsafe and resume != "force":
     lines = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, a, b in unsafe)
@@ -320,7 +328,13 @@ class RunDir:
     stored = _read_json(run_file) if run_file.exists() else {}
     new = json.loads(json.dumps(config_dict, default=str))
     if resuming and stored.get("config") is not None:
-      diff = check_config(stored["config"], new, resume)
+      job = new.get("job")
+      if job in ("rl", "sft"):  # a key one config leaves out means its default (config_schema)
+        from rl_jax import config_schema  # pylint: disable=g-import-not-at-top
+        defaults = config_schema.defaults(job)
+      else:
+        defaults = None
+      diff = check_config(stored["config"], new, resume, defaults)
       identity = stored.get("identity")
       if diff and is_writer:
         forced = [k for k, _, _ in diff if not is_safe_key(k)]

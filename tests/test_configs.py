@@ -7,6 +7,8 @@ import math
 import os
 import re
 import shlex
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -18,7 +20,9 @@ from ml_collections import config_flags
 from configs import countdown_tiny
 from configs import qwen3_30b_a3b_minirl
 from configs import sweeps
+from rl_jax import config_schema
 from rl_jax import sharding as sh
+from rl_jax import workdir as wd
 from rl_jax.config_utils import ConfigError
 from rl_jax.models import hf
 from rl_jax.models.presets import PRESETS, abstract_state
@@ -109,10 +113,40 @@ def test_config_files_are_listed_with_their_documented_args():
 def test_config_resolves_and_validates(fname, arg):
   config = _module(fname).get_config(arg)
   job = _validate(config)
+  # Every scalar key of the job's schema is listed, so `--config.SECTION.KEY=V` can override it.
+  missing = [k for k in config_schema.defaults(config.job)
+             if k.split(".")[0] in config and k.split(".")[1] not in config[k.split(".")[0]]]
+  assert not missing, (fname, missing)
   if isinstance(job, RLJob):
     _check_sampler_fits(job, trace=fname not in GPU_CONFIGS)
     n_devices = GPU_CONFIGS[fname][1] if fname in GPU_CONFIGS else jax.device_count()
     _check_batches(job, n_devices)
+
+
+def test_a_key_left_out_means_its_default_on_resume():
+  """A workdir whose stored config predates a schema key resumes when the new config sets that key
+  to its default, and refuses when it sets another value."""
+  stored = {"job": "rl", "rl": {"steps": 3}}
+  defaults = config_schema.defaults("rl")
+  assert wd.config_diff(stored, {"job": "rl", "rl": {"steps": 3, "mode": "sync"}}, defaults) == []
+  assert wd.config_diff(stored, {"job": "rl", "rl": {"steps": 3, "mode": "async"}}, defaults) == [
+      ("rl.mode", "sync", "async")]
+  assert wd.config_diff(stored, {"job": "rl", "rl": {"steps": 3, "mode": "sync"}}) == [
+      ("rl.mode", "<absent>", "sync")]
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--config.rl.metre_every=2", "unknown config key(s) 'rl.metre_every' (closest: rl.meter_every"),
+    ("--config.rl.mode=asink", "config key 'rl.mode': 'asink' is not one of ['sync', 'async']"),
+])
+def test_command_line_errors_are_one_line_with_the_key_and_exit_2(tmp_path, flag, message):
+  r = subprocess.run([sys.executable, "-m", "rl_jax.main", "--config=configs/countdown_tiny.py:test",
+                      f"--workdir={tmp_path / 'run'}", "--config.warm_start.source=none", flag],
+                     cwd=REPO, capture_output=True, text=True, timeout=300,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu", RL_JAX_TRACEBACK=""))
+  assert r.returncode == 2, r.stderr[-3000:]
+  assert message in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+  assert len([l for l in r.stderr.splitlines() if l.startswith("config error")]) == 1
 
 
 def test_unknown_config_args_fail():

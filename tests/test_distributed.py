@@ -82,6 +82,50 @@ def test_a_signal_on_one_process_stops_every_process_after_the_same_step():
     assert f"PREEMPT_AGREED {i}" in out, f"process {i}:\n{out}"
 
 
+FALLBACK_WORKER = textwrap.dedent("""
+    import os, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.experimental import multihost_utils
+    from rl_jax import distributed, sharding as sh
+    from rl_jax.checkpoint import Checkpointer
+    distributed.maybe_initialize()
+    root = sys.argv[1]
+    mesh = sh.make_mesh(sh.MeshConfig(fsdp=-1))
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+    tiny = lambda v: {"w": jax.make_array_from_callback((8, 4), spec, lambda i: np.full((8, 4), v, np.float32)[i])}
+    ckpt = Checkpointer(root)
+    for step in (2, 4):
+      ckpt.save(step, {"params": tiny(step)}, {"step": step})
+    ckpt.close()
+    multihost_utils.sync_global_devices("saved")
+    if jax.process_index() == 0:   # a truncated data file in the latest step
+      d = os.path.join(root, "checkpoints", "4", "params", "d")
+      path = os.path.join(d, sorted(os.listdir(d))[0])
+      with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    multihost_utils.sync_global_devices("truncated")
+    ckpt = Checkpointer(root)
+    items, meta, step = ckpt.restore({"params": tiny(0)})
+    w = sh.to_host(items["params"]["w"])
+    assert step == 2 and meta == {"step": 2} and float(w.min()) == float(w.max()) == 2.0, (step, meta)
+    multihost_utils.sync_global_devices("restored")
+    assert ckpt.latest_step() == 2
+    ckpt.save(6, {"params": tiny(6)}, {"step": 6})   # the run goes on from the fallback
+    ckpt.close()
+    print("FALLBACK_OK", jax.process_index(), sorted(os.listdir(os.path.join(root, "checkpoints.corrupt"))), flush=True)
+""")
+
+
+def test_corrupt_latest_checkpoint_falls_back_on_two_processes(tmp_path):
+  """A truncated latest step on a 2-process job: both processes restore the step before it, the
+  bad one is moved aside once, and the job saves on from there."""
+  for i, out in enumerate(_two_processes(["-c", FALLBACK_WORKER, str(tmp_path)])):
+    assert f"FALLBACK_OK {i}" in out, f"process {i}:\n{out}"
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "6"]
+  (moved,) = os.listdir(tmp_path / "checkpoints.corrupt")
+  assert moved.startswith("4-")
+
+
 def test_two_processes_global_sum():
   outs = _two_processes(["-c", WORKER])
   for i, out in enumerate(outs):

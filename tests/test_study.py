@@ -2,12 +2,15 @@
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from PIL import Image
 
+from rl_jax import preempt
 from rl_jax.rl import job as job_lib
 from rl_jax.study import __main__ as cli
 from rl_jax.study import config as study_config
@@ -93,7 +96,7 @@ def test_runner_skips_resumes_and_aggregates(tmp_path):
   p = runner.plan(studies.get("micro"), str(tmp_path))
   fake = FakeExecutor(crash={("fp32/tis", 1): "killed"})
   counts = runner.run_study(p, executor=fake, progress=False)
-  assert counts == {"skipped": 0, "ok": 3, "failed": 1}
+  assert counts == {"skipped": 0, "ok": 3, "failed": 1, "preempted": 0}
   # The warm start, then seed-major: every cell's seed 0 before any seed 1.
   assert fake.calls == [("warm_start", 0), ("fp32/pg", 0), ("fp32/tis", 0), ("fp32/pg", 1), ("fp32/tis", 1)]
   assert runner.status(p.launches[3]) == "resume@1"
@@ -105,11 +108,11 @@ def test_runner_skips_resumes_and_aggregates(tmp_path):
   assert "fp32/tis/seed1" in open(tmp_path / "verdict.md").read()
   # Rerun: the warm start and finished runs are skipped, the crashed one resumes and finishes.
   fake.calls.clear()
-  assert runner.run_study(p, executor=fake, progress=False) == {"skipped": 3, "ok": 1, "failed": 0}
+  assert runner.run_study(p, executor=fake, progress=False) == {"skipped": 3, "ok": 1, "failed": 0, "preempted": 0}
   assert fake.calls == [("fp32/tis", 1)]
   assert not (tmp_path / "fp32/tis/seed1/failed.json").exists()
   fake.calls.clear()
-  assert runner.run_study(p, executor=fake, progress=False) == {"skipped": 4, "ok": 0, "failed": 0}
+  assert runner.run_study(p, executor=fake, progress=False) == {"skipped": 4, "ok": 0, "failed": 0, "preempted": 0}
   assert fake.calls == []
   # A longer study (--steps 3) resumes the runs that finished at 2 steps.
   longer = runner.plan(studies.get("micro"), str(tmp_path), steps=3)
@@ -138,6 +141,43 @@ def test_runner_skips_resumes_and_aggregates(tmp_path):
   assert "fp32: tis 0.2 +- 0.05" in again and "OLD NUMBERS" not in again
   with pytest.raises(FileNotFoundError, match="no verdict.md, table.md, figure.png"):
     publish.publish(str(tmp_path / "fp32"), "micro", str(tmp_path / "docs"))
+
+
+def test_a_signal_stops_the_study_its_run_checkpoints_and_the_rerun_resumes(tmp_path, monkeypatch):
+  """SIGTERM to the runner mid-run: forwarded to the runs in progress (which checkpoint and exit 75),
+  no further run starts, nothing is marked failed, `Preempted` reaches the caller; the rerun resumes
+  the stopped run and finishes the rest."""
+  p = runner.plan(studies.get("micro"), str(tmp_path))
+  fake = FakeExecutor()
+  forwarded = []
+  monkeypatch.setattr(runner, "_forward", forwarded.append)
+
+  def preempted_run(launch, log_path):
+    if launch.kind == "run" and not forwarded:
+      os.kill(os.getpid(), signal.SIGTERM)   # the runner's guard forwards it ...
+      deadline = time.time() + 30
+      while not forwarded and time.time() < deadline:   # (a real run takes a while to checkpoint)
+        time.sleep(0.01)
+      with open(os.path.join(launch.workdir, "metrics.jsonl"), "w") as f:   # ... the run stops after step 1
+        f.write(json.dumps({"step": 0, "eval_greedy_accuracy": 0.1}) + "\n")
+        f.write(json.dumps({"step": 1, "reward": 0.1, "eval_greedy_accuracy": 0.1}) + "\n")
+      return preempt.PREEMPTED_EXIT_CODE
+    return fake(launch, log_path)
+  with pytest.raises(preempt.Preempted, match="SIGTERM"):
+    runner.run_study(p, executor=preempted_run, progress=False)
+  assert forwarded == [signal.SIGTERM]
+  assert [runner.status(launch) for launch in p.launches] == ["resume@1", "new", "new", "new"]
+  assert not (tmp_path / "fp32/pg/seed0/failed.json").exists()
+  counts = runner.run_study(p, executor=fake, progress=False)
+  assert counts == {"skipped": 0, "ok": 4, "failed": 0, "preempted": 0}
+  assert [runner.status(launch) for launch in p.launches] == ["done"] * 4
+
+
+def test_launcher_prefixes_every_command(tmp_path):
+  p = runner.plan(studies.get("micro"), str(tmp_path), launcher=("launch/local_multiprocess.sh", "2"))
+  for launch in [p.warm_start] + p.launches:
+    assert launch.argv[:2] == ("launch/local_multiprocess.sh", "2") and launch.argv[2].startswith("--config=")
+    assert "-m" not in launch.argv and any(a.startswith("--workdir=") for a in launch.argv)
 
 
 def test_nonfinite_abort_is_a_finished_collapse(tmp_path):
@@ -213,3 +253,16 @@ def test_verdict_names_the_command_that_runs_the_study():
   argv = ["fig3_weight_noise", "--root", "R", "--panels", "noise_0.2", "--aggregate_only", "--publish", "docs/results",
           "--jobs", "2", "--publish=x"]
   assert cli._run_argv(argv) == ["fig3_weight_noise", "--root", "R", "--panels", "noise_0.2", "--jobs", "2"]  # pylint: disable=protected-access
+
+
+@pytest.mark.slow  # ~6 min: the warm start and 4 tiny runs, each on 2 local processes
+def test_micro_study_on_two_processes_per_run(tmp_path):
+  """`--launcher 'launch/local_multiprocess.sh 2'`: the study's warm start (SFT) and every run on 2
+  processes, to the same finished grid and verdict files as one process per run."""
+  env = dict(os.environ, PYTHONPATH=REPO, DEVICES_PER_PROCESS="1", TIMEOUT_S="900")
+  cmd = [sys.executable, "-m", "rl_jax.study", "micro", "--root", str(tmp_path),
+         "--launcher", "launch/local_multiprocess.sh 2"]
+  subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=1800)
+  assert (tmp_path / "verdict.md").exists()
+  log = (tmp_path / "fp32/pg/seed0/run.log").read_text()
+  assert "[local_multiprocess] 2 processes" in log

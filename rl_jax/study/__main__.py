@@ -11,6 +11,7 @@ import os
 import shlex
 import sys
 
+from rl_jax import preempt
 from rl_jax.study import analyze, publish, runner, studies
 
 DEFAULT_ROOT = "/tmp/rl_jax_studies"
@@ -55,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--dry_run", action="store_true", help="list the runs and the estimated CPU time left")
   p.add_argument("--print_commands", action="store_true", help="print one launch command per run")
   p.add_argument("--aggregate_only", action="store_true", help="only redraw the figure and tables")
+  p.add_argument("--launcher", default="", metavar="CMD",
+                 help="run every run through CMD (which runs `python -m rl_jax.main ARGS`), e.g. "
+                      "'launch/local_multiprocess.sh 2' for 2 processes per run")
   p.add_argument("--wandb_mode", default="disabled", choices=("disabled", "offline", "online"))
   p.add_argument("--allow_mixed", action="store_true",
                  help="aggregate a protocol study whose cells ran at different commits or protocols "
@@ -77,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyError as e:
       p.error(f"--lines: {e.args[0]}")
   root = args.root or os.path.join(DEFAULT_ROOT, study.name)
-  plan = runner.plan(study, root, seeds=args.seeds, steps=args.steps, wandb_mode=args.wandb_mode)
+  plan = runner.plan(study, root, seeds=args.seeds, steps=args.steps, wandb_mode=args.wandb_mode,
+                     launcher=shlex.split(args.launcher))
   if args.dry_run:
     runner.dry_run(plan)
     return 0
@@ -88,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
       sys.argv[1:] if argv is None else argv))
   rc = 0
   if not args.aggregate_only:
-    counts = runner.run_study(plan, jobs=args.jobs)
+    try:
+      counts = runner.run_study(plan, jobs=args.jobs)
+    except preempt.Preempted as e:  # the runs in progress checkpointed; rerunning resumes them
+      print(f"[study] {study.name}: {e}", file=sys.stderr)
+      return preempt.PREEMPTED_EXIT_CODE
     print(f"[study] {study.name}: {counts['ok']} ran, {counts['skipped']} already finished, "
           f"{counts['failed']} failed")
     rc = 1 if counts["failed"] else 0

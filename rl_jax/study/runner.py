@@ -19,6 +19,7 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Callable, Literal, Sequence
 
@@ -26,6 +27,7 @@ import tqdm
 
 from configs import sweeps
 from rl_jax import analysis
+from rl_jax import preempt
 from rl_jax.analysis import aggregate, precursors, runs as runs_lib, tables
 from rl_jax.study import analyze as analyze_lib
 from rl_jax.study import protocol as protocol_lib
@@ -67,11 +69,34 @@ class Launch:
 Executor = Callable[[Launch, str], int]   # (launch, log path) -> exit status
 
 
+# The runs in progress, so that a signal to the runner reaches them (`run_study`).
+_CHILDREN: set = set()
+_CHILDREN_LOCK = threading.Lock()
+_STOPPING: list = []  # the signal, once the runner got one
+
+
 def subprocess_executor(launch: Launch, log_path: str) -> int:
   """Runs the launch's command from the repository root, stdout and stderr to `log_path`."""
   with open(log_path, "a") as log:
-    return subprocess.call(list(launch.argv), cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.Popen(list(launch.argv), cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    with _CHILDREN_LOCK:
+      _CHILDREN.add(proc)
+      if _STOPPING:  # started as the signal came in: it stops too
+        proc.send_signal(_STOPPING[0])
+    try:
+      return proc.wait()
+    finally:
+      with _CHILDREN_LOCK:
+        _CHILDREN.discard(proc)
+
+
+def _forward(signum: int) -> None:
+  with _CHILDREN_LOCK:
+    _STOPPING.append(signum)
+    for proc in _CHILDREN:
+      if proc.poll() is None:
+        proc.send_signal(signum)
 
 
 def _flag_value(v: Any) -> str:
@@ -105,13 +130,18 @@ def code_version(repo: str = REPO_ROOT) -> str:
 
 
 def plan(study: studies.Study, root: str, seeds: int | None = None, steps: int | None = None,
-         wandb_mode: str = "disabled", python: str = sys.executable) -> Plan:
-  """Every launch of `study` under `root`; `seeds` / `steps` override the study's."""
+         wandb_mode: str = "disabled", python: str = sys.executable, launcher: Sequence[str] = ()) -> Plan:
+  """Every launch of `study` under `root`; `seeds` / `steps` override the study's.
+
+  `launcher`: a command that runs `python -m rl_jax.main ARGS` given ARGS, e.g.
+  `("launch/local_multiprocess.sh", "2")` for every run (and the warm start) on 2 processes.
+  """
+  entry = tuple(launcher) if launcher else (python, "-m", "rl_jax.main")
   base = load_base(study.base)
   root = os.path.abspath(root)
   ws_dir = os.path.join(root, "warm_start")
   warm = Launch(kind="warm_start", name="warm_start", seed=int(base.get("seed", 0)), workdir=ws_dir,
-                argv=(python, "-m", "rl_jax.main", f"--config={CONFIG_FILE}:warm_start/{study.name}",
+                argv=(*entry, f"--config={CONFIG_FILE}:warm_start/{study.name}",
                       f"--workdir={ws_dir}"), steps=int(base.sft.steps), responses=0, study=study.name)
   deviations = []
   if study.protocol is not None:
@@ -128,7 +158,7 @@ def plan(study: studies.Study, root: str, seeds: int | None = None, steps: int |
     n_steps, responses = int(cfg.rl.steps), int(cfg.rl.prompts_per_step * cfg.rl.group_size)
     for seed in range(study.seeds if seeds is None else seeds):
       workdir = os.path.join(root, run.panel, run.line, f"seed{seed}")
-      argv = [python, "-m", "rl_jax.main"]
+      argv = list(entry)
       if sweeps.flag_expressible(overrides, base):
         argv += [f"--config={study.base}", f"--workdir={workdir}"]
         argv += [f"--config.{k}={_flag_value(v)}" for k, v in overrides.items()]
@@ -244,7 +274,9 @@ def print_commands(p: Plan, out=None) -> None:
   print(f"# study {p.study.name}, from the repository root: run the first command to completion, "
         "then the rest in any order", file=out)
   for launch in [p.warm_start] + p.launches:
-    print(" ".join(shlex.quote(a) for a in ("python",) + launch.argv[1:]), file=out)
+    argv = launch.argv
+    shown = ("python",) + argv[1:] if argv[1:3] == ("-m", "rl_jax.main") else argv  # else a --launcher's
+    print(" ".join(shlex.quote(a) for a in shown), file=out)
 
 
 def _tail(path: str, n: int = 20) -> str:
@@ -276,6 +308,8 @@ def execute(launch: Launch, executor: Executor, commit: str = "unknown", protoco
   t0 = time.time()
   rc = executor(launch, log)
   failed_path = os.path.join(launch.workdir, runs_lib.FAILED_FILE)
+  if rc == preempt.PREEMPTED_EXIT_CODE:  # checkpointed on a signal: resumable, not a failure
+    return rc
   if rc != 0:
     with open(failed_path, "w") as f:
       json.dump({"rc": rc, "error": _tail(log)}, f, indent=1)
@@ -297,7 +331,7 @@ def run_study(p: Plan, executor: Executor = subprocess_executor, jobs: int = 1,
   """Warm start (once), then every unfinished launch, `jobs` at a time; returns counts by outcome."""
   if jobs < 1:
     raise ValueError(f"--jobs must be >= 1, got {jobs}")
-  counts = {"skipped": 0, "ok": 0, "failed": 0}
+  counts = {"skipped": 0, "ok": 0, "failed": 0, "preempted": 0}
   commit = code_version()
   if status(p.warm_start) != "done":
     print(f"[study] warm start -> {p.warm_start.workdir}", flush=True)
@@ -310,19 +344,33 @@ def run_study(p: Plan, executor: Executor = subprocess_executor, jobs: int = 1,
   counts["skipped"] = len(p.launches) - len(todo)
   bar = tqdm.tqdm(total=len(p.launches), initial=counts["skipped"], desc=f"study {p.study.name}",
                   unit="run", disable=not progress)
+  # SIGTERM / SIGINT: forwarded to the runs in progress (each checkpoints its step and exits 75);
+  # no new run starts; `preempt.Preempted` then tells the caller (the CLI exits 75 too).
+  _STOPPING.clear()
+  guard = preempt.Guard(on_signal=_forward)
   try:
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-      futures = {pool.submit(execute, launch, executor, commit, p.protocol): launch for launch in todo}
+    with guard, concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+      futures = {pool.submit(_unless_stopped, guard, launch, executor, commit, p.protocol): launch
+                 for launch in todo}
       for fut in concurrent.futures.as_completed(futures):
         launch = futures[fut]
         rc = fut.result()
-        counts["ok" if rc == 0 else "failed"] += 1
-        if rc != 0:
+        if rc is None:
+          continue  # not started: the study was stopped first
+        outcome = "ok" if rc == 0 else "preempted" if rc == preempt.PREEMPTED_EXIT_CODE else "failed"
+        counts[outcome] += 1
+        if outcome == "failed":
           tqdm.tqdm.write(f"[study] {launch.name}/seed{launch.seed} exited {rc}; see {launch.workdir}/run.log")
         bar.update(1)
   finally:
     bar.close()
+  if guard.signum is not None:
+    raise preempt.Preempted(None, guard.signum, p.root)
   return counts
+
+
+def _unless_stopped(guard: preempt.Guard, launch: Launch, *args) -> int | None:
+  return None if guard.signum is not None else execute(launch, *args)
 
 
 FINISHED = ("done", "collapsed")
