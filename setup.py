@@ -37,7 +37,8 @@ setup(
     extras_require={
         # safetensors: only tests import it (the runtime reads and writes the format itself);
         # nbclient / ipykernel / nbformat execute the notebooks in tests/test_notebooks.py.
-        "test": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "safetensors>=0.4",
+        # pytest-xdist: the suite runs one worker per core (pytest.ini).
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "pytest-timeout>=2.3", "safetensors>=0.4",
                  "nbclient>=0.10", "ipykernel>=6.29", "nbformat>=5.10"],
         # `pip install -e ".[notebooks]"`, then `jupyter lab notebooks/`.
         "notebooks": ["jupyterlab>=4", "nbclient>=0.10", "ipykernel>=6.29", "nbformat>=5.10"],
