@@ -221,7 +221,8 @@ def replay_trajectory(graphdef: nnx.GraphDef, params: Any, opt_state: Any, ro: r
     raise ValueError("replay_trajectory needs a MoE rollout with recorded experts (sampler.record_experts)")
   if ro.tokens_BS.shape[0] % n_minibatches:
     raise ValueError(f"rl.n_minibatches={n_minibatches} does not divide the {ro.tokens_BS.shape[0]} rows")
-  batch = step_lib.TrainBatch.from_rollout(ro, adv_B, loss_cfg.score_centering != "none")
+  batch = step_lib.TrainBatch.from_rollout(ro, adv_B, loss_cfg.score_centering != "none",
+                                           truncated=loss_cfg.replay_mask)
   logp_old_BT, own_ids, old_m = step_lib.old_forward(params, batch, ro.expert_ids_BSLK, ro.expert_valid_BS,
                                                      graphdef=graphdef, loss_cfg=loss_cfg, replay=replay)
   batch = batch.replace(logp_old_BT=logp_old_BT)

@@ -127,37 +127,86 @@ def gather_logprobs(logits_XV: jax.Array, ids_XK: jax.Array,
   return logp_NK.reshape(*lead, k), ent_N.reshape(lead)
 
 
+def kept_set(logp_XV: jax.Array, thresh_X: jax.Array, head_ids_XH: jax.Array | None = None,
+             head_kept_XH: jax.Array | None = None, covered_X: jax.Array | None = None) -> jax.Array:
+  """The trainer's rebuild of the sampler's kept set K at each position, a bool [X, V] mask.
+
+  docs/math.md#truncated-sampling. Where the sampler's recorded head H holds all of K
+  (`covered_X`: |K| <= len(H)), K is exactly the head entries it kept (`head_kept_XH`, its
+  log q >= tau), whatever p says. Elsewhere K is rebuilt by the threshold on the trainer's own
+  log-probs, {v : log p_v >= tau}, plus every head entry (all of H is kept there).
+  """
+  keep_XV = logp_XV >= thresh_X[..., None]
+  if head_ids_XH is None:
+    return keep_XV
+  n, v = int(np.prod(logp_XV.shape[:-1])), logp_XV.shape[-1]
+  rows = jnp.arange(n)[:, None]
+  head_NV = jnp.zeros((n, v), bool).at[rows, head_ids_XH.reshape(n, -1)].set(
+      head_kept_XH.reshape(n, -1)).reshape(keep_XV.shape)
+  return jnp.where(covered_X[..., None], head_NV, keep_XV | head_NV)
+
+
+def truncated_logprobs(logits_XV: jax.Array, ids_XK: jax.Array, temperature: float, thresh_X: jax.Array,
+                       head_ids_XH: jax.Array | None = None, head_kept_XH: jax.Array | None = None,
+                       covered_X: jax.Array | None = None):
+  """`gather_logprobs` of the trainer's policy truncated to the sampler's kept set and renormalized.
+
+  log p~_k = log p_k - log p(K) on K (`kept_set`), its entropy, with the gradient of a fixed K
+  (the set is piecewise constant in the logits). Returns (logp_XK, entropy_X, in_XK, log_mass_X):
+  `in_XK` says which ids lie in K; outside it p~ is 0, and logp_XK holds the finite, gradient-free
+  log p_k - log p(K) there so that callers can mask the entry (a token outside K is counted and
+  masked by the loss, never weighted). log_mass_X = log p(K). A position whose rebuilt K is empty
+  (p below the threshold everywhere) gets in_XK False and the full distribution's values.
+  """
+  logp_XV = sg(next_token_logq(logits_XV, temperature))
+  keep_XV = kept_set(logp_XV, thresh_X, head_ids_XH, head_kept_XH, covered_X)
+  empty_X = ~jnp.any(keep_XV, axis=-1)
+  in_XK = jnp.take_along_axis(keep_XV, ids_XK, axis=-1) & ~empty_X[..., None]
+  keep_XV = keep_XV | empty_X[..., None]  # no -inf-only row: its lse would be NaN
+  masked_XV = jnp.where(keep_XV, logits_XV, jnp.asarray(-jnp.inf, logits_XV.dtype))
+  lp_XK, ent_X = gather_logprobs(masked_XV, ids_XK, temperature)
+  log_mass_X = jax.nn.logsumexp(jnp.where(keep_XV, logp_XV, -jnp.inf), axis=-1)
+  fallback_XK = jnp.take_along_axis(logp_XV, ids_XK, axis=-1) - log_mass_X[..., None]
+  return jnp.where(in_XK, lp_XK, fallback_XK), ent_X, in_XK, log_mass_X
+
+
 def chunked_logprobs(hidden_BTD: jax.Array, w_unembed_DV: jax.Array, ids_BTK: jax.Array,
-                     temperature: float, chunk_size: int) -> tuple[jax.Array, jax.Array]:
+                     temperature: float, chunk_size: int, trunc: tuple | None = None) -> tuple[jax.Array, ...]:
   """gather_logprobs(hidden @ W, ids) computed over the sequence in chunks.
 
   Each chunk's logits [B, chunk, V] are made inside `lax.scan` under `jax.checkpoint`, so
   neither the forward nor the backward keeps more than one chunk of logits alive: the
   backward recomputes a chunk's logits from its hidden states. T is padded up to a whole
   number of chunks; the pad is sliced off. chunk_size = 0 (or >= T) is one chunk.
+  `trunc`: `truncated_logprobs`' per-position arguments (thresh_BT, head_ids_BTH, head_kept_BTH,
+  covered_BT; the head ones may be None), and then its four outputs are returned.
   """
   b, t, d = hidden_BTD.shape
-  k = ids_BTK.shape[-1]
 
-  def one_chunk(h_BcD, ids_BcK):
+  def one_chunk(h_BcD, ids_BcK, *trunc_c):
     logits = jnp.einsum("bcd,dv->bcv", h_BcD, w_unembed_DV,
                         preferred_element_type=jnp.float32)
-    return gather_logprobs(logits, ids_BcK, temperature)
+    if trunc is None:
+      return gather_logprobs(logits, ids_BcK, temperature)
+    return truncated_logprobs(logits, ids_BcK, temperature, *trunc_c)
 
+  xs = (ids_BTK,) + (tuple(trunc) if trunc is not None else ())
   if chunk_size <= 0 or chunk_size >= t:
-    return one_chunk(hidden_BTD, ids_BTK)
+    return one_chunk(hidden_BTD, *xs)
   n = -(-t // chunk_size)
   pad = n * chunk_size - t
-  h = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
-  ids = jnp.pad(ids_BTK, ((0, 0), (0, pad), (0, 0)))
-  h_NBcD = h.reshape(b, n, chunk_size, d).swapaxes(0, 1)
-  ids_NBcK = ids.reshape(b, n, chunk_size, k).swapaxes(0, 1)
+
+  def split(x):  # [B, T, ...] -> [n, B, chunk, ...]
+    if x is None:
+      return None
+    x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+    return x.reshape(b, n, chunk_size, *x.shape[2:]).swapaxes(0, 1)
+
   body = jax.checkpoint(one_chunk, policy=jax.checkpoint_policies.nothing_saveable)
 
-  def step(carry, xs):
-    return carry, body(*xs)
+  def step(carry, xs_c):
+    return carry, body(*xs_c)
 
-  _, (lp_NBcK, ent_NBc) = jax.lax.scan(step, None, (h_NBcD, ids_NBcK))
-  lp_BTK = lp_NBcK.swapaxes(0, 1).reshape(b, n * chunk_size, k)[:, :t]
-  ent_BT = ent_NBc.swapaxes(0, 1).reshape(b, n * chunk_size)[:, :t]
-  return lp_BTK, ent_BT
+  _, outs = jax.lax.scan(step, None, (split(hidden_BTD),) + tuple(split(x) for x in xs))
+  # [n, B, chunk, ...] -> [B, T, ...]
+  return tuple(o.swapaxes(0, 1).reshape(b, n * chunk_size, *o.shape[3:])[:, :t] for o in outs)

@@ -408,6 +408,9 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
     if scfg.record_topk:   # the trainer passes the sampler's top-k whenever it was recorded
       f["topk_ids_BTK"] = arr((rows, t, scfg.record_topk), jnp.int32)
       f["topk_logq_BTK"] = arr((rows, t, scfg.record_topk), jnp.float32)
+    if job.loss.replay_mask:  # the sampler's kept sets (loss.sampling_mask='replay')
+      f["trunc_thresh_BT"] = arr((rows, t), jnp.float32)
+      f["trunc_covered_BT"] = arr((rows, t), jnp.bool_)
     return step_lib.TrainBatch(**f), arr
 
   batch, arr = batch_for(b_global, with_logp_old=False)

@@ -40,6 +40,13 @@ class Rollout:
       response alike: the trainer's `replay_ids_BSLK` for a forward over `tokens_BS`.
       `expert_valid_BS` marks the slots that carry a route: real prompt tokens and every
       response token except each row's last one, which the sampler never fed back.
+    - `trunc_thresh_BT`, `trunc_logmass_BT`, `trunc_size_BT`: when the sampler truncates
+      (`top_k` / `top_p`, `SamplerConfig.truncates`), the kept set K it drew token t from:
+      K = {v : log q_v >= trunc_thresh} (the threshold lies midway between the least likely kept
+      and the most likely cut log q; -inf when nothing was cut), its mass log q(K) and its size |K|, so that
+      `log q(y_t) - trunc_logmass` is the log-probability under the truncated, renormalized
+      distribution really sampled (docs/math.md#truncated-sampling). Zero where `response_mask`
+      is False; None without truncation.
     - `topk_ids_BTK` / `topk_logq_BTK` are None when `record_topk = 0`; `expert_ids_BSLK` is None for a
       dense model or `record_experts = False`.
   In the trainer's teacher-forced forward over `tokens_BS`, the logits at slot s predict
@@ -61,6 +68,9 @@ class Rollout:
   lengths_B: jax.Array
   prompt_lengths_B: jax.Array
   prompt_len: int = dataclasses.field(metadata=dict(static=True))
+  trunc_thresh_BT: jax.Array | None = None
+  trunc_logmass_BT: jax.Array | None = None
+  trunc_size_BT: jax.Array | None = None
 
   @property
   def valid_BS(self) -> jax.Array:

@@ -158,6 +158,10 @@ def test_unknown_config_args_fail():
     sweeps.get_config("mismatch/nope")
   with pytest.raises(ConfigError, match="loss.typo"):
     RLJob.from_config(sweeps.apply_overrides(countdown_tiny.get_config(), {"loss.typo": 1}))
+  with pytest.raises(ConfigError, match="loss.sampling_mask.*sampler.top_k=0, sampler.top_p=1.0"):
+    RLJob.from_config(sweeps.apply_overrides(countdown_tiny.get_config(), {"loss.sampling_mask": "replay"}))
+  RLJob.from_config(sweeps.apply_overrides(countdown_tiny.get_config(), {"loss.sampling_mask": "replay",
+                                                                          "sampler.top_p": 0.9}))
 
 
 def test_sweep_runs_validate():

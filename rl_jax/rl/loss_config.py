@@ -12,6 +12,7 @@ from rl_jax.rl.registry import (METHOD_REGISTRY, add_registry_params, check_regi
 
 ScoreCentering = Literal["none", "full", "topk"]
 Aggregation = Literal["batch_tokens", "constant", "seq_mean"]
+SamplingMask = Literal["none", "replay"]
 
 # Derived from the registry (registration order); kept as a tuple for sweeps and tests.
 METHODS: tuple[str, ...] = tuple(METHOD_REGISTRY)
@@ -52,6 +53,13 @@ class LossConfig:
       sampler did (docs/math.md#log-prob-conventions).
     chunk_size: 0 = unchunked; else `rl_loss_from_hidden` computes logits over the
       sequence in chunks of this many positions.
+    sampling_mask: what the policies are when the sampler truncates (top-k / top-p;
+      docs/math.md#truncated-sampling). 'none': p and q over the full temperature-scaled
+      vocabulary (the truncation is part of the behaviour, not of the target). 'replay': the
+      target is the truncated policy: the trainer restricts p to the kept set the sampler drew
+      each token from (rebuilt from `Rollout.trunc_*`) and renormalizes it before every ratio,
+      KL, score-centering term and entropy; a token outside the rebuilt set is masked and
+      counted (`sampling_mask/outside_frac`).
     Method-owned fields (each method's thresholds: tis_high, cispo_low / cispo_high,
       mis_low / mis_high, ppo_*, dapo_*, gspo_*, topr_high, dppo_tv, minirl_eps_low /
       minirl_eps_high / minirl_tis_c and MiniRL's ablation switches minirl_train_infer_is /
@@ -67,6 +75,7 @@ class LossConfig:
   sc_eps: float = 1e-6
   temperature: float = 1.0
   chunk_size: int = 0
+  sampling_mask: SamplingMask = "none"
 
   def __post_init__(self):
     require_registered(self.method, METHOD_REGISTRY, "method")
@@ -84,6 +93,13 @@ class LossConfig:
     require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
     require(self.chunk_size >= 0, "chunk_size",
             f"must be >= 0 (0 = unchunked), got {self.chunk_size}")
+    require(self.sampling_mask in ("none", "replay"), "sampling_mask",
+            f"must be 'none' or 'replay', got {self.sampling_mask!r}")
+
+  @property
+  def replay_mask(self) -> bool:
+    """Whether the target policy is the sampler's truncated one (`sampling_mask='replay'`)."""
+    return self.sampling_mask == "replay"
 
   @property
   def needs_logp_old(self) -> bool:

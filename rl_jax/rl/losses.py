@@ -8,7 +8,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from rl_jax.logprobs import chunked_logprobs, gather_logprobs  # re-exported: rl_jax.rl.losses.gather_logprobs
+from rl_jax.logprobs import (chunked_logprobs, gather_logprobs,  # re-exported: rl_jax.rl.losses.gather_logprobs
+                             truncated_logprobs)
 from rl_jax.rl import meters
 from rl_jax.rl import methods
 from rl_jax.rl.loss_config import LossConfig
@@ -131,8 +132,8 @@ def _check_common(mask_BT, adv_B, logq_BT, cfg, logp_old_BT, b, t):
 
 
 def _loss_core(logp_BT, head_logp_BTK, entropy_BT, mask_BT, adv_B, logq_BT, cfg,
-               logp_old_BT, topk_logq_BTK, y_in_head_BTK=None, norm=None, return_stats=False
-               ) -> tuple[jax.Array, Metrics]:
+               logp_old_BT, topk_logq_BTK, y_in_head_BTK=None, norm=None, return_stats=False,
+               trunc=None) -> tuple[jax.Array, Metrics]:
   """Rule + score centering + aggregation + diagnostics on [B, T(, K)] arrays.
 
   `norm`: the aggregation's denominator from the whole mini-batch (micro-batching, see
@@ -143,8 +144,20 @@ def _loss_core(logp_BT, head_logp_BTK, entropy_BT, mask_BT, adv_B, logq_BT, cfg,
   whole recorded head (or None): the drift meter reads all of it, top-k score centering
   its first `cfg.topk` entries. y_in_head_BTK: one-hot of the sampled token in the head,
   for the `drift/sc_share` meter (without it y is taken to be outside the head).
+  trunc: under `sampling_mask='replay'`, (in_y_BT, log_mass_BT): whether y lies in the trainer's
+  rebuilt kept set and log p(K). A response token outside it (or outside theta_old's, where
+  logp_old is -inf) is masked out of the objective and the diagnostics, and counted
+  (`sampling_mask/outside_frac`); the aggregation's denominator still counts it, so the loss
+  is the same function of the remaining tokens whatever the rebuild drops.
   """
   mask_BT = mask_BT.astype(jnp.float32)
+  agg_mask_BT = mask_BT
+  outside = None
+  if trunc is not None:
+    in_y_BT, log_mass_BT = trunc
+    in_BT = in_y_BT if logp_old_BT is None else in_y_BT & jnp.isfinite(logp_old_BT)
+    outside = (mask_BT > 0) & ~in_BT
+    mask_BT = jnp.where(in_BT, mask_BT, 0.0)
   on = mask_BT > 0
   logp_BT = logp_BT.astype(jnp.float32)
   fill = sg(logp_BT)
@@ -182,11 +195,14 @@ def _loss_core(logp_BT, head_logp_BTK, entropy_BT, mask_BT, adv_B, logq_BT, cfg,
         head_p_XK=jnp.exp(sg(head_logp_BTK)), p_y_X=jnp.exp(sg(logp_BT)),
         y_in_head_XK=y_in_head_BTK.astype(jnp.float32))
   ell_BT = jnp.where(on, -objective_BT, 0.0)
-  loss = aggregate(ell_BT, mask_BT, cfg.aggregation, norm)
+  loss = aggregate(ell_BT, agg_mask_BT, cfg.aggregation, norm)
   stats = diagnostic_stats(
       logp_BT=logp_BT, logq_BT=logq_BT, logp_old_BT=logp_old_BT, mask_BT=mask_BT,
       rule_out=out, entropy_BT=entropy_BT, topk_logq_BTK=topk_logq_BTK, sc_stats=sc_stats,
       drift_tv_BT=drift_tv_BT, sc_sq=sc_sq)
+  if outside is not None:
+    stats["sum/_outside"] = jnp.sum(outside.astype(jnp.float32))
+    stats["sum/_kept_mass_p"] = jnp.sum(jnp.where(on, jnp.exp(sg(trunc[1])), 0.0))
   stats["sum/loss"] = sg(loss)
   return loss, (stats if return_stats else finalize_stats(stats))
 
@@ -208,6 +224,9 @@ def rl_loss_from_logprobs(logp_BT: jax.Array, mask_BT: jax.Array, adv_B: jax.Arr
   their first `cfg.topk` entries; for 'full', all V ids). Given both (with or without
   centering), they also feed the drift meter. `entropy_BT` only feeds the `entropy`
   diagnostic; `y_in_head_BTK` (one-hot of y in the head) only `drift/sc_share`.
+  Under `cfg.sampling_mask='replay'` the inputs must already be the truncated policies' (log p~,
+  log q~); with no vocabulary axis there is no kept set to rebuild, so masking the tokens outside
+  it is the caller's (`rl_loss` does both).
   """
   b, t = logp_BT.shape
   _check_common(mask_BT, adv_B, logq_BT, cfg, logp_old_BT, b, t)
@@ -258,12 +277,46 @@ def _select_ids(targets_BT, topk_ids_BTK, topk_logq_BTK, cfg, v, b, t):
   return ids_BTK1, topk_logq_BTK, y_in_head_BTK
 
 
+def _trunc_args(cfg, trunc_thresh_BT, trunc_covered_BT, topk_ids_BTK, topk_logq_BTK, b, t):
+  """`truncated_logprobs`' per-position arguments under `sampling_mask='replay'`, else None.
+
+  The head is the sampler's recorded top-k, an entry kept iff its (truncated) log q is finite
+  (`TrainBatch.from_rollout` writes -1e30 outside the kept set); without it the kept set is
+  rebuilt by the threshold alone.
+  """
+  if not cfg.replay_mask:
+    return None
+  if trunc_thresh_BT is None:
+    raise ValueError("loss.sampling_mask='replay' needs trunc_thresh_BT (the sampler's kept-set threshold "
+                     "per token, TrainBatch.from_rollout(truncated=True))")
+  _check_bt("trunc_thresh_BT", trunc_thresh_BT, b, t)
+  if topk_ids_BTK is None:
+    return sg(trunc_thresh_BT), None, None, None
+  _check_bt("trunc_covered_BT", trunc_covered_BT, b, t)
+  return sg(trunc_thresh_BT), topk_ids_BTK, sg(topk_logq_BTK) > -1e29, trunc_covered_BT
+
+
+def _split_outputs(outs, y_in_BTK):
+  """(log p of y, head log-probs or None, entropy, trunc for `_loss_core`) from the gathered
+  outputs (`gather_logprobs`' two or `truncated_logprobs`' four); a head id outside the
+  rebuilt kept set has p~ = 0 (-1e30: no centering weight, no gradient)."""
+  lp_BTK1, ent_BT = outs[:2]
+  head = lp_BTK1[..., 1:] if y_in_BTK is not None else None
+  if len(outs) == 2:
+    return lp_BTK1[..., 0], head, ent_BT, None
+  in_BTK1, log_mass_BT = outs[2:]
+  if head is not None:
+    head = jnp.where(in_BTK1[..., 1:], head, -1e30)
+  return lp_BTK1[..., 0], head, ent_BT, (in_BTK1[..., 0], log_mass_BT)
+
+
 @_jit_loss("cfg", "return_stats")
 def rl_loss(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array, adv_B: jax.Array,
             logq_BT: jax.Array, cfg: LossConfig, *, logp_old_BT: Optional[jax.Array] = None,
             topk_ids_BTK: Optional[jax.Array] = None,
             topk_logq_BTK: Optional[jax.Array] = None, norm: Optional[jax.Array] = None,
-            return_stats: bool = False) -> tuple[jax.Array, Metrics]:
+            return_stats: bool = False, trunc_thresh_BT: Optional[jax.Array] = None,
+            trunc_covered_BT: Optional[jax.Array] = None) -> tuple[jax.Array, Metrics]:
   """RL loss (minus objective) and diagnostics for `cfg.method` (docs/math.md#correction-methods).
 
   Per token, with A_i the response's advantage and r_t = p(y_t)/q(y_t):
@@ -289,6 +342,10 @@ def rl_loss(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array, ad
       micro-batch of it (`normalizer`); default: these rows' own.
     return_stats: return the diagnostics' sufficient statistics instead of the metrics
       (micro-batches combine them with `loss_diagnostics.combine_stats`).
+    trunc_thresh_BT, trunc_covered_BT: the sampler's kept sets under
+      `cfg.sampling_mask='replay'` (`TrainBatch`; docs/math.md#truncated-sampling): p is then
+      truncated to the rebuilt set and renormalized; logq_BT / topk_logq_BTK must be the
+      sampler's truncated ones (`TrainBatch.from_rollout(truncated=True)`).
 
   Returns:
     (loss scalar, metrics dict of stop-gradient float32 scalars, see loss_diagnostics).
@@ -297,10 +354,12 @@ def rl_loss(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array, ad
   _check_common(mask_BT, adv_B, logq_BT, cfg, logp_old_BT, b, t)
   ids_BTK1, topk_logq_BTK, y_in_BTK = _select_ids(targets_BT, topk_ids_BTK, topk_logq_BTK, cfg,
                                                  v, b, t)
-  lp_BTK1, ent_BT = gather_logprobs(logits_BTV, ids_BTK1, cfg.temperature)
-  head = lp_BTK1[..., 1:] if y_in_BTK is not None else None
-  return _loss_core(lp_BTK1[..., 0], head, ent_BT, mask_BT, adv_B, logq_BT, cfg,
-                    logp_old_BT, topk_logq_BTK, y_in_BTK, norm, return_stats)
+  trunc = _trunc_args(cfg, trunc_thresh_BT, trunc_covered_BT, topk_ids_BTK, topk_logq_BTK, b, t)
+  outs = (gather_logprobs(logits_BTV, ids_BTK1, cfg.temperature) if trunc is None else
+          truncated_logprobs(logits_BTV, ids_BTK1, cfg.temperature, *trunc))
+  lp_BT, head, ent_BT, in_set = _split_outputs(outs, y_in_BTK)
+  return _loss_core(lp_BT, head, ent_BT, mask_BT, adv_B, logq_BT, cfg,
+                    logp_old_BT, topk_logq_BTK, y_in_BTK, norm, return_stats, in_set)
 
 
 @_jit_loss("cfg", "chunk_size", "return_stats")
@@ -310,7 +369,8 @@ def rl_loss_from_hidden(hidden_BTD: jax.Array, w_unembed_DV: jax.Array, targets_
                         topk_ids_BTK: Optional[jax.Array] = None,
                         topk_logq_BTK: Optional[jax.Array] = None,
                         chunk_size: Optional[int] = None, norm: Optional[jax.Array] = None,
-                        return_stats: bool = False) -> tuple[jax.Array, Metrics]:
+                        return_stats: bool = False, trunc_thresh_BT: Optional[jax.Array] = None,
+                        trunc_covered_BT: Optional[jax.Array] = None) -> tuple[jax.Array, Metrics]:
   """`rl_loss` with logits = hidden_BTD @ w_unembed_DV made chunk by chunk over T.
 
   For long responses: only one [B, chunk, V] float32 logits block is live at a time (see
@@ -325,7 +385,8 @@ def rl_loss_from_hidden(hidden_BTD: jax.Array, w_unembed_DV: jax.Array, targets_
   ids_BTK1, topk_logq_BTK, y_in_BTK = _select_ids(targets_BT, topk_ids_BTK, topk_logq_BTK, cfg,
                                                  v, b, t)
   chunk = cfg.chunk_size if chunk_size is None else chunk_size
-  lp_BTK1, ent_BT = chunked_logprobs(hidden_BTD, w_unembed_DV, ids_BTK1, cfg.temperature, chunk)
-  head = lp_BTK1[..., 1:] if y_in_BTK is not None else None
-  return _loss_core(lp_BTK1[..., 0], head, ent_BT, mask_BT, adv_B, logq_BT, cfg,
-                    logp_old_BT, topk_logq_BTK, y_in_BTK, norm, return_stats)
+  trunc = _trunc_args(cfg, trunc_thresh_BT, trunc_covered_BT, topk_ids_BTK, topk_logq_BTK, b, t)
+  outs = chunked_logprobs(hidden_BTD, w_unembed_DV, ids_BTK1, cfg.temperature, chunk, trunc)
+  lp_BT, head, ent_BT, in_set = _split_outputs(outs, y_in_BTK)
+  return _loss_core(lp_BT, head, ent_BT, mask_BT, adv_B, logq_BT, cfg,
+                    logp_old_BT, topk_logq_BTK, y_in_BTK, norm, return_stats, in_set)

@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 
 from rl_jax import rollout as rollout_lib
-from rl_jax.logprobs import chunked_logprobs, gather_logprobs
+from rl_jax.logprobs import chunked_logprobs, gather_logprobs, truncated_logprobs
 from rl_jax.models.transformer import constrain_batch
 from rl_jax.rl import meters
 from rl_jax import microbatch
@@ -37,6 +37,12 @@ class TrainBatch:
   recorded them (`sampler.record_topk` > 0): score centering reads them and the drift meter
   (`drift/*`) compares them with the trainer's distribution. Optional fields are None when
   absent (empty pytree nodes).
+
+  Under `loss.sampling_mask='replay'` (`from_rollout(truncated=True)`; docs/math.md#truncated-sampling)
+  `logq_BT` and `topk_logq_BTK` are the sampler's truncated, renormalized log-probs (-1e30 at head
+  ids outside its kept set), `trunc_thresh_BT` the kept set's threshold tau and `trunc_covered_BT`
+  whether the recorded head holds the whole kept set (then the trainer rebuilds it exactly from
+  the head; elsewhere by the threshold on its own log-probs).
   """
   prompt_len: int = flax.struct.field(pytree_node=False)
   tokens_BS: jax.Array
@@ -51,15 +57,35 @@ class TrainBatch:
   topk_logq_BTK: jax.Array | None = None
   replay_ids_BSLK: jax.Array | None = None
   replay_mask_BS: jax.Array | None = None
+  trunc_thresh_BT: jax.Array | None = None
+  trunc_covered_BT: jax.Array | None = None
 
   @classmethod
-  def from_rollout(cls, ro: rollout_lib.Rollout, adv_B: jax.Array, with_topk: bool = True) -> "TrainBatch":
+  def from_rollout(cls, ro: rollout_lib.Rollout, adv_B: jax.Array, with_topk: bool = True,
+                   truncated: bool = False) -> "TrainBatch":
+    """The batch of a rollout; `truncated` (`loss.sampling_mask='replay'`) takes the sampler's
+    truncated policy as q (its `trunc_*` record; an error if the rollout has none)."""
     topk = with_topk and ro.topk_ids_BTK is not None
+    logq_BT = ro.logq_BT
+    topk_logq_BTK = ro.topk_logq_BTK if topk else None
+    trunc = {}
+    if truncated:
+      if ro.trunc_thresh_BT is None:
+        raise ValueError("loss.sampling_mask='replay' needs a rollout of a truncating sampler "
+                         "(sampler.top_k > 0 or sampler.top_p < 1): this one recorded no kept sets")
+      tau_BT, mass_BT = ro.trunc_thresh_BT, ro.trunc_logmass_BT
+      logq_BT = logq_BT - mass_BT  # 0 at padding, where the mass is recorded as 0
+      covered_BT = jnp.zeros(tau_BT.shape, bool)
+      if topk:
+        # q~ = q / q(K) on K, 0 elsewhere: -1e30 (not -inf) keeps exp and differences finite.
+        topk_logq_BTK = jnp.where(topk_logq_BTK >= tau_BT[..., None], topk_logq_BTK - mass_BT[..., None],
+                                  -1e30)
+        covered_BT = ro.trunc_size_BT <= ro.topk_ids_BTK.shape[-1]
+      trunc = dict(trunc_thresh_BT=tau_BT, trunc_covered_BT=covered_BT)
     return cls(prompt_len=ro.prompt_len, tokens_BS=ro.tokens_BS, positions_BS=ro.positions_BS,
                valid_BS=ro.valid_BS, response_BT=ro.response_BT, response_mask_BT=ro.response_mask_BT,
-               logq_BT=ro.logq_BT, adv_B=adv_B,
-               topk_ids_BTK=ro.topk_ids_BTK if topk else None,
-               topk_logq_BTK=ro.topk_logq_BTK if topk else None)
+               logq_BT=logq_BT, adv_B=adv_B, topk_ids_BTK=ro.topk_ids_BTK if topk else None,
+               topk_logq_BTK=topk_logq_BTK, **trunc)
 
   @property
   def rows(self) -> int:
@@ -112,16 +138,36 @@ def _replay_kw(batch: TrainBatch) -> dict:
   return dict(replay_ids_BSLK=batch.replay_ids_BSLK, replay_mask_BS=batch.replay_mask_BS)
 
 
+def _trunc(batch: TrainBatch, loss_cfg: LossConfig) -> dict:
+  """The kept-set arguments of the loss under `loss.sampling_mask='replay'`, else nothing."""
+  if not loss_cfg.replay_mask:
+    return {}
+  return dict(trunc_thresh_BT=batch.trunc_thresh_BT, trunc_covered_BT=batch.trunc_covered_BT)
+
+
 def _sampled_logp(model, out, batch: TrainBatch, loss_cfg: LossConfig) -> jax.Array:
-  """log p of the sampled tokens [B, T] from a forward's output, with the function the loss uses."""
+  """log p of the sampled tokens [B, T] from a forward's output, with the function the loss uses.
+
+  Under `loss.sampling_mask='replay'` the truncated policy's log p~, and -inf where the token
+  lies outside the kept set rebuilt from these logits (p~ = 0 there; the loss masks it).
+  """
   targets_BT1 = batch.response_BT[..., None]
   temp = loss_cfg.temperature
+  trunc = None
+  if loss_cfg.replay_mask:
+    head = batch.topk_ids_BTK is not None
+    trunc = (batch.trunc_thresh_BT, batch.topk_ids_BTK, batch.topk_logq_BTK > -1e29 if head else None,
+             batch.trunc_covered_BT if head else None)
   if loss_cfg.chunk_size > 0:
     hidden_BTD = batch.response_slots(out.hidden_BSD)
-    return chunked_logprobs(hidden_BTD, model.unembed_weight(), targets_BT1, temp,
-                            loss_cfg.chunk_size)[0][..., 0]
-  # The function the loss computes log p with (chunked or not): p_old and p agree in form.
-  return gather_logprobs(_response_logits(model, out, batch), targets_BT1, temp)[0][..., 0]
+    outs = chunked_logprobs(hidden_BTD, model.unembed_weight(), targets_BT1, temp, loss_cfg.chunk_size, trunc)
+  elif trunc is None:
+    # The function the loss computes log p with (chunked or not): p_old and p agree in form.
+    outs = gather_logprobs(_response_logits(model, out, batch), targets_BT1, temp)
+  else:
+    outs = truncated_logprobs(_response_logits(model, out, batch), targets_BT1, temp, *trunc)
+  logp_BT = outs[0][..., 0]
+  return logp_BT if trunc is None else jnp.where(outs[2][..., 0], logp_BT, -jnp.inf)
 
 
 def _rl_loss(model, out, batch: TrainBatch, loss_cfg: LossConfig, norm=None, return_stats=False):
@@ -130,7 +176,8 @@ def _rl_loss(model, out, batch: TrainBatch, loss_cfg: LossConfig, norm=None, ret
   denominator when `batch` is one micro-batch of it."""
   args = (batch.response_BT, batch.response_mask_BT, batch.adv_B, batch.logq_BT, loss_cfg)
   opt = dict(logp_old_BT=batch.logp_old_BT, topk_ids_BTK=batch.topk_ids_BTK,
-             topk_logq_BTK=batch.topk_logq_BTK, norm=norm, return_stats=return_stats)
+             topk_logq_BTK=batch.topk_logq_BTK, norm=norm, return_stats=return_stats,
+             **_trunc(batch, loss_cfg))
   if loss_cfg.chunk_size > 0:
     return rl_loss_from_hidden(batch.response_slots(out.hidden_BSD), model.unembed_weight(), *args, **opt)
   return rl_loss(_response_logits(model, out, batch), *args, **opt)
@@ -170,6 +217,8 @@ def _mismatch_metrics(st: dict) -> dict:
   n = jnp.maximum(st["sum/_tokens"], 1.0)
   m = {f"mismatch/{k}": st[f"sum/{k}"] / n for k in ("kl_k1", "kl_k3", "prob_diff_mean")}
   m["mismatch/prob_diff_max"] = jnp.maximum(st["max/prob_diff_max"], 0.0)
+  if "sum/_outside" in st:
+    m["mismatch/sampling_outside_frac"] = st["sum/_outside"] / jnp.maximum(st["sum/_tokens"] + st["sum/_outside"], 1.0)
   if "sum/_route_hits" in st:
     m["mismatch/routing_agreement"] = st["sum/_route_hits"] / jnp.maximum(st["sum/_route_slots"], 1.0)
   return m
@@ -198,13 +247,20 @@ def _old_forward_rows(params, batch: TrainBatch, sampler_ids_BSLK, sampler_valid
     probs_BSLE = constrain_batch(jax.nn.softmax(out.router_logits_BSLE.astype(jnp.float32), axis=-1))
     own_ids_BSLK = jax.lax.top_k(probs_BSLE, own_ids_BSLK.shape[-1])[1].astype(jnp.int32)
   mask = batch.response_mask_BT.astype(jnp.float32)
-  log_x = logp_old_BT - batch.logq_BT
+  # Under sampling_mask='replay' a token outside theta_old's rebuilt kept set has p~_old = 0
+  # (-inf): the updates mask it; the mismatch metrics are over the others, and count it.
+  inside = jnp.isfinite(logp_old_BT)
+  on = (mask > 0) & inside
+  safe_old_BT = jnp.where(on, logp_old_BT, batch.logq_BT)
+  log_x = safe_old_BT - batch.logq_BT
   x = jnp.exp(log_x)
-  diff = jnp.abs(jnp.exp(logp_old_BT) - jnp.exp(batch.logq_BT))
-  on = mask > 0
+  diff = jnp.abs(jnp.exp(safe_old_BT) - jnp.exp(batch.logq_BT))
   total = lambda v: jnp.sum(jnp.where(on, v, 0.0))
-  st = {"sum/_tokens": jnp.sum(mask), "sum/kl_k1": total(-log_x), "sum/kl_k3": total(x - 1.0 - log_x),
-        "sum/prob_diff_mean": total(diff), "max/prob_diff_max": jnp.max(jnp.where(on, diff, 0.0))}
+  st = {"sum/_tokens": jnp.sum(on.astype(jnp.float32)), "sum/kl_k1": total(-log_x),
+        "sum/kl_k3": total(x - 1.0 - log_x), "sum/prob_diff_mean": total(diff),
+        "max/prob_diff_max": jnp.max(jnp.where(on, diff, 0.0))}
+  if loss_cfg.replay_mask:
+    st["sum/_outside"] = jnp.sum(((mask > 0) & ~inside).astype(jnp.float32))
   if sampler_ids_BSLK is not None and own_ids_BSLK is not None:
     hits, slots = routing_hits(own_ids_BSLK, sampler_ids_BSLK, sampler_valid_BS)
     st["sum/_route_hits"], st["sum/_route_slots"] = hits, slots
@@ -290,7 +346,14 @@ def first_order(params, batch: TrainBatch, *, graphdef: nnx.GraphDef, loss_cfg: 
       out = _forward(model, mb, **_replay_kw(mb))
       loss, _ = _rl_loss(model, out, mb, loss_cfg, norm=norm)
       logp_BT = _sampled_logp(model, out, mb, loss_cfg)
-      j_seq, _ = meters.seq_objective_surrogate(logp_BT, mb.logq_BT, mb.adv_B, mb.response_mask_BT, z)
+      # Under sampling_mask='replay' the tokens outside a kept set (-inf) drop out of both objectives.
+      mask_BT = mb.response_mask_BT > 0
+      if loss_cfg.replay_mask:
+        mask_BT = mask_BT & jnp.isfinite(logp_BT)
+        if mb.logp_old_BT is not None:
+          mask_BT = mask_BT & jnp.isfinite(mb.logp_old_BT)
+      logp_BT = jnp.where(mask_BT, logp_BT, mb.logq_BT)
+      j_seq, _ = meters.seq_objective_surrogate(logp_BT, mb.logq_BT, mb.adv_B, mask_BT, z)
       return -loss, j_seq
 
     (j_tok, j_seq), pullback = jax.vjp(objectives, params)

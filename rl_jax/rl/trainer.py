@@ -234,7 +234,8 @@ class RLTrainer:
     return item
 
   def _old_forward(self, params, ro, rewards):
-    batch = TrainBatch.from_rollout(ro, self.programs.advantages(jnp.asarray(rewards)), with_topk=True)
+    batch = TrainBatch.from_rollout(ro, self.programs.advantages(jnp.asarray(rewards)), with_topk=True,
+                                    truncated=self.job.loss.replay_mask)
     sampler_ids = ro.expert_ids_BSLK if self.job.model.is_moe else None
     return self.programs.old_forward(params, batch, sampler_ids, ro.expert_valid_BS)
 
@@ -255,7 +256,8 @@ class RLTrainer:
     """
     # The sampler's top-k rides along whenever it was recorded: the loss's drift meter reads it
     # (K more gathered ids per token), score centering too.
-    batch = TrainBatch.from_rollout(ro, self.programs.advantages(jnp.asarray(rewards)), with_topk=True)
+    batch = TrainBatch.from_rollout(ro, self.programs.advantages(jnp.asarray(rewards)), with_topk=True,
+                                    truncated=self.job.loss.replay_mask)
     if old is None:
       # Emulated staleness: the rollout's version is the last synced params.
       params = (self.state["sampler_src"] if self.job.rl.p_old_version == "rollout" and "sampler_src" in self.state

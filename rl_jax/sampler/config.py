@@ -101,6 +101,12 @@ class SamplerConfig:
     return [(e, min(self.max_len, -(-(p + e - 1) // 8) * 8)) for e in ends]
 
   @property
+  def truncates(self) -> bool:
+    """Whether sampling draws from a truncated distribution (top-k / top-p): the rollout then
+    records each token's kept set (`Rollout.trunc_*`) for `loss.sampling_mask='replay'`."""
+    return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+  @property
   def max_len(self) -> int:
     """Length S of the token buffer and of the KV cache: prompt slots + response slots."""
     return self.max_prompt_len + self.max_new_tokens

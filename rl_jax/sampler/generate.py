@@ -60,12 +60,21 @@ def exact_top_k(x_BV: jax.Array, k: int, min_ratio: int = _TWO_STAGE_MIN_RATIO
   return vals_BK, jnp.take_along_axis(ids_BM, pos_BK, axis=-1)
 
 
-def _truncate(logq_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
-  """Masks (-inf) tokens outside the top-k, then outside the top-p nucleus of what is left."""
+def _truncate(logq_BV: jax.Array, top_k: int, top_p: float) -> tuple[jax.Array, jax.Array]:
+  """Masks (-inf) tokens outside the top-k, then outside the top-p nucleus of what is left.
+
+  Returns (masked log q, tau_B): the kept set is exactly {v : log q_v >= tau} (ties at the
+  cut are kept), so tau is all the trainer needs to rebuild it by a threshold
+  (`loss.sampling_mask='replay'`); -inf when nothing is cut. tau lies midway between the least
+  likely kept and the most likely cut log q, not at the kept one: the trainer's own log p of
+  that boundary token differs from the sampler's by rounding, and at tau it would fall out
+  about half the time.
+  """
   x = logq_BV
+  tau_B1 = jnp.full(x.shape[:-1] + (1,), -jnp.inf, x.dtype)
   if top_k:
-    kth_B1 = exact_top_k(x, top_k)[0][:, -1:]
-    x = jnp.where(x >= kth_B1, x, -jnp.inf)
+    tau_B1 = exact_top_k(x, top_k)[0][:, -1:]
+    x = jnp.where(x >= tau_B1, x, -jnp.inf)
   if top_p < 1.0:
     sorted_BV = -jnp.sort(-x, axis=-1)
     probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
@@ -73,9 +82,11 @@ def _truncate(logq_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
     # is always kept, and the kept set is the smallest prefix reaching top_p.
     keep_BV = (jnp.cumsum(probs_BV, axis=-1) - probs_BV) < top_p
     n_keep_B1 = jnp.sum(keep_BV, axis=-1, keepdims=True)
-    thresh_B1 = jnp.take_along_axis(sorted_BV, n_keep_B1 - 1, axis=-1)
-    x = jnp.where(x >= thresh_B1, x, -jnp.inf)
-  return x
+    tau_B1 = jnp.take_along_axis(sorted_BV, n_keep_B1 - 1, axis=-1)  # >= the top-k cut
+    x = jnp.where(x >= tau_B1, x, -jnp.inf)
+  cut_B = jnp.max(jnp.where(x > -jnp.inf, -jnp.inf, logq_BV), axis=-1)  # the most likely cut token
+  tau_B = jnp.where(cut_B > -jnp.inf, 0.5 * (tau_B1[:, 0] + cut_B), -jnp.inf)
+  return x, tau_B
 
 
 def first_argmax(x_BV: jax.Array) -> jax.Array:
@@ -121,13 +132,20 @@ def categorical(key: jax.Array, logits_V: jax.Array) -> jax.Array:
   return (j * c + i).astype(jnp.int32)
 
 
-def _sample(logits_BV, logq_BV, keys_B, step, cfg: SamplerConfig) -> jax.Array:
+def _sample(logits_BV, logq_BV, keys_B, step, cfg: SamplerConfig) -> tuple[jax.Array, dict]:
+  """The drawn ids and, when `cfg.truncates`, the kept set's record: its threshold tau, its log
+  mass log q(K) and its size |K| (`Rollout.trunc_*`)."""
   if cfg.greedy:
-    return first_argmax(logits_BV)
-  x = _truncate(logq_BV, cfg.top_k, cfg.top_p)
+    return first_argmax(logits_BV), {}
+  x, tau_B = _truncate(logq_BV, cfg.top_k, cfg.top_p)
   # One key per row and step: a row's sample does not depend on how the batch is split.
   step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys_B, step)
-  return jax.vmap(categorical)(step_keys, x)
+  y_B = jax.vmap(categorical)(step_keys, x)
+  if not cfg.truncates:
+    return y_B, {}
+  kept_BV = x > -jnp.inf
+  return y_B, dict(trunc_thresh_BT=tau_B, trunc_logmass_BT=jax.nn.logsumexp(x, axis=-1),
+                   trunc_size_BT=jnp.sum(kept_BV, axis=-1, dtype=jnp.int32))
 
 
 # ----------------------------------------------------------------------------------------
@@ -285,6 +303,9 @@ def _generate_rows(model, prompts_BP, valid_BP, keys_B, *, cfg: SamplerConfig, k
       # The step whose top-k is not recorded yet (k_rec > 0): its log q and active rows.
       pending_logq_BV=jnp.zeros((b, mcfg.vocab_size), jnp.float32) if k_rec else None,
       pending_active_B=jnp.zeros((b,), bool) if k_rec else None)
+  trunc_keys = ("trunc_thresh_BT", "trunc_logmass_BT", "trunc_size_BT") if cfg.truncates else ()
+  for name in trunc_keys:  # zero where inactive, like logq_BT
+    carry[name] = jnp.zeros((b, t), jnp.int32 if name == "trunc_size_BT" else jnp.float32)
   carry = constrain(carry)
 
   def body(c):
@@ -297,7 +318,8 @@ def _generate_rows(model, prompts_BP, valid_BP, keys_B, *, cfg: SamplerConfig, k
     logits_BV = out.logits_BSV[:, 0]
     logq_BV = next_token_logq(logits_BV, cfg.temperature)
     active_B = ~c["done_B"]
-    y_B = jnp.where(active_B, _sample(logits_BV, logq_BV, keys_B, j, cfg), cfg.pad_id)
+    y_B, trunc = _sample(logits_BV, logq_BV, keys_B, j, cfg)
+    y_B = jnp.where(active_B, y_B, cfg.pad_id)
     logq_B = jnp.where(active_B, jnp.take_along_axis(logq_BV, y_B[:, None], axis=-1)[:, 0], 0.0)
     new = dict(c)
     new["step"] = j + 1
@@ -306,6 +328,9 @@ def _generate_rows(model, prompts_BP, valid_BP, keys_B, *, cfg: SamplerConfig, k
     new["done_B"] = c["done_B"] | (y_B == cfg.eos_id)
     new["active_BT"] = jax.lax.dynamic_update_slice(c["active_BT"], active_B[:, None], (0, j))
     new["logq_BT"] = jax.lax.dynamic_update_slice(c["logq_BT"], logq_B[:, None], (0, j))
+    for name, v_B in trunc.items():
+      v_B = jnp.where(active_B, v_B, jnp.zeros((), v_B.dtype))
+      new[name] = jax.lax.dynamic_update_slice(c[name], v_B[:, None], (0, j))
     if k_rec:
       # Software pipelining: step j records the top-k of step j-1's distribution, which
       # depends on nothing this step computes, so XLA can run the (single-threaded) top-k
@@ -353,7 +378,7 @@ def _generate_rows(model, prompts_BP, valid_BP, keys_B, *, cfg: SamplerConfig, k
       logq_BT=c["logq_BT"], topk_ids_BTK=c["topk_ids_BTK"], topk_logq_BTK=topk_logq,
       head_mass_BT=head_mass_BT, expert_ids_BSLK=experts, expert_valid_BS=expert_valid_BS,
       lengths_B=jnp.sum(resp_BT, axis=1, dtype=jnp.int32), prompt_lengths_B=prompt_len_B,
-      prompt_len=p)
+      prompt_len=p, **{k: c[k] for k in trunc_keys})
   return constrain(rollout)
 
 

@@ -1,0 +1,176 @@
+"""loss.sampling_mask='replay' by enumeration: the truncated objective's exact gradient, masking outside the kept set."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rl_jax import rollout as rollout_lib
+from rl_jax.logprobs import next_token_logq
+from rl_jax.models.config import ModelConfig
+from rl_jax.models.transformer import Transformer
+from rl_jax.rl import step as step_lib
+from rl_jax.rl.loss_config import LossConfig
+from rl_jax.rl.losses import rl_loss
+from rl_jax.sampler import generate as gen
+from rl_jax.sampler.config import SamplerConfig
+
+R, V = 6, 8          # contexts (rows of a tabular policy), vocabulary
+TEMP = 0.7
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
+def _softmax(x):
+  e = np.exp(x - x.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def _case(mismatch, top_k, top_p, k_rec, seed=0):
+  """A tabular policy theta [R, V] (one response token per context), a sampler q at `mismatch`,
+  its kept sets K_q and what the trainer is given: q~ of the sampled token and of the head."""
+  rng = np.random.default_rng(seed)
+  theta = rng.normal(size=(R, V)).astype(np.float32)
+  logq = np.log(_softmax((theta + mismatch * rng.normal(size=theta.shape)) / TEMP)).astype(np.float32)
+  _, tau = gen._truncate(jnp.asarray(logq), top_k, top_p)  # pylint: disable=protected-access
+  tau = np.asarray(tau)
+  kept = logq >= tau[:, None]                                 # K_q, the set the sampler drew from
+  logmass = np.log(np.where(kept, np.exp(logq), 0).sum(-1))
+  head = np.argsort(-logq, -1, kind="stable")[:, :k_rec]
+  head_logq = np.take_along_axis(logq, head, -1)
+  head_tq = np.where(head_logq >= tau[:, None], head_logq - logmass[:, None], -1e30).astype(np.float32)
+  covered = kept.sum(-1) <= k_rec
+  return theta, logq, tau, kept, logmass, head, head_tq, covered
+
+
+def _per_token(cfg, theta, logq, tau, logmass, head, head_tq, covered, adv):
+  """(grad, metrics) of the loss of the single-token batch (context r, token y), for every r, y."""
+  rr, yy = np.meshgrid(np.arange(R), np.arange(V), indexing="ij")
+
+  def one(th_V, y, r, a):
+    def loss(th):
+      return rl_loss(th[None, None], y[None, None], jnp.ones((1, 1), bool), a[None],
+                     (jnp.asarray(logq)[r, y] - jnp.asarray(logmass)[r])[None, None], cfg,
+                     topk_ids_BTK=jnp.asarray(head)[r][None, None], topk_logq_BTK=jnp.asarray(head_tq)[r][None, None],
+                     trunc_thresh_BT=jnp.asarray(tau)[r][None, None],
+                     trunc_covered_BT=jnp.asarray(covered)[r][None, None])
+    return jax.grad(loss, has_aux=True)(th_V)
+
+  f = jax.vmap(jax.vmap(one, (None, 0, 0, 0)), (0, 0, 0, 0))
+  g, m = f(jnp.asarray(theta), jnp.asarray(yy, jnp.int32), jnp.asarray(rr, jnp.int32),
+           jnp.broadcast_to(jnp.asarray(adv, jnp.float32), (R, V)))
+  return np.asarray(g, np.float64), {k: np.asarray(v) for k, v in m.items()}
+
+
+def _truncated_grad(theta, kset, reward):
+  """Exact d/d theta of J = sum_r sum_{y in K_r} p~(y | r) R(r, y), p~ = softmax(theta / TEMP) on K_r."""
+  p = np.where(kset, _softmax(theta.astype(np.float64) / TEMP), 0.0)
+  p /= p.sum(-1, keepdims=True)
+  pr = (p * reward).sum(-1, keepdims=True)
+  return p * (reward - pr) / TEMP   # sum_y p_y R_y (e_y - p) / TEMP on K, 0 off it
+
+
+@pytest.mark.parametrize("method,mismatch,top_k,top_p,k_rec", [
+    ("pg", 0.0, 3, 1.0, 4),          # on-policy: PG
+    ("naive_is", 1.0, 3, 1.0, 4),    # off-policy, top-k cut, head covers K
+    ("naive_is", 1.0, 0, 0.8, V),    # off-policy, nucleus, full head
+    ("naive_is", 1.0, 4, 0.9, 5),    # both cuts
+])
+def test_expected_gradient_is_the_truncated_objectives(method, mismatch, top_k, top_p, k_rec):
+  theta, logq, tau, kept, logmass, head, head_tq, covered = _case(mismatch, top_k, top_p, k_rec)
+  assert covered.all() and kept.sum(-1).max() < V and (kept.sum(-1) > 1).sum() >= R - 1
+  reward = np.random.default_rng(1).normal(size=(R, V))
+  cfg = LossConfig(method=method, sampling_mask="replay", temperature=TEMP)
+  g, m = _per_token(cfg, theta, logq, tau, logmass, head, head_tq, covered, reward)
+  qt = np.where(kept, np.exp(logq - logmass[:, None]), 0.0)       # q~, the sampling distribution
+  expected = -np.einsum("ry,ryv->rv", qt, g)                       # E_q~[-grad loss]
+  np.testing.assert_allclose(expected, _truncated_grad(theta, kept, reward), atol=2e-5)
+  assert np.all(m["sampling_mask/outside_frac"][kept] == 0)
+  # The full-vocabulary convention estimates another objective here.
+  g_none, _ = _per_token(dataclasses.replace(cfg, sampling_mask="none"), theta,
+                         logq, tau, logmass, head, head_tq, covered, reward)
+  assert np.abs(-np.einsum("ry,ryv->rv", qt, g_none) - expected).max() > 1e-2
+
+
+@pytest.mark.parametrize("centering,k_rec", [("full", V), ("topk", 4)])
+def test_score_centering_is_zero_mean_under_the_truncated_sampler(centering, k_rec):
+  """A constant advantage: centering's expectation over q~ on K cancels PG's drift exactly."""
+  theta, logq, tau, kept, logmass, head, head_tq, covered = _case(1.0, 3, 1.0, k_rec)
+  qt = np.where(kept, np.exp(logq - logmass[:, None]), 0.0)
+  for sc, zero in (("none", False), (centering, True)):
+    cfg = LossConfig(method="pg", sampling_mask="replay", temperature=TEMP, score_centering=sc, topk=k_rec)
+    g, _ = _per_token(cfg, theta, logq, tau, logmass, head, head_tq, covered, np.ones(()))
+    drift = np.abs(np.einsum("ry,ryv->rv", qt, g)).max()
+    assert (drift < 2e-6) if zero else (drift > 1e-2), (sc, drift)
+
+
+def test_token_outside_the_rebuilt_set_is_counted_and_masked():
+  """A head of 1 cannot hold the nucleus: the trainer rebuilds K by the threshold on its own p,
+  and a sampled token p puts below it is masked (zero gradient) and counted, never weighted."""
+  theta, logq, tau, kept, logmass, head, head_tq, covered = _case(1.5, 0, 0.95, 1, seed=3)
+  assert not covered.any()
+  adv = np.random.default_rng(2).normal(size=(R, V))
+  cfg = LossConfig(method="naive_is", sampling_mask="replay", temperature=TEMP)
+  g, m = _per_token(cfg, theta, logq, tau, logmass, head, head_tq, covered, adv)
+  logp = np.log(_softmax(theta.astype(np.float64) / TEMP))
+  in_head = np.zeros((R, V), bool)
+  np.put_along_axis(in_head, head, True, -1)
+  k_hat = (logp >= tau[:, None]) | in_head                          # the trainer's rebuild
+  outside = kept & ~k_hat
+  assert outside.sum() >= 2 and (kept & k_hat).sum() >= 2           # both kinds occur
+  np.testing.assert_array_equal(m["sampling_mask/outside_frac"][kept], outside[kept].astype(np.float32))
+  assert np.all(g[outside] == 0)
+  p_hat = np.where(k_hat, np.exp(logp), 0)
+  p_hat /= p_hat.sum(-1, keepdims=True)
+  for r, y in zip(*np.nonzero(kept & k_hat)):   # naive IS on p~ over K-hat: -(p~/q~) A (e_y - p~) / T on K-hat
+    w = p_hat[r, y] / np.exp(logq[r, y] - logmass[r])
+    e = np.eye(V)[y]
+    np.testing.assert_allclose(g[r, y], -w * adv[r, y] * (e - p_hat[r]) * k_hat[r] / TEMP, atol=2e-5)
+
+
+@pytest.mark.parametrize("top_k,top_p,k_rec", [(6, 1.0, 8), (0, 0.9, 4)])
+def test_on_policy_ratios_are_one_in_both_modes(top_k, top_p, k_rec):
+  """A real sampler's rollout, scored by the same weights: p~ / q~ = 1 (to the sampler's float
+  error), no token outside the rebuilt sets, kept-set record consistent with the trainer's p."""
+  vocab = 64
+  mcfg = ModelConfig(vocab_size=vocab, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=64,
+                     init_std=0.2, tie_embeddings=False)
+  model = Transformer(mcfg, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  scfg = SamplerConfig(max_prompt_len=4, max_new_tokens=6, temperature=TEMP, top_k=top_k, top_p=top_p,
+                       record_topk=k_rec, eos_id=1)
+  prompts = np.random.default_rng(0).integers(2, vocab, (8, 4)).astype(np.int32)
+  ro = gen.generate(graphdef, params, prompts, np.ones_like(prompts, bool), jax.random.key(0), scfg)
+  mask = np.asarray(ro.response_mask_BT)
+  size = np.asarray(ro.trunc_size_BT)
+  assert (size[mask] >= 1).all() and (size[~mask] == 0).all()
+  # The record against the kept sets of the trainer's p (= q up to rounding), cut in numpy.
+  out = model(ro.tokens_BS, ro.positions_BS, ro.valid_BS)
+  logp_XV = np.asarray(rollout_lib.response_slice(next_token_logq(out.logits_BSV, TEMP), ro))[mask]
+  desc = -np.sort(-logp_XV, -1)
+  n_keep = np.full(len(desc), vocab) if not top_k else np.full(len(desc), top_k)
+  if top_p < 1:
+    pk = np.where(np.arange(vocab) < n_keep[:, None], np.exp(desc), 0)
+    pk /= pk.sum(-1, keepdims=True)
+    n_keep = np.minimum(n_keep, ((np.cumsum(pk, -1) - pk) < top_p).sum(-1))
+  np.testing.assert_array_equal(size[mask], n_keep)
+  rows = np.arange(len(desc))
+  tau = np.asarray(ro.trunc_thresh_BT)[mask]
+  assert (desc[rows, n_keep - 1] > tau).all() and (desc[rows, n_keep] < tau).all()   # tau inside the gap
+  mass = np.log(np.where(np.arange(vocab) < n_keep[:, None], np.exp(desc), 0).sum(-1))
+  np.testing.assert_allclose(np.asarray(ro.trunc_logmass_BT)[mask], mass, atol=1e-4)
+  assert (mass < -1e-3).any()
+  adv = jnp.asarray(np.random.default_rng(1).normal(size=8), jnp.float32)
+  for mode in ("none", "replay"):
+    cfg = LossConfig(method="naive_is", temperature=TEMP, sampling_mask=mode)
+    batch = step_lib.TrainBatch.from_rollout(ro, adv, truncated=mode == "replay")
+    logp_old, _, m_old = step_lib.old_forward(params, batch, graphdef=graphdef, loss_cfg=cfg)
+    _, m = step_lib.loss_fn(params, batch.replace(logp_old_BT=logp_old), graphdef=graphdef, loss_cfg=cfg,
+                            aux_coef=0.0)
+    assert abs(float(m["is_ratio_max"]) - 1) < 1e-4 and abs(float(m["is_ratio_min"]) - 1) < 1e-4, mode
+    assert abs(float(m_old["mismatch/kl_k1"])) < 1e-5
+    if mode == "replay":
+      assert float(m["sampling_mask/outside_frac"]) == 0 and float(m_old["mismatch/sampling_outside_frac"]) == 0
+      np.testing.assert_allclose(float(m["sampling_mask/kept_mass_p"]), np.exp(mass).mean(), rtol=1e-4)
