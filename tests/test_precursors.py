@@ -69,3 +69,50 @@ def test_kinds_leads_and_table():
   assert "| a | drift/tv_mean | 2/2 | 1 (30) | 1 | 0 | 0/0 |" in table
   assert "| a | first_order/cosine | 2/2 | 1 (30) | 0 | 1 | 0/0 |" in table
   assert "| b | drift/tv_mean | 0/2 | 0 | 0 | 0 | 1/2 |" in table
+
+
+def _finished(run, steps=80):
+  run.summary, run.config = {"steps": steps}, {"rl": {"steps": steps}}
+  return run
+
+
+def test_decline_step_and_peak_excursion():
+  ends_below = {0: 0.1, 20: 0.2, 40: 0.15, 60: 0.05, 80: 0.04, 100: 0.03}   # trailing-3 means 0.133, 0.08, 0.04
+  assert P.decline_step(_run("a", 0, ends_below, tv=[], cos=[])) == 80
+  # Below the start at the last evaluation only, but the trailing mean is still above: no collapse.
+  assert P.decline_step(_run("a", 0, {0: 0.1, 20: 0.2, 40: 0.2, 60: 0.05}, tv=[], cos=[])) is None
+  assert P.decline_step(_run("a", 0, {20: 0.2, 40: 0.01}, tv=[], cos=[])) is None           # no warm-start eval
+  steps = [0, 10, 20, 30, 40]
+  assert P.peak_excursion(steps, [0.1, 0.1, 0.3, 0.5, 0.2], "up", None) == pytest.approx(5.0)
+  assert P.peak_excursion(steps, [0.1, 0.1, 0.3, 0.5, 0.2], "up", 20) == pytest.approx(3.0)
+  assert P.peak_excursion(steps, [0.1, 0.1, 0.05, 0.08, 0.2], "up", None) == pytest.approx(2.0)
+  assert P.peak_excursion(steps, [0.8, 0.8, 0.4, 0.6, 0.8], "down", None) == pytest.approx(2.0)
+  assert P.peak_excursion(steps, [0.8, 0.8, 0.9, -0.1, 0.8], "down", None) == float("inf")   # cosine below 0
+  assert P.peak_excursion(steps, [0.1, 0.1, 0.1, float("nan"), 0.1], "up", None) == float("inf")
+  assert P.peak_excursion(steps, [0.0, 0.0, 1.0, 1.0, 1.0], "up", None) is None
+
+
+def test_predictor_roc_agrees_with_the_alarms():
+  collapsing = {0: 0.1, 20: 0.3, 40: 0.05, 60: 0.05, 80: 0.02}    # trailing means 0.133, 0.133, 0.04: step 80
+  healthy = {0: 0.1, 20: 0.2, 40: 0.3, 60: 0.3, 80: 0.3}
+  runs = [_finished(_run("c", i, collapsing, tv=[0.05] * 30 + [0.05 * (2 + i)] * 51, cos=[0.9] * 9))
+          for i in range(3)]
+  runs += [_finished(_run("h", i, healthy, tv=[0.05] * 50 + [0.05 * (1.2 + 0.5 * i)] * 31, cos=[0.9] * 9))
+           for i in range(3)]
+  unfinished = _run("u", 0, collapsing, tv=[0.05] * 81, cos=[0.9] * 9)       # no summary: left out
+  rows = {r.meter: r for r in P.evaluate_predictors(runs + [unfinished], factors={"up": (1.5, 2.0, 3.0),
+                                                                                  "down": (0.5,)})}
+  tv = rows[P.DRIFT]
+  assert (tv.n_collapsed, tv.n_other) == (3, 3)
+  assert tv.auc == pytest.approx(8 / 9)       # excursions 2, 3, 4 against 1.2, 1.7, 2.2: only 2 < 2.2
+  # TPR / FPR per factor, and each TPR equals the share of collapsed runs alarm_step warned in time.
+  assert [(f, tpr, fpr) for f, tpr, fpr, _ in tv.by_factor] == [
+      (1.5, 1.0, pytest.approx(2 / 3)), (2.0, 1.0, pytest.approx(1 / 3)), (3.0, pytest.approx(2 / 3), 0.0)]
+  for f, tpr, _, lead in tv.by_factor:
+    warned = [P.alarm_step(*r.series(P.DRIFT), "up", f) for r in runs[:3]]
+    assert tpr == pytest.approx(sum(a is not None and a <= 80 for a in warned) / 3)
+    assert lead == 50                           # every alarm at step 30, the collapse at 80
+  assert rows[P.COSINE].auc == 0.5 and rows[P.COSINE].by_factor[0][1:3] == (0.0, 0.0)   # flat: no information
+  assert "loss/is_ess" not in rows              # not logged by these runs
+  table = P.predictors_markdown(list(rows.values()))
+  assert "| `drift/tv_mean` | 3 / 3 | 0.89 | >= 1.5x baseline | 1.00 | 0.67 | 50 |" in table

@@ -1,4 +1,4 @@
-"""Do the meters warn before a collapse? Per run, when the drift TV rises and the first-order cosine falls.
+"""Do the meters warn before a collapse? Per run, when a meter crosses a multiple of its baseline; over runs, an ROC per meter.
 
 For one run and one meter:
   baseline = median of the meter's values logged at steps < `baseline_steps` (the run's start,
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Literal, Sequence
 
 import numpy as np
@@ -135,3 +136,181 @@ def markdown(groups: Sequence[Group], meters: dict[str, tuple[Direction, float]]
                    f"{kinds.count('late')} | {kinds.count('missed')} | "
                    f"{kinds.count('false_alarm')}/{len(ps) - n_coll} |")
   return "\n".join(lines) + "\n"
+
+
+# --- Collapse predictors over many runs (docs/results.md#collapse-predictors) ----------------------
+#
+# Declared before being applied to the headline study's meters. The event is the protocol's decline:
+# a run *collapses* when its primary metric (the mean of its last 3 evaluations) ends below its warm
+# start's accuracy (step 0), or it aborted on a non-finite loss; its collapse step is the first
+# evaluation from which the trailing mean of 3 evaluations stays below step 0's (the abort step for
+# an aborted run).
+# Each meter is read against its own baseline (`baseline`), and a run's *peak excursion* is the
+# largest value / baseline (an 'up' meter) or baseline / value (a 'down' meter; a reading <= 0 counts
+# as infinite) over its readings after the baseline window, up to its collapse step for a run that
+# collapsed and over the whole run otherwise. An alarm at factor f (`alarm_step`) is exactly an
+# excursion >= f ('up') or >= 1 / f ('down'), so one number per run gives the whole ROC: at each
+# factor the true-positive rate (collapsed runs warned in time) and the false-positive rate (runs that
+# did not collapse but alarmed), and the AUC is the probability that a collapsed run's excursion
+# exceeds a non-collapsed run's (ties half). A collapsed run's window ends at its collapse, a
+# non-collapsed run's at the end: that favours false alarms, so the AUC is conservative for the meter.
+
+PREDICTORS: dict[str, Direction] = {
+    "loss/is_ess": "down",          # effective sample size of the IS ratios
+    "loss/grad_norm": "up",
+    "mismatch/kl_k3": "up",         # KL(q || p_old)
+    DRIFT: "up",
+    COSINE: "down",
+}
+FACTORS: dict[Direction, tuple[float, ...]] = {"up": (1.25, 1.5, 2.0, 3.0, 5.0), "down": (0.8, 0.67, 0.5, 0.33, 0.2)}
+EVENT_METRIC = "eval_greedy_accuracy"
+EVENT_LAST_K = 3
+
+
+def decline_step(run: Run, metric: str = EVENT_METRIC, last_k: int = EVENT_LAST_K) -> int | None:
+  """The run's collapse step under the decline event above, or None (no collapse, or no step-0 evaluation).
+
+  Its primary metric is the last trailing mean, so a collapsed run always has a step."""
+  if run.aborted_step is not None:
+    return run.aborted_step
+  steps, values = run.series(metric)
+  if not steps or steps[0] != 0 or len(values) <= last_k:
+    return None
+  start = values[0]
+  trailing = [np.mean(values[max(0, i + 1 - last_k):i + 1]) for i in range(len(values))]
+  if not trailing[-1] < start:
+    return None
+  step = steps[-1]
+  for s, v in zip(reversed(steps), reversed(trailing)):
+    if not v < start:
+      break
+    step = s
+  return step
+
+
+def finished(run: Run) -> bool:
+  """Whether a run is over: it aborted, or its summary reached its configured `rl.steps` (an unfinished
+  run has not had its chance to collapse and would count as a non-collapse)."""
+  if run.aborted_step is not None:
+    return True
+  steps = run.config_value("rl.steps")
+  return bool(run.summary) and steps is not None and run.summary.get("steps", -1) >= int(steps)
+
+
+def _meter_series(run: Run, meter: str) -> tuple[list[int], list[float]]:
+  steps, values = run.series(meter)
+  if meter == COSINE:
+    steps, values = aggregate.defined_cosine(run, steps, values)
+  return steps, values
+
+
+def peak_excursion(steps: Sequence[int], values: Sequence[float], direction: Direction, end_step: int | None,
+                   baseline_steps: int = BASELINE_STEPS) -> float | None:
+  """The largest excursion from the baseline (above) over readings after the baseline window and at or
+  before `end_step` (None: all of them); 1.0 when there is no such reading; None without a baseline."""
+  base = baseline(steps, values, baseline_steps)
+  if base is None or base <= 0:
+    return None
+  start = baseline_window(steps, values, baseline_steps)
+  peak = 1.0
+  for s, v in zip(steps, values):
+    if s < start or (end_step is not None and s > end_step):
+      continue
+    if not math.isfinite(v):
+      return math.inf
+    x = v / base if direction == "up" else (base / v if v > 0 else math.inf)
+    peak = max(peak, x)
+  return peak
+
+
+@dataclasses.dataclass(frozen=True)
+class PredictorRow:
+  """One meter over a set of runs: its AUC and, per alarm factor, (TPR, FPR, median lead in steps)."""
+  meter: str
+  direction: Direction
+  n_collapsed: int
+  n_other: int
+  auc: float | None
+  by_factor: tuple[tuple[float, float | None, float | None, int | None], ...]
+
+
+def _auc(pos: Sequence[float], neg: Sequence[float]) -> float | None:
+  if not pos or not neg:
+    return None
+  wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
+  return wins / (len(pos) * len(neg))
+
+
+def evaluate_predictors(runs: Sequence[Run], meters: dict[str, Direction] = PREDICTORS,
+                        factors: dict[Direction, tuple[float, ...]] = FACTORS,
+                        baseline_steps: int = BASELINE_STEPS) -> list[PredictorRow]:
+  """Each meter's ROC-style row over the finished `runs` (the block comment above); runs without the
+  meter, and unfinished ones, are left out."""
+  runs = [r for r in runs if finished(r)]
+  collapse = {id(r): decline_step(r) for r in runs}
+  rows = []
+  for meter, direction in meters.items():
+    pos, neg, leads = [], [], {f: [] for f in factors[direction]}
+    for r in runs:
+      steps, values = _meter_series(r, meter)
+      c = collapse[id(r)]
+      x = peak_excursion(steps, values, direction, c, baseline_steps)
+      if x is None:
+        continue
+      (pos if c is not None else neg).append(x)
+      if c is not None:
+        for f in factors[direction]:
+          a = alarm_step(steps, values, direction, f, baseline_steps)
+          if a is not None and a <= c:
+            leads[f].append(c - a)
+    if not pos and not neg:
+      continue
+    by_factor = []
+    for f in factors[direction]:
+      thr = f if direction == "up" else 1.0 / f
+      tpr = sum(x >= thr for x in pos) / len(pos) if pos else None
+      fpr = sum(x >= thr for x in neg) / len(neg) if neg else None
+      by_factor.append((f, tpr, fpr, int(np.median(leads[f])) if leads[f] else None))
+    rows.append(PredictorRow(meter, direction, len(pos), len(neg), _auc(pos, neg), tuple(by_factor)))
+  return rows
+
+
+def predictors_markdown(rows: Sequence[PredictorRow]) -> str:
+  """The table of `evaluate_predictors`: one line per meter and alarm factor."""
+  fmt = lambda x, d=2: "-" if x is None else f"{x:.{d}f}"
+  out = ["| meter | collapsed / other runs | AUC | alarm at | TPR (warned in time) | FPR (false alarms) | median lead, steps |",
+         "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    for i, (f, tpr, fpr, lead) in enumerate(r.by_factor):
+      head = (f"| `{r.meter}` | {r.n_collapsed} / {r.n_other} | {fmt(r.auc)} " if i == 0 else "| | | ")
+      sign = ">=" if r.direction == "up" else "<="
+      out.append(f"{head}| {sign} {f:g}x baseline | {fmt(tpr)} | {fmt(fpr)} | {'-' if lead is None else lead} |")
+  return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+  """python -m rl_jax.analysis.precursors --workdirs 'ROOT/*/*/seed*': the predictor table of those runs."""
+  import argparse  # pylint: disable=g-import-not-at-top
+  from rl_jax.analysis import runs as runs_lib  # pylint: disable=g-import-not-at-top
+  p = argparse.ArgumentParser(prog="python -m rl_jax.analysis.precursors",
+                              description="ESS, gradient norm, KL, drift and first-order cosine as predictors of a collapse")
+  p.add_argument("--workdirs", nargs="+", required=True, help="globs of RL workdirs (quote them)")
+  p.add_argument("--out", default=None, help="also write the table to this markdown file")
+  a = p.parse_args(argv)
+  found = runs_lib.load_runs(a.workdirs)
+  if not found:
+    print(f"no RL workdirs match {a.workdirs}", file=sys.stderr)
+    return 2
+  table = predictors_markdown(evaluate_predictors(found))
+  done = [r for r in found if finished(r)]
+  print(f"{len(done)} finished runs of {len(found)}; {sum(decline_step(r) is not None for r in done)} collapsed "
+        "(ended below the warm start)\n")
+  print(table)
+  if a.out:
+    with open(a.out, "w", encoding="utf-8") as f:
+      f.write(table)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
