@@ -7,6 +7,7 @@
 #   python benchmarks/bench_rl_step.py --compare drift   # top-k carried to the loss (drift meter) vs not
 #   XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/bench_rl_step.py --compare mode
 #                                                         # async (K=1, sampler on half the devices) vs sync
+#   python benchmarks/bench_rl_step.py --small --compare invariant  # the zero-mismatch mode's cost
 #
 # Two `RLTrainer`s are built from the config with warm_start.source='none' (random init:
 # timing only), wandb disabled, in a temporary workdir. `--compare sc` (default): "sc" with
@@ -16,7 +17,9 @@
 # top-k to the loss (the default: the loss then computes drift/tv_*) vs "nodrift", whose batch
 # drops it (the behaviour before the drift meter was on by default). `--compare mode`: "async"
 # (rl.mode='async', max_staleness 1, the sampler on half the devices, the trainer on the other
-# half) vs "sync" on half the devices (the same mesh for its trainer, so the ratio is the overlap); 'sampler_wait' is how long async's host waited for the rollout
+# half) vs "sync" on half the devices (the same mesh for its trainer, so the ratio is the overlap); `--compare invariant`:
+# "invariant" (model.batch_invariant=True: the certified zero-mismatch mode) vs "default", both with
+# an unquantized fp32 sampler and the config's loss; 'sampler_wait' is how long async's host waited for the rollout
 # generated ahead once the updates were done. A loss config is baked into
 # each trainer's jitted update, hence two trainers; both keep the same sampler settings,
 # prompts and keys (top-k still recorded), so the difference is the loss / meter (the rollouts
@@ -73,6 +76,7 @@ PAIRS = {
     "meters": {"on": (None, None, RLTrainer), "off": (None, 0, RLTrainer)},
     "drift": {"drift": ("none", 0, RLTrainer), "nodrift": ("none", 0, NoDriftTrainer)},
     "mode": {"async": (None, 0, RLTrainer), "sync": (None, 0, RLTrainer)},
+    "invariant": {"invariant": (None, 0, RLTrainer), "default": (None, 0, RLTrainer)},
 }
 
 
@@ -112,6 +116,9 @@ def make_config(args, centering: str | None, meter_every: int | None, name: str 
       sys.exit("--compare mode needs >= 2 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
     cfg.rl.mode, cfg.rl.max_staleness = "async", 1
     cfg.mesh.sampler_devices = jax.device_count() // 2
+  if name in ("invariant", "default"):  # the mode certifies an unquantized fp32 sampler
+    cfg.sampler.quant, cfg.sampler.dtype = "none", "float32"
+    cfg.model.batch_invariant = name == "invariant"
   if name == "sync":  # as many devices as async's trainer: the ratio is the overlap, not the mesh size
     cfg.mesh.num_devices = jax.device_count() // 2
   return cfg
@@ -229,6 +236,9 @@ def main():
   if args.compare == "mode":
     print("  (no target: what overlaps depends on the devices; on simulated CPU devices both groups "
           "share the same cores)")
+  elif args.compare == "invariant":
+    print("  (no target: the mode is a certificate, not a training setting; its cost is the per-slot "
+          "attention loop and the router's ordered accumulation)")
   elif args.compare != "meters":
     print(f"  (target <= {target}: {'met' if full <= target else 'MISSED'})")
   else:
@@ -247,7 +257,10 @@ def main():
           f"the others, medians) = {extra / med[b_name]['step']:.1%} of a median step; every M={m_every} "
           f"steps: ratio {est:.3f} (target <= {target}: {'met' if est <= target else 'MISSED'})")
   aa = med[a_name]["sample"] / med[b_name]["sample"]
-  print(f"noise control: 'sample' does nearly the same work in both trainers (same sampler "
+  if args.compare == "invariant":  # the sampler differs too: no phase is a control
+    print("noise control: none here (the mode changes the sampler's work as well as the trainer's)")
+  else:
+    print(f"noise control: 'sample' does nearly the same work in both trainers (same sampler "
         f"settings, prompts and keys; the policies differ), so its {ratio} {aa:.3f} shows this machine's noise floor")
   print("('step' = wall time of train_step; the four phases are its own timers, the rest is "
         "host-side metric gathering. 'paired' = median of the per-round ratios.)")

@@ -14,12 +14,16 @@ sg = jax.lax.stop_gradient
 def next_token_logq(logits_BV: jax.Array, temperature: float) -> jax.Array:
   """`log q(. | prefix)`: log-softmax of the temperature-scaled full-vocabulary logits.
 
-  The trainer must compute `log p` with this same function (docs/math.md#log-prob-conventions).
+  The same arithmetic as the trainer's `gather_logprobs`, z - (max + log sum exp(z - max)) with
+  z = logits * (1 / temperature): on equal logits at temperature 1 the two agree bit for bit (the
+  zero-mismatch mode, docs/math.md#zero-mismatch-mode), where `jax.nn.log_softmax`'s
+  (z - max) - log sum differs by an ulp.
   """
-  logits_BV = logits_BV.astype(jnp.float32)
-  if temperature != 1.0:
-    logits_BV = logits_BV / temperature
-  return jax.nn.log_softmax(logits_BV, axis=-1)
+  lead, v = logits_BV.shape[:-1], logits_BV.shape[-1]
+  logits_NV = logits_BV.reshape(-1, v)
+  inv_temp = 1.0 / float(temperature)
+  lse_N, _ = _lse_entropy(logits_NV, inv_temp)
+  return (_scaled(logits_NV, inv_temp) - lse_N[:, None]).reshape(*lead, v)
 
 
 def token_logprobs(logits_BSV: jax.Array, targets_BS: jax.Array, temperature: float = 1.0) -> jax.Array:
@@ -35,6 +39,11 @@ def token_logprobs(logits_BSV: jax.Array, targets_BS: jax.Array, temperature: fl
 _LOGP_FLOOR = -1e30
 
 
+def _scaled(logits: jax.Array, inv_temp: float) -> jax.Array:
+  """float32 logits / temperature (as a product with 1 / temperature)."""
+  return logits.astype(jnp.float32) * inv_temp
+
+
 def _lse_entropy(logits_NV: jax.Array, inv_temp: float):
   """logsumexp and entropy of softmax(logits * inv_temp), float32, as reductions over V.
 
@@ -43,8 +52,8 @@ def _lse_entropy(logits_NV: jax.Array, inv_temp: float):
   """
   # The max is taken on the logits in their own dtype (exact, and inv_temp > 0 commutes with
   # it), so no float32 copy of a bf16 [N, V] input is made just to feed this reduction.
-  m_N1 = sg(jnp.max(logits_NV, axis=-1, keepdims=True).astype(jnp.float32) * inv_temp)
-  z = logits_NV.astype(jnp.float32) * inv_temp
+  m_N1 = sg(_scaled(jnp.max(logits_NV, axis=-1, keepdims=True), inv_temp))
+  z = _scaled(logits_NV, inv_temp)
   zc = jnp.maximum(z - m_N1, _LOGP_FLOOR)
   e = jnp.exp(zc)
   # Both sums in one variadic reduction: one pass over V that reads the logits and keeps
@@ -57,7 +66,7 @@ def _lse_entropy(logits_NV: jax.Array, inv_temp: float):
 
 def _gather_impl(logits_NV, ids_NK, inv_temp):
   lse_N, ent_N = _lse_entropy(logits_NV, inv_temp)
-  picked = jnp.take_along_axis(logits_NV, ids_NK, axis=-1).astype(jnp.float32) * inv_temp
+  picked = _scaled(jnp.take_along_axis(logits_NV, ids_NK, axis=-1), inv_temp)
   return (picked - lse_N[:, None], ent_N), (lse_N, ent_N)
 
 

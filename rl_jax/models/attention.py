@@ -62,6 +62,9 @@ MASK_VALUE = -1e30
 # block_k]). fwd+bwd on XLA:CPU, issue 15's heads (8 x 32, 4 KV heads), 5120 tokens, blocks
 # 128 / 256 / 512: S = 160 (B 32) 0.143 / 0.071 / 0.066 s, S = 1024 (B 5) 0.186 / 0.180 /
 # 0.278 s, S = 2048 (B 2) 0.268 / 0.219 / 0.334 s (xla: 0.056-0.062, 0.318-0.350, 0.626-0.792 s).
+# Key block of the batch-invariant mode (`attention(invariant=True)`): every forward's keys are
+# padded to whole blocks of it, so small enough not to waste a short sequence's work.
+INVARIANT_BLOCK_K = 64
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 256
 
@@ -77,8 +80,8 @@ _AUTO_FLASH_MIN_SC = 512 * 512
 
 def attention(q_BSGRD: jax.Array, k: jax.Array, v: jax.Array, kv_valid_BC: jax.Array | None = None, *,
               q_offset: int | jax.Array = 0, causal: bool = True, kv_layout: str = "bcgd",
-              impl: str = "auto", block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K
-              ) -> jax.Array:
+              impl: str = "auto", block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K,
+              invariant: bool = False) -> jax.Array:
   """softmax(q k^T / sqrt(D), masked) v -> out_BSGRD (dtype of v).
 
   Args:
@@ -91,6 +94,11 @@ def attention(q_BSGRD: jax.Array, k: jax.Array, v: jax.Array, kv_valid_BC: jax.A
     impl: one of IMPLEMENTATIONS (module comment); cudnn / splash fall back to flash (one
       warning per reason) where they cannot run the inputs, auto silently.
     block_q / block_k: flash block sizes (clipped to S / C).
+    invariant: the batch-invariant mode (`ModelConfig.batch_invariant`): flash whatever `impl`,
+      one query slot per block and key blocks of INVARIANT_BLOCK_K slots from slot 0, never
+      clipped, so a query's output is the same sequence of operations whatever the forward
+      holds (its S, C, q_offset and other rows): the blocks past its slot or of padding leave
+      the running max, sum and accumulator bit-identical (exp(-1e30 - m) = 0, alpha = 1).
   """
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"attention impl {impl!r} not in {IMPLEMENTATIONS}")
@@ -106,6 +114,8 @@ def attention(q_BSGRD: jax.Array, k: jax.Array, v: jax.Array, kv_valid_BC: jax.A
   if kv_valid_BC is not None and kv_valid_BC.shape != (b, c):
     raise ValueError(f"attention: kv_valid_BC {kv_valid_BC.shape} != {(b, c)}")
   args = (q_BSGRD, k, v, kv_valid_BC, q_offset, causal, kv_layout)
+  if invariant:
+    return _flash_attention(*args, block_q=1, block_k=INVARIANT_BLOCK_K, clip=False, ordered=True)
   flash = lambda *a: _flash_attention(*a, block_q=block_q, block_k=block_k)
   backend = jax.default_backend()
   if impl == "auto":
@@ -231,6 +241,26 @@ class _Blocks:
   nq: int
   nk: int
   causal: bool
+  ordered: bool = False  # the batch-invariant mode: products as fixed-order loops (`_qk`, `_pv`)
+
+
+def _qk(q_BGQD, k_BGKD, ordered: bool):
+  """f32 scores q k^T of one block; `ordered`: accumulated over D in index order, elementwise (a
+  dot's XLA:CPU kernel, and so its rounding, depends on the shapes around it: rl_jax/batch_invariant.py)."""
+  if not ordered:
+    return jnp.einsum("bgqd,bgkd->bgqk", q_BGQD, k_BGKD, preferred_element_type=jnp.float32)
+  q, k = q_BGQD.astype(jnp.float32), k_BGKD.astype(jnp.float32)
+  acc = jnp.zeros(q.shape[:-1] + k.shape[-2:-1], jnp.float32)
+  return lax.fori_loop(0, q.shape[-1], lambda i, a: a + q[..., i, None] * k[..., None, :, i], acc)
+
+
+def _pv(p_BGQK, v_BGKD, ordered: bool):
+  """f32 p v of one block; `ordered`: accumulated over the block's keys in index order."""
+  if not ordered:
+    return jnp.einsum("bgqk,bgkd->bgqd", p_BGQK, v_BGKD, preferred_element_type=jnp.float32)
+  p, v = p_BGQK.astype(jnp.float32), v_BGKD.astype(jnp.float32)
+  acc = jnp.zeros(p.shape[:-1] + v.shape[-1:], jnp.float32)
+  return lax.fori_loop(0, p.shape[-1], lambda i, a: a + p[..., i, None] * v[..., None, i, :], acc)
 
 
 def _key_block_end(i, q_offset, spec: _Blocks):
@@ -250,7 +280,7 @@ def _query_block_start(j, q_offset, spec: _Blocks):
 def _block_scores(q_BGQD, k_BGKD, valid_BK, i, j, q_offset, spec: _Blocks):
   """Masked f32 scores of query block i x key block j and their mask (True = attended)."""
   hd = q_BGQD.shape[-1]
-  s_BGQK = jnp.einsum("bgqd,bgkd->bgqk", q_BGQD, k_BGKD, preferred_element_type=jnp.float32) * (hd ** -0.5)
+  s_BGQK = _qk(q_BGQD, k_BGKD, spec.ordered) * (hd ** -0.5)
   mask_B1QK = valid_BK[:, None, None, :]
   if spec.causal:
     q_slot_Q = q_offset + i * spec.bq + jnp.arange(spec.bq * spec.r) // spec.r
@@ -279,7 +309,7 @@ def _flash_forward(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, spec: _Blocks):
       p_BGQK = jnp.exp(s_BGQK - m_new[..., None])
       l_BGQ = alpha * l_BGQ + jnp.sum(p_BGQK, axis=-1)
       # As _attend: the probabilities meet v in v's dtype, accumulated in float32.
-      pv = jnp.einsum("bgqk,bgkd->bgqd", p_BGQK.astype(v_BGCD.dtype), v_blk, preferred_element_type=f32)
+      pv = _pv(p_BGQK.astype(v_BGCD.dtype), v_blk, spec.ordered)
       return m_new, l_BGQ, alpha[..., None] * acc_BGQD + pv
 
     # *_like: the accumulators inherit q's sharding (a mesh with Explicit axes needs it).
@@ -360,13 +390,16 @@ def _flash_core_bwd(spec: _Blocks, res, dout_BGQD):
 _flash_core.defvjp(_flash_core_fwd, _flash_core_bwd)
 
 
-def _flash_attention(q_BSGRD, k, v, kv_valid_BC, q_offset, causal, kv_layout, *, block_q: int, block_k: int):
-  """Pads S and C to whole blocks, lays the operands out as _flash_core reads them, and back."""
+def _flash_attention(q_BSGRD, k, v, kv_valid_BC, q_offset, causal, kv_layout, *, block_q: int, block_k: int,
+                     clip: bool = True, ordered: bool = False):
+  """Pads S and C to whole blocks, lays the operands out as _flash_core reads them, and back.
+  `clip=False` keeps the block sizes as given where S or C is smaller, and `ordered` computes the
+  forward's products as fixed-order loops (both: the batch-invariant mode)."""
   b, s, g, r, d = q_BSGRD.shape
   k_BGCD, v_BGCD = _to_bgcd(k, v, kv_layout)
   c = k_BGCD.shape[2]
-  bq, bk = max(1, min(block_q, s)), max(1, min(block_k, c))
-  spec = _Blocks(bq=bq, bk=bk, r=r, nq=-(-s // bq), nk=-(-c // bk), causal=causal)
+  bq, bk = (max(1, min(block_q, s)), max(1, min(block_k, c))) if clip else (block_q, block_k)
+  spec = _Blocks(bq=bq, bk=bk, r=r, nq=-(-s // bq), nk=-(-c // bk), causal=causal, ordered=ordered)
   s_pad, c_pad = spec.nq * bq - s, spec.nk * bk - c
   q_BGSRD = jnp.pad(jnp.transpose(q_BSGRD, (0, 2, 1, 3, 4)), ((0, 0), (0, 0), (0, s_pad), (0, 0), (0, 0)))
   pad_c = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, c_pad), (0, 0)))

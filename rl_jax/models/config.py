@@ -43,6 +43,12 @@ class ModelConfig:
   # "xla" (materialized [S, C] scores), "flash", "cudnn", "splash" (the last two fall back to flash,
   # saying so once, where they cannot run).
   attention: Literal["auto", "xla", "flash", "cudnn", "splash"] = "auto"
+  # The zero-mismatch mode (docs/math.md#zero-mismatch-mode): every forward computes a token the
+  # same way whatever else it holds, so an fp32 sampler's log q equals the trainer's log p_old bit
+  # for bit (on the shapes tests/test_zero_mismatch.py pins). Attention: flash with 1-slot query
+  # blocks and fixed key blocks everywhere (trainer, prefill, decode); every product a fixed-order
+  # accumulation (rl_jax/batch_invariant.py). Slow: a certificate, not a training setting.
+  batch_invariant: bool = False
   rope_theta: float = 1_000_000.0
   rms_eps: float = 1e-6
   tie_embeddings: bool = True

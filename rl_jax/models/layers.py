@@ -89,14 +89,15 @@ class Attention(nnx.Module):
     b, s = x_BSD.shape[:2]
     # Query head h = g * R + r reads kv head g (transformers' repeat_kv order).
     q_BSGRD = einops.rearrange(q_BSHD, "b s (g r) d -> b s g r d", g=cfg.n_kv_heads)
+    inv = cfg.batch_invariant
     if cache is None:  # keys / values: the S tokens themselves (C = S), causal
-      out_BSGRD = attention(q_BSGRD, k_BSGD, v_BSGD, kv_valid_BC, impl=cfg.attention)
+      out_BSGRD = attention(q_BSGRD, k_BSGD, v_BSGD, kv_valid_BC, impl=cfg.attention, invariant=inv)
     else:  # all C cache slots, heads-major as the cache keeps them
       cache, kT_BGDC, v_BGCD = cache.update(k_BSGD, v_BSGD, cache_index, x_BSD.dtype)
       c = kv_valid_BC.shape[1]
       chex.assert_shape(kT_BGDC, (b, cfg.n_kv_heads, hd, c))
       chex.assert_shape(v_BGCD, (b, cfg.n_kv_heads, c, hd))
-      if s == 1:  # decode: one query token per row
+      if s == 1 and not inv:  # decode: one query token per row (the invariant mode: the flash below)
         mask_BC = (jnp.arange(c)[None] <= cache_index) & kv_valid_BC
         out_B1X = _decode_attention(q_BSGRD[:, 0], kT_BGDC, v_BGCD, mask_BC)
         return linear(out_B1X, self.wo.get_value()), cache
@@ -104,7 +105,7 @@ class Attention(nnx.Module):
       # and a bf16 product is exact in float32, so the scores are the same.
       f32 = jnp.float32
       out_BSGRD = attention(q_BSGRD.astype(f32), kT_BGDC.astype(f32), v_BGCD, kv_valid_BC, q_offset=cache_index,
-                            kv_layout="cache", impl=cfg.attention)
+                            kv_layout="cache", impl=cfg.attention, invariant=inv)
     out_BSX = einops.rearrange(out_BSGRD, "b s g r d -> b s (g r d)")  # X = H * head dim
     return linear(out_BSX, self.wo.get_value()), cache
 

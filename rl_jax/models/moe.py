@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from rl_jax import batch_invariant as invariant
 from rl_jax.models import expert_parallel as ep_lib
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.expert_parallel import BATCH_AXES
@@ -117,7 +118,8 @@ def _capacity_rows(x_ND, ids_NK, w_gate, w_up, w_down, n_experts: int, c: int, r
   used_EC = i_C[None] < sizes_E[:, None]
   token_EC = order_M[jnp.minimum(slot_EC, m - 1)] // k
   x_ECD = jnp.where(used_EC[..., None], x_ND[token_EC], 0).astype(x_ND.dtype)
-  mm = lambda a, w: jnp.einsum("ecd,edf->ecf", a, w.astype(a.dtype))
+  mm = (invariant.ordered_bmm if invariant.active() else
+        lambda a, w: jnp.einsum("ecd,edf->ecf", a, w.astype(a.dtype)))
   h_ECF = jax.nn.silu(mm(x_ECD, w_gate)) * mm(x_ECD, w_up)
   y_XD = mm(h_ECF, w_down).reshape(n_experts * c, -1)  # X = E * C slots
   rank_M = jnp.zeros_like(order_M).at[order_M].set(jnp.arange(m, dtype=order_M.dtype))
@@ -312,7 +314,8 @@ class MoE(nnx.Module):
     b, s, d = x_BSD.shape
     x_ND = x_BSD.reshape(b * s, d)
     # Router in float32 regardless of compute dtype: routing is precision-sensitive.
-    logits_NE = jnp.dot(x_ND.astype(jnp.float32), self.w_router.get_value().astype(jnp.float32))
+    router = invariant.ordered_dot if invariant.active() else jnp.dot
+    logits_NE = router(x_ND.astype(jnp.float32), self.w_router.get_value().astype(jnp.float32))
     rid_NK = None if replay_ids_BSK is None else replay_ids_BSK.reshape(b * s, -1)
     rmask_N = None if replay_mask_BS is None else replay_mask_BS.reshape(b * s)
     ids_NK, gates_NK, natural_NK, probs_NE = route(logits_NE, cfg.n_experts_per_tok,

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rl_jax import batch_invariant as invariant
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.expert_parallel import BATCH_AXES
 from rl_jax.models.kv_cache import cache_len
@@ -163,12 +164,23 @@ class Transformer(nnx.Module):
 
   def logits(self, h_XD: jax.Array) -> jax.Array:
     """Float32 logits [..., V] of final-normed hidden states [..., D] (the forward's own head)."""
+    with invariant.scope(self.cfg.batch_invariant):
+      return self._logits(h_XD)
+
+  def _logits(self, h_XD: jax.Array) -> jax.Array:
+    if self.cfg.tie_embeddings and invariant.active():
+      return invariant.ordered_dot(h_XD, self.embedding.get_value().T).astype(jnp.float32)
     if self.cfg.tie_embeddings:
       return jnp.einsum("...d,vd->...v", h_XD, self.embedding.get_value().astype(h_XD.dtype),
                         preferred_element_type=jnp.float32)
     return linear(h_XD, self.w_unembed.get_value()).astype(jnp.float32)
 
-  def __call__(self, tokens_BS, positions_BS=None, valid_BS=None, *, cache=None, cache_index=None,
+  def __call__(self, *args, **kwargs) -> ModelOutput:
+    """Runs the decoder (`_forward`), under the batch-invariant products when the config asks."""
+    with invariant.scope(self.cfg.batch_invariant):
+      return self._forward(*args, **kwargs)
+
+  def _forward(self, tokens_BS, positions_BS=None, valid_BS=None, *, cache=None, cache_index=None,
                kv_valid_BC=None, replay_ids_BSLK=None, replay_mask_BS=None,
                return_router_logits=False, return_hidden=False, compute_logits=True) -> ModelOutput:
     """Runs the decoder.

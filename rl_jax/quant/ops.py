@@ -4,6 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rl_jax import batch_invariant as invariant
 from rl_jax.config_utils import ConfigError
 from rl_jax.quant import formats as F
 from rl_jax.quant import kernels
@@ -169,6 +170,8 @@ def linear(x_sK: jax.Array, w) -> jax.Array:
   """`x[..., K] @ w[K, N]` in x's dtype, for a plain array or a QTensor (the model's linears)."""
   if isinstance(w, QTensor):
     return qmatmul(x_sK, w)
+  if invariant.active():  # the zero-mismatch mode (rl_jax/batch_invariant.py)
+    return invariant.ordered_dot(x_sK, w)
   return jnp.dot(x_sK, w.astype(x_sK.dtype))
 
 

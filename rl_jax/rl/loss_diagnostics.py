@@ -90,7 +90,7 @@ def diagnostic_stats(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Opt
   if drift_tv_BT is not None:
     means["drift/tv_mean"] = maxes["drift/tv_max"] = sg(drift_tv_BT)
 
-  diff = jnp.abs(jnp.exp(logp_BT) - jnp.exp(logq_BT))
+  diff = jnp.exp(logq_BT) * jnp.abs(jnp.expm1(logp_BT - logq_BT))  # |p - q|, 0 where they are equal
   means["prob_diff_vs_current_mean"] = maxes["prob_diff_vs_current_max"] = diff
 
   def reduce(d, op, fill):

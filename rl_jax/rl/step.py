@@ -254,7 +254,9 @@ def _old_forward_rows(params, batch: TrainBatch, sampler_ids_BSLK, sampler_valid
   safe_old_BT = jnp.where(on, logp_old_BT, batch.logq_BT)
   log_x = safe_old_BT - batch.logq_BT
   x = jnp.exp(log_x)
-  diff = jnp.abs(jnp.exp(safe_old_BT) - jnp.exp(batch.logq_BT))
+  # |p - q| as q |e^(log p - log q) - 1|: no cancellation, and exactly 0 where the log-probs are equal
+  # (two exps of one value can differ by an ulp across XLA:CPU fusions).
+  diff = jnp.exp(batch.logq_BT) * jnp.abs(jnp.expm1(log_x))
   total = lambda v: jnp.sum(jnp.where(on, v, 0.0))
   st = {"sum/_tokens": jnp.sum(on.astype(jnp.float32)), "sum/kl_k1": total(-log_x),
         "sum/kl_k3": total(x - 1.0 - log_x), "sum/prob_diff_mean": total(diff),

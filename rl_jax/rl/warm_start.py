@@ -59,7 +59,7 @@ def warm_start(job: RLJob, config: Any, workdir: str, mesh) -> tuple[nnx.GraphDe
     model = hf.load_hf_model(ws.path, mesh=mesh, dtype=m.dtype, param_dtype=m.param_dtype,
                              remat=m.remat, router_aux_loss_coef=m.router_aux_loss_coef,
                              scan_layers=m.scan_layers, moe_dispatch=m.moe_dispatch, moe_a2a=m.moe_a2a,
-                             attention=m.attention)
+                             attention=m.attention, batch_invariant=m.batch_invariant)
     if model.cfg != job.model:
       raise ConfigError(f"config key 'model': differs from the HF checkpoint {ws.path}/config.json; "
                         f"set model to {model.cfg}")
