@@ -52,6 +52,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from rl_jax.batch_invariant import ordered_sum
+
 IMPLEMENTATIONS = ("auto", "xla", "flash", "cudnn", "splash")
 KV_LAYOUTS = ("bcgd", "cache")  # k_BCGD, v_BCGD | the KV cache's kT_BGDC, v_BGCD (kv_cache.LayerKV)
 
@@ -250,8 +252,7 @@ def _qk(q_BGQD, k_BGKD, ordered: bool):
   if not ordered:
     return jnp.einsum("bgqd,bgkd->bgqk", q_BGQD, k_BGKD, preferred_element_type=jnp.float32)
   q, k = q_BGQD.astype(jnp.float32), k_BGKD.astype(jnp.float32)
-  acc = jnp.zeros(q.shape[:-1] + k.shape[-2:-1], jnp.float32)
-  return lax.fori_loop(0, q.shape[-1], lambda i, a: a + q[..., i, None] * k[..., None, :, i], acc)
+  return ordered_sum(lambda i: q[..., i, None] * k[..., None, :, i], q.shape[-1])
 
 
 def _pv(p_BGQK, v_BGKD, ordered: bool):
@@ -259,8 +260,7 @@ def _pv(p_BGQK, v_BGKD, ordered: bool):
   if not ordered:
     return jnp.einsum("bgqk,bgkd->bgqd", p_BGQK, v_BGKD, preferred_element_type=jnp.float32)
   p, v = p_BGQK.astype(jnp.float32), v_BGKD.astype(jnp.float32)
-  acc = jnp.zeros(p.shape[:-1] + v.shape[-1:], jnp.float32)
-  return lax.fori_loop(0, p.shape[-1], lambda i, a: a + p[..., i, None] * v[..., None, i, :], acc)
+  return ordered_sum(lambda i: p[..., i, None] * v[..., None, i, :], p.shape[-1])
 
 
 def _key_block_end(i, q_offset, spec: _Blocks):

@@ -277,7 +277,7 @@ def _select_ids(targets_BT, topk_ids_BTK, topk_logq_BTK, cfg, v, b, t):
   return ids_BTK1, topk_logq_BTK, y_in_head_BTK
 
 
-def _trunc_args(cfg, trunc_thresh_BT, trunc_covered_BT, topk_ids_BTK, topk_logq_BTK, b, t):
+def kept_set_args(cfg, trunc_thresh_BT, trunc_covered_BT, topk_ids_BTK, topk_logq_BTK, b, t):
   """`truncated_logprobs`' per-position arguments under `sampling_mask='replay'`, else None.
 
   The head is the sampler's recorded top-k, an entry kept iff its (truncated) log q is finite
@@ -354,7 +354,7 @@ def rl_loss(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array, ad
   _check_common(mask_BT, adv_B, logq_BT, cfg, logp_old_BT, b, t)
   ids_BTK1, topk_logq_BTK, y_in_BTK = _select_ids(targets_BT, topk_ids_BTK, topk_logq_BTK, cfg,
                                                  v, b, t)
-  trunc = _trunc_args(cfg, trunc_thresh_BT, trunc_covered_BT, topk_ids_BTK, topk_logq_BTK, b, t)
+  trunc = kept_set_args(cfg, trunc_thresh_BT, trunc_covered_BT, topk_ids_BTK, topk_logq_BTK, b, t)
   outs = (gather_logprobs(logits_BTV, ids_BTK1, cfg.temperature) if trunc is None else
           truncated_logprobs(logits_BTV, ids_BTK1, cfg.temperature, *trunc))
   lp_BT, head, ent_BT, in_set = _split_outputs(outs, y_in_BTK)
@@ -385,7 +385,7 @@ def rl_loss_from_hidden(hidden_BTD: jax.Array, w_unembed_DV: jax.Array, targets_
   ids_BTK1, topk_logq_BTK, y_in_BTK = _select_ids(targets_BT, topk_ids_BTK, topk_logq_BTK, cfg,
                                                  v, b, t)
   chunk = cfg.chunk_size if chunk_size is None else chunk_size
-  trunc = _trunc_args(cfg, trunc_thresh_BT, trunc_covered_BT, topk_ids_BTK, topk_logq_BTK, b, t)
+  trunc = kept_set_args(cfg, trunc_thresh_BT, trunc_covered_BT, topk_ids_BTK, topk_logq_BTK, b, t)
   outs = chunked_logprobs(hidden_BTD, w_unembed_DV, ids_BTK1, cfg.temperature, chunk, trunc)
   lp_BT, head, ent_BT, in_set = _split_outputs(outs, y_in_BTK)
   return _loss_core(lp_BT, head, ent_BT, mask_BT, adv_B, logq_BT, cfg,

@@ -21,7 +21,7 @@ from rl_jax.rl import meters
 from rl_jax import microbatch
 from rl_jax.rl.loss_config import LossConfig
 from rl_jax.rl.loss_diagnostics import finalize_stats, reduce_stacked
-from rl_jax.rl.losses import normalizer, rl_loss, rl_loss_from_hidden
+from rl_jax.rl.losses import kept_set_args, normalizer, rl_loss, rl_loss_from_hidden
 
 Replay = Literal["none", "R2", "R3"]
 # Keyword arguments of the step functions that are configuration (static under jit).
@@ -153,11 +153,8 @@ def _sampled_logp(model, out, batch: TrainBatch, loss_cfg: LossConfig) -> jax.Ar
   """
   targets_BT1 = batch.response_BT[..., None]
   temp = loss_cfg.temperature
-  trunc = None
-  if loss_cfg.replay_mask:
-    head = batch.topk_ids_BTK is not None
-    trunc = (batch.trunc_thresh_BT, batch.topk_ids_BTK, batch.topk_logq_BTK > -1e29 if head else None,
-             batch.trunc_covered_BT if head else None)
+  trunc = kept_set_args(loss_cfg, batch.trunc_thresh_BT, batch.trunc_covered_BT, batch.topk_ids_BTK,
+                        batch.topk_logq_BTK, *batch.response_BT.shape)
   if loss_cfg.chunk_size > 0:
     hidden_BTD = batch.response_slots(out.hidden_BSD)
     outs = chunked_logprobs(hidden_BTD, model.unembed_weight(), targets_BT1, temp, loss_cfg.chunk_size, trunc)
