@@ -8,6 +8,7 @@
 #   XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/bench_rl_step.py --compare mode
 #                                                         # async (K=1, sampler on half the devices) vs sync
 #   python benchmarks/bench_rl_step.py --small --compare invariant  # the zero-mismatch mode's cost
+#   python benchmarks/bench_rl_step.py --compare attribution  # per-source attribution every step vs off
 #
 # Two `RLTrainer`s are built from the config with warm_start.source='none' (random init:
 # timing only), wandb disabled, in a temporary workdir. `--compare sc` (default): "sc" with
@@ -19,7 +20,9 @@
 # (rl.mode='async', max_staleness 1, the sampler on half the devices, the trainer on the other
 # half) vs "sync" on half the devices (the same mesh for its trainer, so the ratio is the overlap); `--compare invariant`:
 # "invariant" (model.batch_invariant=True: the certified zero-mismatch mode) vs "default", both with
-# an unquantized fp32 sampler and the config's loss; 'sampler_wait' is how long async's host waited for the rollout
+# an unquantized fp32 sampler and the config's loss; `--compare attribution`: "attr" with
+# rl.attribution_every=1 (rl.attribution_rows rows through one sampler per mismatch source of the
+# config's sampler) vs "off", also reported per call and at --attribution-every; 'sampler_wait' is how long async's host waited for the rollout
 # generated ahead once the updates were done. A loss config is baked into
 # each trainer's jitted update, hence two trainers; both keep the same sampler settings,
 # prompts and keys (top-k still recorded), so the difference is the loss / meter (the rollouts
@@ -56,7 +59,7 @@ from configs import countdown_tiny  # pylint: disable=g-import-not-at-top,wrong-
 from rl_jax.rl.job import RLConfig  # pylint: disable=g-import-not-at-top,wrong-import-position
 from rl_jax.rl.trainer import RLTrainer  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-PHASES = ("sample", "p_old", "update", "sync", "sampler_wait")
+PHASES = ("sample", "p_old", "update", "sync", "sampler_wait", "attribution")
 TARGET = 1.05          # score centering's full-step target
 METER_TARGET = 1.03    # the meters' target at the default M
 
@@ -77,6 +80,7 @@ PAIRS = {
     "drift": {"drift": ("none", 0, RLTrainer), "nodrift": ("none", 0, NoDriftTrainer)},
     "mode": {"async": (None, 0, RLTrainer), "sync": (None, 0, RLTrainer)},
     "invariant": {"invariant": (None, 0, RLTrainer), "default": (None, 0, RLTrainer)},
+    "attribution": {"attr": (None, 0, RLTrainer), "off": (None, 0, RLTrainer)},
 }
 
 
@@ -119,6 +123,8 @@ def make_config(args, centering: str | None, meter_every: int | None, name: str 
   if name in ("invariant", "default"):  # the mode certifies an unquantized fp32 sampler
     cfg.sampler.quant, cfg.sampler.dtype = "none", "float32"
     cfg.model.batch_invariant = name == "invariant"
+  if name == "attr":
+    cfg.rl.attribution_every = 1
   if name == "sync":  # as many devices as async's trainer: the ratio is the overlap, not the mesh size
     cfg.mesh.num_devices = jax.device_count() // 2
   return cfg
@@ -144,9 +150,12 @@ def main():
   p.add_argument("--compare", choices=tuple(PAIRS), default="sc",
                  help="sc: top-k score centering vs none; meters: first-order meter every "
                       "--meter-every steps vs off; drift: top-k carried to the loss vs dropped; "
-                      "mode: async (K=1, split devices) vs sync")
+                      "mode: async (K=1, split devices) vs sync; invariant: model.batch_invariant vs "
+                      "not; attribution: rl.attribution_every=1 vs off")
   p.add_argument("--meter-every", type=int, default=RLConfig.meter_every,
                  help="M of --compare meters (default: rl.meter_every's default)")
+  p.add_argument("--attribution-every", type=int, default=10,
+                 help="the rl.attribution_every at which --compare attribution estimates the run's ratio")
   args = p.parse_args()
   steps = args.steps or (30 if args.small else 10)
   if args.compare == "meters":  # whole multiples of M, at least 3 meter calls
@@ -236,6 +245,14 @@ def main():
   if args.compare == "mode":
     print("  (no target: what overlaps depends on the devices; on simulated CPU devices both groups "
           "share the same cores)")
+  elif args.compare == "attribution":
+    call = med[a_name]["attribution"]
+    e = args.attribution_every
+    print(f"one attribution call: {call:.4f} s = {call / med[b_name]['step']:.1%} of a median step "
+          f"({len(trainers[a_name].programs.attribution_variants)} variants: "
+          f"{', '.join(n for n, _, _ in trainers[a_name].programs.attribution_variants)}; "
+          f"rl.attribution_rows={trainers[a_name].job.rl.attribution_rows}); every {e} steps: ratio "
+          f"{1.0 + call / (e * med[b_name]['step']):.3f} (no target: a diagnostic's cost, set by its period)")
   elif args.compare == "invariant":
     print("  (no target: the mode is a certificate, not a training setting; its cost is the per-slot "
           "attention loop and the router's ordered accumulation)")

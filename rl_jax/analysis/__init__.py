@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from rl_jax.analysis import aggregate, figures, tables
+from rl_jax.analysis import aggregate, attribution, figures, tables
 from rl_jax.analysis.runs import Group, Run, group_runs, load_runs
 
 
@@ -12,13 +12,19 @@ def compare(groups: Sequence[Group], out_dir: str, title: str | None = None,
             fraction: float = aggregate.COLLAPSE_FRACTION, patience: int = aggregate.COLLAPSE_PATIENCE,
             collapse_metric: str = aggregate.COLLAPSE_METRIC, smooth: int = figures.SMOOTH
             ) -> tuple[dict[str, str], list[aggregate.GroupSummary]]:
-  """Writes OUT/figure.png and OUT/table.{md,csv,json} for `groups`; returns the paths and the rows."""
+  """Writes OUT/figure.png and OUT/table.{md,csv,json} for `groups` (and OUT/attribution.{png,md} when
+  runs logged `attribution/*`); returns the paths and the rows."""
   os.makedirs(out_dir, exist_ok=True)
   summaries = [aggregate.summarize_group(g, collapse_metric=collapse_metric, fraction=fraction,
                                          patience=patience) for g in groups]
   paths = tables.write_tables(summaries, out_dir)
   paths["png"] = figures.plot_groups(groups, os.path.join(out_dir, "figure.png"), smooth=smooth, title=title)
+  if any(attribution.run_sources(r) for g in groups for r in g.runs):
+    paths["attribution_png"] = attribution.plot(groups, os.path.join(out_dir, "attribution.png"))
+    paths["attribution_md"] = os.path.join(out_dir, "attribution.md")
+    with open(paths["attribution_md"], "w") as f:
+      f.write(attribution.markdown(groups) + "\n")
   return paths, summaries
 
 
-__all__ = ["Group", "Run", "aggregate", "compare", "figures", "group_runs", "load_runs", "tables"]
+__all__ = ["Group", "Run", "aggregate", "attribution", "compare", "figures", "group_runs", "load_runs", "tables"]

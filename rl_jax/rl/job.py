@@ -50,6 +50,10 @@ class RLConfig:
   that trains the rollout: staleness lands in the train/inference weight p_old/q, as with
   `staleness`) or 'rollout' (the trainer's params at the rollout's version: p_old/q is the pure
   train/inference mismatch and staleness lands in p/p_old, the trust-region ratio).
+  `attribution_every`: every that many steps (0 = off), the first `attribution_rows` rows of the
+  step's rollout are teacher-forced through one sampler per mismatch source the run has on
+  (`attribution/*`, docs/math.md#mismatch-attribution); one call costs about one forward per
+  source over those rows (benchmarks/bench_rl_step.py --compare attribution).
   """
   steps: int = 100
   prompts_per_step: int = 16
@@ -71,6 +75,8 @@ class RLConfig:
   mode: Mode = "sync"
   max_staleness: int = 1
   p_old_version: POldVersion = "latest"
+  attribution_every: int = 0
+  attribution_rows: int = 8
 
   def __post_init__(self):
     for k in ("steps", "prompts_per_step", "group_size", "n_minibatches", "staleness",
@@ -79,6 +85,15 @@ class RLConfig:
     require(self.meter_every >= 0, "rl.meter_every", f"must be >= 0 (0 = off), got {self.meter_every}")
     for k in ("forward_microbatch", "update_microbatch", "eval_rows_in_flight"):
       require(getattr(self, k) >= 0, f"rl.{k}", f"must be >= 0 (0 = the whole batch), got {getattr(self, k)}")
+    require(self.attribution_every >= 0, "rl.attribution_every",
+            f"must be >= 0 (0 = off), got {self.attribution_every}")
+    require(self.attribution_rows >= 1, "rl.attribution_rows", f"must be >= 1, got {self.attribution_rows}")
+    require(self.attribution_every == 0 or self.attribution_rows <= self.prompts_per_step * self.group_size,
+            "rl.attribution_rows", f"{self.attribution_rows} exceeds the step's "
+            f"{self.prompts_per_step * self.group_size} rollouts")
+    require(self.attribution_every == 0 or self.mode == "sync", "rl.attribution_every",
+            "attribution runs in the sync loop (rl.mode='sync'; emulate staleness with rl.staleness): "
+            "the async loop does not keep the weights of a rollout's version")
     require(self.max_staleness >= 0, "rl.max_staleness", f"must be >= 0, got {self.max_staleness}")
     require(self.mode == "sync" or self.staleness == 1, "rl.staleness",
             f"{self.staleness} with rl.mode='async': the async loop lags by rl.max_staleness; "

@@ -22,6 +22,8 @@ PANELS = (
     ("Score centering's share of the update", ("drift/sc_share",)),
     # Logged every rl.meter_every steps.
     ("First-order approximation: g_tok vs g_seq", ("first_order/cosine", "first_order/norm_ratio")),
+    # Logged every rl.attribution_every steps: one line per mismatch source the run has on.
+    ("Mismatch attribution: KL(q_s || p) per source", ("attribution/*/kl",)),
 )
 COLS = 2
 
@@ -36,6 +38,19 @@ def moving_average(ys, window: int) -> list[float]:
           for i in range(len(ys))]
 
 
+def _expand(keys, rows: list[dict]) -> list[str]:
+  """`keys` with each 'a/*/b' replaced by the logged keys it matches, in the order first logged."""
+  out = []
+  for key in keys:
+    if "*" not in key:
+      out.append(key)
+      continue
+    head, tail = key.split("*")
+    out.extend(dict.fromkeys(k for r in rows for k in r if k.startswith(head) and k.endswith(tail)
+                             and "/" not in k[len(head):len(k) - len(tail)]))
+  return out
+
+
 def plot_run(rows: list[dict], path: str | os.PathLike) -> str | os.PathLike:
   """Writes a PNG of the metrics in `rows` (one dict per logged step, one panel per PANELS entry).
 
@@ -47,7 +62,7 @@ def plot_run(rows: list[dict], path: str | os.PathLike) -> str | os.PathLike:
   for ax in axes.ravel()[len(PANELS):]:
     ax.axis("off")
   for ax, (title, keys) in zip(axes.ravel(), PANELS):
-    for key in keys:
+    for key in _expand(keys, rows):
       pts = [(r["step"], r[key]) for r in rows
              if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
       if pts:

@@ -15,6 +15,7 @@ from flax import nnx
 
 from rl_jax import microbatch
 from rl_jax import sharding as sh
+from rl_jax.rl import attribution as attribution_lib
 from rl_jax.rl import step as step_lib
 from rl_jax.rl.advantages import compute_advantages
 from rl_jax.sampler import generate as gen
@@ -45,6 +46,9 @@ class StepPrograms:
   update: Any
   first_order: Any
   advantages: Any
+  # `attribution.attribute` jitted (None with rl.attribution_every = 0) and the variants it runs.
+  attribution: Any = None
+  attribution_variants: tuple = ()
 
   # -- the sampler -------------------------------------------------------------------------
 
@@ -122,6 +126,12 @@ def build(job, mesh, graphdef: nnx.GraphDef, param_shardings, opt_shardings, opt
   cfg = dict(graphdef=graphdef, loss_cfg=job.loss)
   aux = dict(aux_coef=job.model.router_aux_loss_coef)
   greedy, sampled = eval_configs(job.sampler, rl.eval_temperature, rl.eval_rows_in_flight)
+  attribution, variants = None, ()
+  if rl.attribution_every:
+    found = attribution_lib.variants(job.sampler, job.model.dtype, stale=attribution_stale(job), moe=job.model.is_moe)
+    variants = tuple((name, v, sampler_weights.sampler_graphdef(job.model, v.dtype)) for name, v in found.items())
+    attribution = jax.jit(functools.partial(attribution_lib.attribute, graphdef=graphdef, variant_graphs=variants,
+                                            temperature=job.sampler.temperature))
   return StepPrograms(
       job=job, mesh=mesh, sampler_mesh=mesh if sampler_mesh is None else sampler_mesh, graphdef=graphdef,
       sampler_graphdef=sampler_weights.sampler_graphdef(job.model, job.sampler.dtype),
@@ -138,4 +148,11 @@ def build(job, mesh, graphdef: nnx.GraphDef, param_shardings, opt_shardings, opt
                                             grad_shardings=param_shardings)),
       # Laid out like the rollout's rows (as the planner's train batch is), not replicated.
       advantages=jax.jit(functools.partial(compute_advantages, group_size=rl.group_size, cfg=job.advantage),
-                         out_shardings=sh.batch_sharding(mesh, 1)))
+                         out_shardings=sh.batch_sharding(mesh, 1)),
+      attribution=attribution, attribution_variants=variants)
+
+
+def attribution_stale(job) -> bool:
+  """Whether staleness is a mismatch source of the sampler's q against p_old: the sync loop's
+  emulated staleness (`rl.staleness` > 1) with p_old at the latest weights."""
+  return job.rl.staleness > 1 and job.rl.p_old_version == "latest"

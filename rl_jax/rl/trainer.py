@@ -22,6 +22,7 @@ from rl_jax.config_utils import ConfigError, require
 from rl_jax import workdir as wd
 from rl_jax.metrics import MetricsWriter, read_metrics, resolve_wandb_mode
 from rl_jax.optim import make_optimizer
+from rl_jax.rl import attribution as attribution_lib
 from rl_jax.rl import evaluate as evaluate_lib
 from rl_jax.rl import inflight as inflight_lib
 from rl_jax.rl import programs as programs_lib
@@ -71,6 +72,8 @@ class RLTrainer:
       raise ConfigError(f"config key 'rl.prompts_per_step': {b * g} responses do not split over the "
                         f"sampler mesh's batch axes ({sh.batch_divisor(self.sampler_mesh)})")
     ex.check_batch(job.rl.eval_size, "rl.eval_size", self.mesh)
+    if job.rl.attribution_every:
+      ex.check_batch(job.rl.attribution_rows, "rl.attribution_rows", self.mesh)
     programs_lib.microbatch_counts(job, self.mesh)   # a bad micro-batch split fails before any compute
     self.task = ex.make_task(job.task)
     # Checked here, not in RLJob: configs ship with the path left for the command line.
@@ -259,10 +262,7 @@ class RLTrainer:
     batch = TrainBatch.from_rollout(ro, self.programs.advantages(jnp.asarray(rewards)), with_topk=True,
                                     truncated=self.job.loss.replay_mask)
     if old is None:
-      # Emulated staleness: the rollout's version is the last synced params.
-      params = (self.state["sampler_src"] if self.job.rl.p_old_version == "rollout" and "sampler_src" in self.state
-                else self.state["params"])
-      old = self._old_forward(params, ro, rewards)
+      old = self._old_forward(self._p_old_params(), ro, rewards)
     logp_old, own_ids, m = old
     batch = batch.replace(logp_old_BT=logp_old)
     replay = self.job.rl.routing_replay
@@ -271,6 +271,27 @@ class RLTrainer:
     elif replay == "R3":
       batch = batch.replace(replay_ids_BSLK=ro.expert_ids_BSLK, replay_mask_BS=ro.expert_valid_BS)
     return batch, m
+
+  def _p_old_params(self):
+    """The weights of the sync loop's p_old forward (emulated staleness: the rollout's version is
+    the last synced params)."""
+    if self.job.rl.p_old_version == "rollout" and "sampler_src" in self.state:
+      return self.state["sampler_src"]
+    return self.state["params"]
+
+  def attribute(self, ro: rollout_lib.Rollout) -> dict:
+    """`attribution/*` of `rl.attribution_rows` rows of `ro`, strided over its prompts
+    (rl_jax/rl/attribution.py), with the call's time; fetched to the host, so it has finished
+    reading the params before an update donates them."""
+    n = self.job.rl.attribution_rows
+    stride = ro.tokens_BS.shape[0] // n
+    sub = jax.tree.map(lambda x: x[::stride][:n], ro)
+    stale = self.state["sampler_src"] if programs_lib.attribution_stale(self.job) else None
+    t0 = time.perf_counter()
+    raw = sh.to_host(self.programs.attribution(self._p_old_params(), stale, self.state.get("noise"), sub))
+    m = attribution_lib.contributions(raw)
+    m["time/attribution_s"] = time.perf_counter() - t0
+    return m
 
   def minibatches(self, batch: TrainBatch):
     n = self.job.rl.n_minibatches
@@ -359,6 +380,8 @@ class RLTrainer:
       # fetched to the host here, so the meter has finished reading them.
       fo = self.programs.first_order(self.state["params"], next(self.minibatches(batch)))
       m_first = {f"first_order/{k}": float(v) for k, v in sh.to_host(fo).items()}
+    every = self.job.rl.attribution_every
+    m_attr = self.attribute(ro) if every and (step + 1) % every == 0 else {}
     m_upd = self.update(batch, step)
     t3 = time.perf_counter()
     # Batch-sharded arrays: on a multi-host mesh each process holds only its rows.
@@ -370,7 +393,7 @@ class RLTrainer:
            **{k: float(v) for k, v in m_old.items()},
            # The drift meters (present when the sampler recorded its top-k) are logged top-level.
            **{k if k.startswith("drift/") else f"loss/{k}": v for k, v in m_upd.items()},
-           **m_first,
+           **m_first, **m_attr,
            "time/sample_s": t1 - t0, "time/p_old_s": t2 - t1, "time/update_s": t3 - t2,
            "async/lag": float(item.lag)}
     if mask.any():  # the sampler's top-k mass (its top-1 mass when record_topk = 0: a floor)
@@ -478,6 +501,11 @@ class RLTrainer:
     if train:
       summary.update(final_reward=train[-1]["reward"], mean_kl_k1=float(np.mean([r["mismatch/kl_k1"] for r in train])),
                      steps=train[-1]["step"])
+      attributed = [r for r in train if "attribution/total/kl" in r]
+      if attributed:  # per source its mean KL(q_s || p) over the steps that attributed
+        keys = dict.fromkeys(k for r in attributed for k in r if k.startswith("attribution/") and k.endswith("/kl"))
+        summary["attribution_kl"] = {k.split("/")[1]: float(np.mean([r[k] for r in attributed if k in r]))
+                                     for k in keys}
       if any(r.get("async/lag") for r in train):
         # The version-lag distribution: steps per lag, and the share of response tokens at each
         # (every row of a step shares its rollout's lag; tokens = mean length x rows).
