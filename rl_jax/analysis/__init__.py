@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from rl_jax.analysis import aggregate, attribution, figures, tables
+from rl_jax.analysis import aggregate, figures, tables
 from rl_jax.analysis.runs import Group, Run, group_runs, load_runs
 
 
@@ -19,6 +19,8 @@ def compare(groups: Sequence[Group], out_dir: str, title: str | None = None,
                                          patience=patience) for g in groups]
   paths = tables.write_tables(summaries, out_dir)
   paths["png"] = figures.plot_groups(groups, os.path.join(out_dir, "figure.png"), smooth=smooth, title=title)
+  # Imported here: `python -m rl_jax.analysis.attribution` must find it unimported by the package.
+  from rl_jax.analysis import attribution  # pylint: disable=g-import-not-at-top
   if any(attribution.run_sources(r) for g in groups for r in g.runs):
     paths["attribution_png"] = attribution.plot(groups, os.path.join(out_dir, "attribution.png"))
     paths["attribution_md"] = os.path.join(out_dir, "attribution.md")
@@ -27,4 +29,4 @@ def compare(groups: Sequence[Group], out_dir: str, title: str | None = None,
   return paths, summaries
 
 
-__all__ = ["Group", "Run", "aggregate", "attribution", "compare", "figures", "group_runs", "load_runs", "tables"]
+__all__ = ["Group", "Run", "aggregate", "compare", "figures", "group_runs", "load_runs", "tables"]
