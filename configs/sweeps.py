@@ -29,7 +29,7 @@ import ml_collections
 
 from configs import countdown_tiny
 from configs import qwen3_30b_a3b_minirl
-from rl_jax.rl.loss_config import METHODS  # every registered loss method, in registration order
+from rl_jax.rl.loss_config import registered_methods  # every registered loss method, in registration order
 
 BASE = "configs/countdown_tiny.py"
 THIS = "configs/sweeps.py"
@@ -67,7 +67,7 @@ STALENESS = 64
 def methods() -> Sweep:
   """Every correction method (docs/math.md#correction-methods), no score centering, base INT8/INT4 sampler."""
   out = []
-  for m in METHODS:
+  for m in registered_methods():
     o = {"loss.method": m, "loss.score_centering": "none"}
     if m == "minirl":
       o.update(MINIRL)

@@ -37,6 +37,10 @@ def _scalar_defaults(cls: type) -> dict[str, Any]:
     if f.default is not dataclasses.MISSING and isinstance(f.default, SCALAR):
       # A float field written with an int default (`tis_high: float = 2`) must take float flags.
       out[f.name] = float(f.default) if hints.get(f.name) is float else f.default
+  # Fields registry entries own (methods' thresholds, estimators' constants), as registered now.
+  for k, (t, default) in getattr(cls, "registry_fields", lambda: {})().items():
+    if isinstance(default, SCALAR):
+      out[k] = float(default) if t is float else default
   return out
 
 

@@ -18,7 +18,9 @@ def _to_plain(section: Any) -> dict:
   if isinstance(section, Mapping):
     return dict(section)
   if dataclasses.is_dataclass(section):
-    return dataclasses.asdict(section)
+    d = dataclasses.asdict(section)
+    d.update(dict(d.pop("registry_params", ())))   # registry-owned fields as the keys they are
+    return d
   raise ConfigError(f"expected a config section (mapping), got {type(section).__name__}")
 
 
@@ -89,6 +91,11 @@ def from_dict(cls: type, section: Any, prefix: str = "") -> Any:
   values = _to_plain(section)
   hints = get_type_hints(cls)
   fields = {f.name: f for f in dataclasses.fields(cls)}
+  # Fields a registry entry owns (`registry.add_registry_params`), as the registry is now.
+  extra = getattr(cls, "registry_fields", lambda: {})()
+  hints.update({k: t for k, (t, _) in extra.items()})
+  fields.update(extra)
+  fields.pop("registry_params", None)   # the storage of those, not a config key
   name = lambda k: f"{prefix}.{k}" if prefix else k
   unknown = sorted(set(values) - set(fields))
   if unknown:

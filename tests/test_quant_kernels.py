@@ -150,8 +150,8 @@ def test_qtensor_pallas_backend_bf16_activations():
 
 @pytest.mark.parametrize("spec", [KVSpec("int4"), KVSpec("fp4", block_size=8),
                                   KVSpec("fp8", "block", 8)])
-def test_kv_write_and_read_paths(spec):
-  """kv_quantize / kv_dequantize: Pallas == XLA bit-for-bit; kv_write lands the slab at its slot."""
+def test_kv_quantize_and_read_paths(spec):
+  """kv_quantize / kv_dequantize: Pallas == XLA bit-for-bit, in the layout the cache stores."""
   rng = np.random.default_rng(4)
   x = jnp.asarray(rng.standard_normal((2, 3, 2, 16)), jnp.bfloat16)
 
@@ -166,22 +166,10 @@ def test_kv_write_and_read_paths(spec):
   out = run(x)
   for a, b in zip(out["pallas"], out["xla"]):
     _same_bits(a, b)
-  v, s, deq = out["xla"]
+  v, s, _ = out["xla"]
   packed = F.get_format(spec.format).packed
   assert v.shape == (2, 3, 2, 8 if packed else 16)
   assert s.shape == (2, 3, 2, 16 // spec.block_size if spec.granularity == "block" else 1)
-  cache = qkv.kv_cache_zeros((2, 7, 2, 16), spec, jnp.bfloat16)
-
-  @jax.jit
-  def write_read(cache, x):
-    cache = qkv.kv_write(cache, x, 4, spec)
-    return cache, qkv.kv_dequantize(*cache, spec, jnp.float32)
-
-  cache, read = write_read(cache, x)
-  _same_bits(cache[0][:, 4:7], v)
-  _same_bits(cache[1][:, 4:7], s)
-  _same_bits(read[:, 4:7], deq)
-  np.testing.assert_array_equal(np.asarray(read[:, :4]), 0.0)
 
 
 def test_kv_plain_formats_and_errors():

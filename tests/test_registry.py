@@ -1,10 +1,17 @@
 """Registry invariants: one owner per name and per config field, and the entry's own consistency."""
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from rl_jax.config_utils import ConfigError, from_dict
+from rl_jax import config_schema
+from rl_jax.rl import methods
 from rl_jax.rl import registry
+from rl_jax.rl.loss_config import registered_methods
+from rl_jax.rl.losses import rl_loss
 from rl_jax.rl.advantages import AdvantageConfig
 from rl_jax.rl.loss_config import METHODS, LossConfig
 
@@ -23,10 +30,11 @@ def test_names_register_once_and_fields_have_one_owner():
 
 
 def test_config_fields_and_errors_come_from_the_registry():
-  fields = {f.name: f.default for f in dataclasses.fields(LossConfig)}
+  fields = {k: d for k, (_, d) in LossConfig.registry_fields().items()}
+  cfg = LossConfig()
   for spec in registry.METHOD_REGISTRY.values():
     for name, p in spec.params.items():
-      assert fields[name] == p.default
+      assert fields[name] == p.default == getattr(cfg, name)
   with pytest.raises(ConfigError, match=r"loss\.method.*'nope'.*'pg'.*'minirl'"):
     from_dict(LossConfig, {"method": "nope"}, prefix="loss")
   with pytest.raises(ConfigError, match=r"loss\.tis_high.*must be > 0"):
@@ -38,3 +46,41 @@ def test_config_fields_and_errors_come_from_the_registry():
   with pytest.raises(ConfigError, match=r"advantage\.reward_mode.*'01'.*'pm1'"):
     from_dict(AdvantageConfig, {"reward_mode": "+-1"}, prefix="advantage")
   assert from_dict(AdvantageConfig, {"mode": "grpo", "std_ddof": 1}, prefix="a").std_ddof == 1
+
+
+@pytest.fixture
+def user_method():
+  """A method with a parameter, registered the way a user's module would, after LossConfig was
+  imported and instantiated; unregistered afterwards so no other test sees it."""
+  assert LossConfig().method == "pg"   # the class is imported and in use before the registration
+  name = "user_capped_is"
+  weight = lambda r, a, cfg: jnp.minimum(r, cfg.user_cap)
+
+  @registry.register_method(name, level="token", statistic="ratio", weight_fn=weight,
+                            params={"user_cap": registry.Param(1.5, lambda v: v > 0, "must be > 0")})
+  def rule(x, cfg):
+    r = jax.lax.stop_gradient(jnp.exp(x.logp_BT - x.logq_BT))
+    return methods._sg_weight_rule(x, weight(r, x.adv_BT, cfg), clipped=r > cfg.user_cap)  # pylint: disable=protected-access
+  yield name
+  del registry.METHOD_REGISTRY[name]
+
+
+def test_a_method_registered_after_loss_config_owns_its_fields(user_method):
+  cfg = from_dict(LossConfig, {"method": user_method, "user_cap": 3}, prefix="loss")
+  assert cfg.user_cap == 3.0 and isinstance(cfg.user_cap, float)        # typed by its default
+  assert LossConfig(method=user_method).user_cap == 1.5 and LossConfig().user_cap == 1.5
+  assert dataclasses.replace(cfg, score_centering="topk").user_cap == 3.0
+  assert hash(cfg) == hash(LossConfig(method=user_method, user_cap=3.0))   # still a static jit argument
+  with pytest.raises(ConfigError, match=r"loss\.user_cap.*must be > 0"):
+    from_dict(LossConfig, {"method": user_method, "user_cap": 0.0}, prefix="loss")
+  assert config_schema.defaults("rl")["loss.user_cap"] == 1.5   # overridable from the command line
+  assert user_method in registered_methods() and user_method not in METHODS
+  # The loss runs it: on-policy (q = p) its weight is min(1, cap) = 1, so it equals plain PG.
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(2, 3, 7)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 7, (2, 3)))
+  mask = jnp.ones((2, 3), bool)
+  adv = jnp.asarray([1.0, -0.5])
+  logq = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+  grad = lambda c: jax.grad(lambda z: rl_loss(z, targets, mask, adv, logq, c)[0])(logits)
+  np.testing.assert_allclose(grad(cfg), grad(LossConfig()), rtol=1e-6, atol=1e-7)

@@ -87,8 +87,3 @@ def plot_groups(groups: Sequence[Group], path: str, metrics: Sequence[tuple[str,
   fig.savefig(path, dpi=80)
   plt.close(fig)
   return path
-
-
-def smoothing_note(smooth: int = SMOOTH) -> str:
-  return (f"mean over seeds +-1 s.e.; per-step curves with >= {DENSE} points: centered moving average "
-          f"of {smooth} steps")

@@ -58,29 +58,6 @@ def kv_dequantize(values: jax.Array, scales: jax.Array | None, spec, dtype=jnp.f
   return out.reshape(*lead, d)
 
 
-def kv_cache_zeros(shape_BCGD: tuple[int, ...], spec, dtype=jnp.float32
-                   ) -> tuple[jax.Array, jax.Array | None]:
-  """An empty cache `(values, scales)` laid out as `kv_quantize` writes it."""
-  vals, scales = jax.eval_shape(lambda x: kv_quantize(x, spec, "xla"),
-                                jax.ShapeDtypeStruct(shape_BCGD, dtype))
-  # Unit scales: e8m0 has no zero, and unwritten slots must read back as exact zeros.
-  zeros = lambda s: None if s is None else jnp.zeros(s.shape, s.dtype)
-  ones = lambda s: None if s is None else jnp.ones(s.shape, s.dtype)
-  return zeros(vals), ones(scales)
-
-
-def kv_write(cache: tuple[jax.Array, jax.Array | None], x_new_BSGD: jax.Array, index, spec,
-             backend: str = "auto") -> tuple[jax.Array, jax.Array | None]:
-  """Quantizes the new slab and writes it at slot `index` along T (in place under donation)."""
-  values, scales = cache
-  q, s = kv_quantize(x_new_BSGD, spec, backend)
-  start = (0, index, 0, 0)
-  values = jax.lax.dynamic_update_slice(values, q.astype(values.dtype), start)
-  if scales is not None:
-    scales = jax.lax.dynamic_update_slice(scales, s.astype(scales.dtype), start)
-  return values, scales
-
-
 def kv_bytes(shape_BCGD: tuple[int, ...], spec, dtype=jnp.bfloat16) -> int:
   """Stored bytes (values + scales) of one K or V cache of logical shape `[B, C, G, D]`."""
   vals, scales = jax.eval_shape(lambda x: kv_quantize(x, spec, "xla"),

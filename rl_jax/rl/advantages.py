@@ -51,8 +51,8 @@ def _raw(r_NG, cfg):
   return r_NG
 
 
-@dataclasses.dataclass(frozen=True)
 @add_registry_params(ADVANTAGE_REGISTRY)
+@dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
   """How rewards become per-response advantages (docs/math.md#advantages).
 
@@ -67,6 +67,8 @@ class AdvantageConfig:
   """
   mode: str = "group_centered"
   reward_mode: str = "01"
+  # The entry-owned fields (name, value), from the registry when built (`add_registry_params`).
+  registry_params: tuple = ()
 
   def __post_init__(self):
     require_registered(self.mode, ADVANTAGE_REGISTRY, "mode")

@@ -5,7 +5,6 @@ import dataclasses
 from typing import Literal
 
 from rl_jax.config_utils import ConfigError, require
-from rl_jax.rl import methods as _methods  # pylint: disable=unused-import  (fills METHOD_REGISTRY)
 from rl_jax.rl.advantages import AdvantageConfig  # re-exported: the config sections live together
 from rl_jax.rl.registry import (METHOD_REGISTRY, add_registry_params, check_registry_params,
                                 require_registered)
@@ -14,8 +13,14 @@ ScoreCentering = Literal["none", "full", "topk"]
 Aggregation = Literal["batch_tokens", "constant", "seq_mean"]
 SamplingMask = Literal["none", "replay"]
 
-# Derived from the registry (registration order); kept as a tuple for sweeps and tests.
+# The built-in methods (registered by rl_jax/rl/__init__.py, before this module), in registration
+# order, for sweeps and tests; `registered_methods()` also has those registered since.
 METHODS: tuple[str, ...] = tuple(METHOD_REGISTRY)
+
+
+def registered_methods() -> tuple[str, ...]:
+  """Every method registered so far, built-in or a user's, in registration order."""
+  return tuple(METHOD_REGISTRY)
 
 
 def sc_composable_methods() -> list[str]:
@@ -26,8 +31,8 @@ def sc_composable_methods() -> list[str]:
   return [m for m, spec in METHOD_REGISTRY.items() if spec.weight_fn is not None]
 
 
-@dataclasses.dataclass(frozen=True)
 @add_registry_params(METHOD_REGISTRY)
+@dataclasses.dataclass(frozen=True)
 class LossConfig:
   """The RL loss: correction method, score centering, aggregation and every threshold.
 
@@ -64,8 +69,9 @@ class LossConfig:
       mis_low / mis_high, ppo_*, dapo_*, gspo_*, topr_high, dppo_tv, minirl_eps_low /
       minirl_eps_high / minirl_tis_c and MiniRL's ablation switches minirl_train_infer_is /
       minirl_clip) are declared where the method registers (methods.py, `params=`) and
-      appended to this class by `add_registry_params`, with the defaults and checks of
-      docs/math.md#correction-methods.
+      read from the registry each time a LossConfig is built (`add_registry_params`), so a
+      method registered later, from a user's module, owns fields too; the defaults and checks
+      are those of docs/math.md#correction-methods.
   """
   method: str = "pg"
   score_centering: ScoreCentering = "none"
@@ -76,6 +82,8 @@ class LossConfig:
   temperature: float = 1.0
   chunk_size: int = 0
   sampling_mask: SamplingMask = "none"
+  # The entry-owned fields (name, value), from the registry when built (`add_registry_params`).
+  registry_params: tuple = ()
 
   def __post_init__(self):
     require_registered(self.method, METHOD_REGISTRY, "method")

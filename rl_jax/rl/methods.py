@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from rl_jax.config_utils import require
-from rl_jax.rl.registry import METHOD_REGISTRY, MethodSpec, Param, register_method
+from rl_jax.rl.registry import METHOD_REGISTRY, Param, register_method
 
 if TYPE_CHECKING:  # loss_config imports this module (to fill the registry) before LossConfig exists
   from rl_jax.rl.loss_config import LossConfig
@@ -318,7 +318,6 @@ def _minirl_rule(x, cfg):
 
 
 WeightFn = Callable[[jax.Array, jax.Array, "LossConfig"], jax.Array]
-MethodRule = MethodSpec   # the registry entry's former name
 
 
 def weight_fn_for(cfg: LossConfig) -> WeightFn:

@@ -127,21 +127,51 @@ def register_reward_mode(name: str):
   return deco
 
 
-def add_registry_params(registry: dict):
-  """Class decorator (apply BELOW @dataclass): adds every registered entry's Params as fields.
+REGISTRY_FIELD = "registry_params"
 
-  The fields keep their declared names (`loss.tis_high`, ...), so configs and sweeps set
-  them as before; each is typed by its default's Python type, which `config_utils.from_dict`
-  checks.
+
+def add_registry_params(registry: dict):
+  """Class decorator (apply ABOVE @dataclass, whose class declares `registry_params: tuple = ()`):
+  every registered entry's Params become keyword arguments and attributes of the config.
+
+  They are read from the registry when a config is **built**, not when the class is: an entry
+  registered later (a method with parameters in a user's module, after this class was imported)
+  owns fields of every config built after it. The fields keep their names (`loss.tis_high`, ...),
+  are stored as `registry_params` (name -> value pairs, in registration order, so the config
+  stays frozen, hashable and comparable) and read as attributes; `registry_fields()` gives their
+  types for `config_utils.from_dict` and the config schema. `dataclasses.replace` keeps them.
   """
   def deco(cls):
-    ann = dict(cls.__dict__.get("__annotations__", {}))
-    for field, (owner, p) in _params_owned(registry).items():
-      if field in ann:
-        raise ValueError(f"{owner!r} declares field {field!r}, which {cls.__name__} already has")
-      ann[field] = type(p.default)
-      setattr(cls, field, p.default)
-    cls.__annotations__ = ann
+    own = {f.name for f in dataclasses.fields(cls)}
+    if REGISTRY_FIELD not in own:
+      raise TypeError(f"{cls.__name__} must declare `{REGISTRY_FIELD}: tuple = ()` for add_registry_params")
+    base_init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+      owned = _params_owned(registry)
+      given = dict(kwargs.pop(REGISTRY_FIELD, ()))
+      for k in [k for k in kwargs if k not in own]:
+        if k not in owned:
+          raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {k!r}")
+        given[k] = kwargs.pop(k)
+      for k in owned.keys() & own:
+        raise ValueError(f"{owned[k][0]!r} declares field {k!r}, which {cls.__name__} already has")
+      values = tuple((k, given.get(k, p.default)) for k, (_, p) in owned.items())
+      base_init(self, *args, **{REGISTRY_FIELD: values}, **kwargs)
+
+    def __getattr__(self, name):  # only reached when `name` is not an ordinary attribute
+      for k, v in self.__dict__.get(REGISTRY_FIELD, ()):
+        if k == name:
+          return v
+      raise AttributeError(f"{cls.__name__!r} object has no attribute {name!r}")
+
+    def registry_fields(_cls=cls) -> dict[str, tuple[type, Any]]:
+      """Entry-owned field -> (type, default), from the registry as it is now."""
+      return {k: (type(p.default), p.default) for k, (_, p) in _params_owned(registry).items()}
+
+    cls.__init__ = __init__
+    cls.__getattr__ = __getattr__
+    cls.registry_fields = staticmethod(registry_fields)
     return cls
   return deco
 
