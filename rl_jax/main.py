@@ -10,6 +10,7 @@ import traceback  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app, flags, logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ml_collections import config_flags
 
+from rl_jax import artifacts
 from rl_jax import distributed
 from rl_jax import preempt
 
@@ -19,10 +20,8 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 JOBS = ("sft", "rl")
 
-# Exit codes (README, launch/README.md): 0 done, 2 a config / usage error (nothing ran, or the run
-# refused to start), 3 a run error (a non-finite step stopped it; the last good checkpoint stays),
-# 75 preempted (checkpointed on SIGTERM / SIGINT: rerun to resume). Anything else is a crash.
-CONFIG_ERROR, RUN_ERROR = 2, 3
+# Exit codes: 0 done, 2 config error, 3 run error (a non-finite step), 75 preempted (rl_jax/artifacts.py).
+CONFIG_ERROR, RUN_ERROR = artifacts.CONFIG_ERROR, artifacts.RUN_ERROR
 # RL_JAX_TRACEBACK=1 prints the full traceback of an expected failure too.
 TRACEBACK_ENV = "RL_JAX_TRACEBACK"
 

@@ -13,9 +13,10 @@ from typing import Any, Literal, Mapping
 import jax
 import numpy as np
 
+from rl_jax import artifacts
 from rl_jax import workdir as wd
 
-METRICS_NAME = "metrics.jsonl"
+METRICS_NAME = artifacts.METRICS
 _KEEP_ALL = object()  # MetricsWriter(restored_step=...) default: leave an existing file as it is
 
 

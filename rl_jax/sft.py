@@ -14,6 +14,7 @@ import optax
 import tqdm
 from flax import nnx
 
+from rl_jax import artifacts
 from rl_jax import data as data_lib
 from rl_jax import experiment as ex
 from rl_jax import preempt
@@ -203,7 +204,7 @@ def _run(config: Any, workdir: Any, job, mesh, task, tok, guard: preempt.Guard) 
     ckpt.wait_until_finished()  # the final checkpoint is on disk before summary.json says done
     if jax.process_index() == 0 and final:
       summary = {k: float(v) for k, v in final.items()}
-      run_dir.path("summary.json").write_text(json.dumps(summary, indent=1))
+      run_dir.path(artifacts.SUMMARY).write_text(json.dumps(summary, indent=1))
       print(f"[sft] done: step {s.steps}, loss {summary['loss']:.4f}, "
             f"eval_accuracy {summary.get('eval_accuracy', float('nan')):.3f}")
     return final

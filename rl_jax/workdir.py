@@ -12,6 +12,7 @@ from typing import Any, Iterable, Literal
 
 from etils import epath
 
+from rl_jax import artifacts
 from rl_jax.config_utils import ConfigError
 
 # Schemes etils epath routes to a remote backend. Anything else with '://' would silently become a
@@ -19,7 +20,7 @@ from rl_jax.config_utils import ConfigError
 REMOTE_SCHEMES = ("gs", "s3", "az", "hf")
 
 LOCK_NAME = "workdir.lock"
-RUN_NAME = "run.json"
+RUN_NAME = artifacts.RUN
 
 # Keys that may differ between the stored config and a resumed run's without `resume='force'`:
 # run length, cadences and logging, which change what is recorded or when, not what is computed.
@@ -211,6 +212,7 @@ class WorkdirLock:
 
 
 def _read_json(path: epath.Path) -> dict:
+  """A lock or run file, {} when absent or torn (another process may be writing it)."""
   try:
     return json.loads(path.read_text())
   except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):

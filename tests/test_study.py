@@ -10,6 +10,7 @@ import time
 import pytest
 from PIL import Image
 
+from rl_jax import artifacts
 from rl_jax import preempt
 from rl_jax.rl import job as job_lib
 from rl_jax.study import __main__ as cli
@@ -44,9 +45,11 @@ class FakeExecutor:
         f.write(json.dumps({"step": s, "reward": acc, "kl_k1": 1e-3 * (s + launch.seed),
                             "loss/entropy": 1.0, "eval_greedy_accuracy": acc}) + "\n")
         if key in self.crash:
+          err = self.crash.pop(key)
           with open(log_path, "a") as log:
-            log.write(self.crash.pop(key) + "\n")
-          return 1
+            log.write(err + "\n")
+          # As rl_jax.main exits: a non-finite step is a run error, anything else a crash.
+          return artifacts.RUN_ERROR if "non-finite" in err else 1
     with open(os.path.join(launch.workdir, "summary.json"), "w") as f:
       json.dump({"steps": launch.steps, "final_eval_greedy_accuracy": acc}, f)
     return 0
@@ -186,6 +189,7 @@ def test_nonfinite_abort_is_a_finished_collapse(tmp_path):
   fake = FakeExecutor(crash={("fp32/pg", 0): err})
   assert runner.run_study(p, executor=fake, progress=False)["failed"] == 1
   assert runner.status(p.launches[0]) == "collapsed"
+  assert json.load(open(tmp_path / "fp32/pg/seed0/failed.json"))["reason"] == artifacts.NON_FINITE
   fake.calls.clear()
   assert runner.run_study(p, executor=fake, progress=False)["skipped"] == 2
   assert fake.calls == []

@@ -20,6 +20,8 @@ import os
 import re
 from typing import Any, Iterable
 
+from rl_jax import artifacts
+
 # Canonical metric name -> names it is found under, first match wins (new names first).
 METRIC_ALIASES: dict[str, tuple[str, ...]] = {
     "mismatch/kl_k1": ("mismatch/kl_k1", "kl_k1"),
@@ -37,9 +39,9 @@ METRIC_ALIASES: dict[str, tuple[str, ...]] = {
 }
 
 # (file, key holding the config or None for the whole file), first found wins.
-CONFIG_FILES = (("run.json", "config"), ("run/config.json", None), ("config.json", None))
-STUDY_FILE = "study.json"      # written by rl_jax.study's runner: study, run, panel, line, seed, overrides
-FAILED_FILE = "failed.json"    # written by the runner when the job exited non-zero: rc, error
+CONFIG_FILES = ((artifacts.RUN, "config"), ("run/config.json", None), ("config.json", None))
+STUDY_FILE = artifacts.STUDY
+FAILED_FILE = artifacts.FAILED
 _SEED_DIR = re.compile(r"^seed(\d+)$")
 
 
@@ -61,11 +63,7 @@ def _float(v: Any) -> float | None:
   return None
 
 
-def _read_json(path: str) -> dict | None:
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
+_read_json = artifacts.read_json
 
 
 @dataclasses.dataclass
@@ -99,7 +97,7 @@ class Run:
   @property
   def aborted_step(self) -> int | None:
     """The step a non-finite abort happened at (the trainer raises before logging that step)."""
-    if self.failed and "non-finite" in str(self.failed.get("error", "")):
+    if artifacts.aborted_non_finite(self.failed):
       return self.last_step + 1
     return None
 
@@ -123,7 +121,7 @@ class Run:
 
 def read_rows(workdir: str) -> list[dict]:
   """metrics.jsonl rows deduplicated by step: a resumed run re-logs the steps after its checkpoint."""
-  path = os.path.join(workdir, "metrics.jsonl")
+  path = os.path.join(workdir, artifacts.METRICS)
   if not os.path.exists(path):
     return []
   by_step: dict[int, dict] = {}
@@ -153,7 +151,7 @@ def load_run(workdir: str, name: str | None = None) -> Run:
   elif config is not None and "seed" in config:
     seed = int(config["seed"])
   return Run(workdir=workdir, name=name or (os.path.dirname(workdir) if m else workdir), seed=seed,
-             rows=read_rows(workdir), summary=_read_json(os.path.join(workdir, "summary.json")),
+             rows=read_rows(workdir), summary=_read_json(os.path.join(workdir, artifacts.SUMMARY)),
              config=config, study=study, failed=_read_json(os.path.join(workdir, FAILED_FILE)))
 
 
@@ -162,7 +160,7 @@ def find_workdirs(patterns: Iterable[str]) -> list[str]:
   out = set()
   for p in patterns:
     for d in glob.glob(os.path.expanduser(p), recursive=True):
-      if os.path.isfile(os.path.join(d, "metrics.jsonl")):
+      if os.path.isfile(os.path.join(d, artifacts.METRICS)):
         out.add(os.path.normpath(d))
   return sorted(out)
 

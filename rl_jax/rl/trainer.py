@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
+from rl_jax import artifacts
 from rl_jax import data as data_lib
 from rl_jax import experiment as ex
 from rl_jax import preempt
@@ -515,7 +516,7 @@ class RLTrainer:
         summary["lag_token_share"] = {str(k): float(tokens[np.asarray(lags) == k].sum() / tokens.sum())
                                       for k in sorted(set(lags))}
     if jax.process_index() == 0:
-      self.run_dir.path("summary.json").write_text(json.dumps(summary, indent=1))
+      self.run_dir.path(artifacts.SUMMARY).write_text(json.dumps(summary, indent=1))
       if self.job.rl.plot and rows:
         plots.plot_run(rows, self.run_dir.path("rl_curves.png"))
       print("[rl] " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"

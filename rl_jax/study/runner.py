@@ -26,6 +26,7 @@ from typing import Any, Callable, Literal, Sequence
 import tqdm
 
 from configs import sweeps
+from rl_jax import artifacts
 from rl_jax import analysis
 from rl_jax import preempt
 from rl_jax.analysis import aggregate, precursors, runs as runs_lib, tables
@@ -176,22 +177,18 @@ def plan(study: studies.Study, root: str, seeds: int | None = None, steps: int |
               deviations=tuple(deviations))
 
 
-def _read_json(path: str) -> dict | None:
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
+_read_json = artifacts.read_json
 
 
 def status(launch: Launch) -> str:
   """'done', 'collapsed' (aborted on a non-finite value), 'resume@<step>', or 'new'."""
   if launch.kind == "warm_start":
     return "done" if os.path.exists(os.path.join(launch.workdir, WARM_START_DONE)) else "new"
-  summary = _read_json(os.path.join(launch.workdir, "summary.json"))
+  summary = _read_json(os.path.join(launch.workdir, artifacts.SUMMARY))
   if summary is not None and summary.get("steps") == launch.steps:
     return "done"
   failed = _read_json(os.path.join(launch.workdir, runs_lib.FAILED_FILE))
-  if failed is not None and "non-finite" in str(failed.get("error", "")):
+  if artifacts.aborted_non_finite(failed):
     return "collapsed"
   rows = runs_lib.read_rows(launch.workdir)
   last = max((r["step"] for r in rows), default=None)
@@ -312,7 +309,7 @@ def execute(launch: Launch, executor: Executor, commit: str = "unknown", protoco
     return rc
   if rc != 0:
     with open(failed_path, "w") as f:
-      json.dump({"rc": rc, "error": _tail(log)}, f, indent=1)
+      json.dump({"rc": rc, "reason": artifacts.failure_reason(rc), "error": _tail(log)}, f, indent=1)
     return rc
   if os.path.exists(failed_path):
     os.remove(failed_path)

@@ -9,16 +9,14 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import tokenizers
 
+from rl_jax import artifacts
 from rl_jax.tasks.tokenizer import BatchCodec
 
 REPLACEMENT_CHAR = "\ufffd"
 
 
 def _read_json(path: str) -> dict:
-  if not os.path.exists(path):
-    return {}
-  with open(path) as f:
-    return json.load(f)
+  return artifacts.read_json(path) or {}   # a file the checkpoint lacks reads as {}
 
 
 def _token_content(value: Any) -> str | None:
