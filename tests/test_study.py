@@ -270,3 +270,21 @@ def test_micro_study_on_two_processes_per_run(tmp_path):
   assert (tmp_path / "verdict.md").exists()
   log = (tmp_path / "fp32/pg/seed0/run.log").read_text()
   assert "[local_multiprocess] 2 processes" in log
+
+
+@pytest.mark.slow   # a pip install into a temporary directory: ~20 s
+def test_study_runner_plans_from_an_installed_package(tmp_path):
+  """No source checkout needed: from a plain install (rl_jax and configs in site-packages) and another
+  working directory, the runner finds the base configs and plans the runs."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  target = tmp_path / "site"
+  subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                  "--target", str(target), repo], check=True, timeout=600)
+  env = dict(os.environ, PYTHONPATH=str(target))
+  out = subprocess.run([sys.executable, "-m", "rl_jax.study", "micro", "--root", str(tmp_path / "root"),
+                        "--dry_run"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "fp32/tis/seed1" in out.stdout
+  import_path = subprocess.run([sys.executable, "-c", "import rl_jax; print(rl_jax.__file__)"], cwd=tmp_path,
+                               env=env, capture_output=True, text=True, check=True).stdout
+  assert import_path.startswith(str(target))   # the installed copy ran, not the checkout

@@ -14,6 +14,8 @@ import ml_collections
 from configs import sweeps
 from rl_jax.study import studies
 
+# The directory holding the `rl_jax` and `configs` packages: a source checkout, or site-packages when
+# installed (setup.py ships both, the config files included), so base configs and launches resolve either way.
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
