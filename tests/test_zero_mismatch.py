@@ -16,11 +16,11 @@ from rl_jax.sampler.config import SamplerConfig
 
 V, P, T, K = 64, 8, 10, 8
 
-pytestmark = pytest.mark.usefixtures("fast_compile")
+# No fast_compile here: the certificate is about the programs runs compile, XLA optimizations on.
 
 
-def _model(moe: bool, invariant: bool) -> Transformer:
-  cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+def _model(moe: bool, invariant: bool, n_kv_heads: int = 2) -> Transformer:
+  cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, head_dim=8, d_ff=64,
                     n_experts=4 if moe else 0, n_experts_per_tok=2, moe_d_ff=32, init_std=0.2,
                     tie_embeddings=False, batch_invariant=invariant)
   return Transformer(cfg, rngs=nnx.Rngs(0))
@@ -42,6 +42,16 @@ def _rollout_and_p_old(model, greedy: bool, temperature: float = 1.0):
   old = jax.jit(functools.partial(step_lib.old_forward, graphdef=graphdef, loss_cfg=cfg))
   logp_old, own_ids, m_old = old(params, batch, ro.expert_ids_BSLK, ro.expert_valid_BS)
   return graphdef, params, ro, batch.replace(logp_old_BT=logp_old), own_ids, m_old, cfg
+
+
+def _ulps_of_logit_scale(graphdef, params, ro, batch, temperature: float) -> float:
+  """max |log q - log p_old| over response tokens, in ulps of the largest |logit / T| of the rows: the
+  scale a log-softmax's rounding lives at (a relative ulp of a log-prob near 0 would be far finer)."""
+  mask = np.asarray(ro.response_mask_BT)
+  err = np.abs(np.asarray(batch.logp_old_BT) - np.asarray(ro.logq_BT))[mask].max()
+  logits = nnx.merge(graphdef, params)(ro.tokens_BS, ro.positions_BS, ro.valid_BS).logits_BSV
+  scale = np.float32(np.abs(np.asarray(logits)).max() / temperature)
+  return float(err / np.spacing(scale))
 
 
 @pytest.mark.parametrize("moe,greedy", [
@@ -75,13 +85,24 @@ def test_default_mode_is_close_but_not_exact_and_the_mode_trains():
   err = np.abs(np.where(mask, np.asarray(batch.logp_old_BT) - np.asarray(ro.logq_BT), 0.0)).max()
   assert 0 < err < 2e-5, err
   model = _model(True, True)
-  _, _, ro, batch, own_ids, _, _ = _rollout_and_p_old(model, greedy=False, temperature=0.7)
-  mask, logq = np.asarray(ro.response_mask_BT), np.asarray(ro.logq_BT)
-  ulps = np.abs(np.asarray(batch.logp_old_BT) - logq)[mask] / np.spacing(np.abs(logq[mask]))
-  assert ulps.max() <= 1, ulps.max()
+  graphdef, params, ro, batch, own_ids, _, _ = _rollout_and_p_old(model, greedy=False, temperature=0.7)
+  assert _ulps_of_logit_scale(graphdef, params, ro, batch, 0.7) <= 1
   valid = np.asarray(ro.expert_valid_BS)
   np.testing.assert_array_equal(np.asarray(own_ids)[valid], np.asarray(ro.expert_ids_BSLK)[valid])
   graphdef, params, _, batch, _, _, cfg = _rollout_and_p_old(model, greedy=False)
   grads = jax.grad(lambda p: step_lib.loss_fn(p, batch, graphdef=graphdef, loss_cfg=cfg, aux_coef=0.01)[0])(params)
   norms = [float(jnp.linalg.norm(g)) for g in jax.tree.leaves(grads)]
   assert all(np.isfinite(norms)) and sum(norms) > 0
+
+
+def test_single_kv_head_holds_to_a_few_ulp():
+  """The one shape found where the mode is not bitwise (docs/math.md#zero-mismatch-mode): a single KV
+  head (not GQA as such: one query head over one KV head fails the same way, two over two pass). What
+  holds there: the greedy tokens are the trainer's own argmax, and log q is within 4 ulp of the scaled
+  logits' largest magnitude of log p_old (measured: 3; bitwise with XLA's optimizations off)."""
+  graphdef, params, ro, batch, _, _, _ = _rollout_and_p_old(_model(False, True, n_kv_heads=1), greedy=True)
+  assert _ulps_of_logit_scale(graphdef, params, ro, batch, 1.0) <= 4
+  mask = np.asarray(ro.response_mask_BT)
+  logits = nnx.merge(graphdef, params)(ro.tokens_BS, ro.positions_BS, ro.valid_BS).logits_BSV
+  argmax_BT = np.asarray(jnp.argmax(logits, -1))[:, P - 1:P - 1 + T]
+  np.testing.assert_array_equal(argmax_BT[mask], np.asarray(ro.response_BT)[mask])
