@@ -55,7 +55,8 @@ def _ulps_of_logit_scale(graphdef, params, ro, batch, temperature: float) -> flo
 
 
 @pytest.mark.parametrize("moe,greedy", [
-    pytest.param(True, False, id="moe-T=1"), pytest.param(False, True, id="dense-greedy"),
+    pytest.param(True, False, id="moe-T=1"),
+    pytest.param(False, True, id="dense-greedy", marks=pytest.mark.slow),
     pytest.param(False, False, id="dense-T=1", marks=pytest.mark.slow),
     pytest.param(True, True, id="moe-greedy", marks=pytest.mark.slow)])
 def test_sampler_and_trainer_agree_bit_for_bit(moe, greedy):
