@@ -9,7 +9,7 @@ from flax import nnx
 
 from rl_jax import sharding as sh
 from rl_jax.config_utils import ConfigError, from_dict
-from rl_jax.models import ModelConfig, Transformer
+from rl_jax.models import ModelConfig, families
 from rl_jax.tasks import Task, get_task
 from rl_jax.tasks.tokenizer import CharTokenizer
 
@@ -56,13 +56,13 @@ def init_params(model_cfg: ModelConfig, seed: int, mesh=None) -> tuple[Any, dict
   shardings = sh.param_shardings(abstract, mesh) if mesh is not None else None
 
   def init():
-    return nnx.to_pure_dict(nnx.split(Transformer(model_cfg, rngs=nnx.Rngs(seed)))[1])
+    return nnx.to_pure_dict(nnx.split(families.build_model(model_cfg, seed))[1])
   return graphdef, jax.jit(init, out_shardings=shardings)()
 
 
 def abstract_state(model_cfg: ModelConfig):
   """(graphdef, abstract nnx.State) without allocating parameters."""
-  model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+  model = families.abstract_model(model_cfg)
   return nnx.split(model)
 
 

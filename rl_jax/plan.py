@@ -138,13 +138,10 @@ def kv_cache_bytes(model_cfg, sampler_cfg, batch: int, kv_spec, mesh) -> int:
 
 
 def matmul_params(model_cfg) -> float:
-  """Parameters one token multiplies through (MoE: the k routed experts of E), incl. the unembedding."""
-  m = model_cfg
-  attn = m.d_model * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
-  dense_mlp = 3 * m.d_model * m.d_ff
-  moe = 3 * m.d_model * m.moe_d_ff * m.n_experts_per_tok + m.d_model * m.n_experts if m.n_experts else 0
-  n_moe = m.n_moe_layers
-  return m.n_layers * attn + (m.n_layers - n_moe) * dense_mlp + n_moe * moe + m.vocab_size * m.d_model
+  """Parameters one token multiplies through (MoE: the k routed experts of E), incl. the unembedding:
+  the model family's count (`Family.matmul_params`)."""
+  from rl_jax.models import families  # pylint: disable=g-import-not-at-top
+  return families.of(model_cfg).matmul_params(model_cfg)
 
 
 def attn_flops(model_cfg, q_tokens: float, kv_len: float) -> float:

@@ -164,21 +164,29 @@ from rl_jax.checkpoint import Checkpointer
 sys.path.insert(0, os.path.join({repo!r}, "tests"))
 from test_checkpoint_async import _state
 
+import threading
 ck = Checkpointer(sys.argv[1])
 ck.save(1, _state(1), {{"step": 1}})
 ck.wait_until_finished()
+# The kill waits for save() to have returned (a fast background write could otherwise kill the
+# process before the main thread prints); a save that blocked on the write times out and says so.
+returned = threading.Event()
+def kill():
+  returned.wait(timeout=60)
+  os._exit(17)
 if sys.argv[2] == "write":  # killed after the array data went to disk, before the metadata
   real = jax_array_handlers._async_serialize_replica_slices
   async def write_then_die(*args, **kwargs):
     await real(*args, **kwargs)
-    os._exit(17)
+    kill()
   jax_array_handlers._async_serialize_replica_slices = write_then_die
 else:  # killed with every file written, just before the rename into place
   async def die(self, *args, **kwargs):
-    os._exit(17)
+    kill()
   atomicity.AtomicRenameTemporaryPath.finalize = die
 ck.save(2, _state(2), {{"step": 2}})
 print("save returned", flush=True)
+returned.set()
 ck.wait_until_finished()
 print("not killed", flush=True)
 """

@@ -1,4 +1,5 @@
-"""HF checkpoint load / save parity with transformers (torch CPU) on tiny random Qwen3 / Qwen3-MoE models."""
+"""HF checkpoint load / save parity with transformers (torch CPU) on tiny random models of every family
+(Qwen3, Qwen3-MoE, Llama 3, Qwen2-MoE)."""
 import copy
 import json
 import os
@@ -55,7 +56,29 @@ CASES = {
         moe_intermediate_size=24, norm_topk_prob=False, decoder_sparse_step=2,
         rope_parameters={"rope_type": "default", "rope_theta": 20_000.0},
         tie_word_embeddings=True), None),
+    # Llama 3: no q/k norm, llama3 RoPE scaling (original context 64: of head_dim 16's eight
+    # wavelengths some are kept, some blended, some divided), tied, single file.
+    "llama3_tied_scaled": ("llama", dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10_000.0, "factor": 4.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), None),
+    # Llama 3 untied, plain RoPE, MHA (no GQA), head_dim from hidden / heads, multi-file.
+    "llama3_untied": ("llama", dict(
+        hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500_000.0}), "12KB"),
+    # Qwen2-MoE: q/k/v biases, a sigmoid-gated shared expert, no top-k renormalization, MoE at 1
+    # only (mlp_only_layers), untied, multi-file.
+    "qwen2_moe_shared": ("qwen2_moe", dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, norm_topk_prob=False, mlp_only_layers=[0],
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        tie_word_embeddings=False), "20KB"),
 }
+HF_CONFIGS = {"qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig", "llama": "LlamaConfig",
+              "qwen2_moe": "Qwen2MoeConfig"}
 
 # Two rows, the second left-padded by 2: positions and masking are checked too.
 TOKENS_BT = np.array([[5, 17, 99, 3, 64, 27, 110, 8], [0, 0, 42, 7, 7, 120, 1, 55]], np.int64)
@@ -63,7 +86,7 @@ VALID_BT = np.array([[1] * 8, [0, 0] + [1] * 6], bool)
 
 
 def _hf_config(model_type, kwargs, dtype=torch.float32):
-  cls = transformers.Qwen3MoeConfig if model_type == "qwen3_moe" else transformers.Qwen3Config
+  cls = getattr(transformers, HF_CONFIGS[model_type])
   return cls(vocab_size=VOCAB, rms_norm_eps=1e-6, max_position_embeddings=256, pad_token_id=0,
              bos_token_id=1, eos_token_id=2, dtype=dtype, **kwargs)
 
@@ -166,6 +189,34 @@ def test_config_mapping(ckpts):
     hf.hf_to_model_config({k: v for k, v in old.items() if k != "num_experts"})
 
 
+def test_new_family_config_mapping(ckpts):
+  """Llama 3 and Qwen2-MoE map to their block switches; our RoPE frequencies are transformers' own
+  (llama3 scaling included) to the bit; each family's config.json round-trips."""
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+  from rl_jax.models.layers import rope_inv_freq
+  cfg = hf.load_hf_config(ckpts["llama3_tied_scaled"][0])
+  assert (cfg.family, cfg.qk_norm, cfg.qkv_bias, cfg.tie_embeddings, cfg.rope_scaling) == (
+      "llama3", False, False, True, "llama3")
+  assert (cfg.rope_factor, cfg.rope_original_max_positions) == (4.0, 64)
+  hf_model = ckpts["llama3_tied_scaled"][1]
+  theirs = ROPE_INIT_FUNCTIONS["llama3"](hf_model.config, "cpu")[0].numpy()
+  ours = rope_inv_freq(cfg)
+  np.testing.assert_array_equal(ours, theirs)
+  plain = rope_inv_freq(hf.hf_to_model_config({**hf.model_config_to_hf(cfg), "rope_scaling": None,
+                                               "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}))
+  assert (ours == plain).sum() not in (0, len(ours))  # scaling moved some frequencies, kept others
+  cfg = hf.load_hf_config(ckpts["qwen2_moe_shared"][0])
+  assert (cfg.family, cfg.qk_norm, cfg.qkv_bias, cfg.shared_expert_d_ff, cfg.norm_topk_prob) == (
+      "qwen2_moe", False, True, 24, False)
+  assert cfg.moe_layers == (1,) and not cfg.tie_embeddings
+  for case in ("llama3_tied_scaled", "llama3_untied", "qwen2_moe_shared"):
+    cfg = hf.load_hf_config(ckpts[case][0])
+    assert hf.hf_to_model_config(hf.model_config_to_hf(cfg)) == cfg, case
+  with pytest.raises(hf.CheckpointError, match="attention_bias"):
+    hf.hf_to_model_config({**hf.model_config_to_hf(hf.load_hf_config(ckpts["llama3_untied"][0])),
+                           "attention_bias": True})
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_and_expert_ids_match_transformers(ckpts, case):
   path, hf_model = ckpts[case]
@@ -183,7 +234,8 @@ def test_logits_and_expert_ids_match_transformers(ckpts, case):
     np.testing.assert_array_equal(ids_BTLK[:, :, layer][VALID_BT], ref_ids[layer][VALID_BT])
 
 
-@pytest.mark.parametrize("case", ["dense_untied", "moe_norm_interleaved"])
+@pytest.mark.parametrize("case", ["dense_untied", "moe_norm_interleaved", "llama3_tied_scaled",
+                                  "qwen2_moe_shared"])
 def test_greedy_matches_transformers_generate(ckpts, case):
   path, hf_model = ckpts[case]
   model = hf.load_hf_model(path)
@@ -241,7 +293,7 @@ def test_sharded_load_equals_unsharded(ckpts, tmp_path, monkeypatch):
     assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
 
 
-@pytest.mark.parametrize("case", ["dense_tied", "moe_norm_interleaved"])
+@pytest.mark.parametrize("case", ["dense_tied", "moe_norm_interleaved", "llama3_untied", "qwen2_moe_shared"])
 def test_save_round_trip_and_transformers_reload(ckpts, case, tmp_path):
   path, hf_model = ckpts[case]
   model = hf.load_hf_model(path)

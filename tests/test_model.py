@@ -1,4 +1,6 @@
 """Model properties: KV cache == recompute, dropless MoE == naive loop, replay, remat, sharding."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,14 @@ MOE = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2
                   tie_embeddings=False, router_aux_loss_coef=0.01, init_std=0.2)
 DENSE = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                     d_ff=64, init_std=0.2)
+# The other families' switches (models/families): Llama 3 (no q/k norm, llama3 RoPE over a short
+# original context, so scaled frequencies show at these positions) and Qwen2-MoE (q/k/v biases, a
+# sigmoid-gated shared expert beside the routed ones, no top-k renormalization).
+LLAMA3 = dataclasses.replace(DENSE, family="llama3", qk_norm=False, rope_scaling="llama3", rope_factor=4.0,
+                             rope_original_max_positions=16, rope_theta=10_000.0)
+QWEN2_MOE = dataclasses.replace(MOE, family="qwen2_moe", qk_norm=False, qkv_bias=True, shared_expert_d_ff=24,
+                                norm_topk_prob=False)
+FAMILY_CASES = dict(argvalues=[DENSE, MOE, LLAMA3, QWEN2_MOE], ids=["dense", "moe", "llama3", "qwen2_moe"])
 
 
 def _tokens(b=4, t=7, seed=0, vocab=64):
@@ -37,7 +47,7 @@ def test_config_errors_name_the_key():
     ModelConfig(n_experts=4, n_experts_per_tok=5)
 
 
-@pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("cfg", **FAMILY_CASES)
 def test_kv_cache_decode_equals_full_recompute(cfg):
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   tok = _tokens(2, 9)
@@ -102,10 +112,14 @@ def test_no_token_dropped_under_maximally_skewed_router():
   assert np.all(np.abs(got).sum(-1) > 0), "a token got no expert output"
 
 
-def test_replay_with_natural_ids_reproduces_forward_exactly():
-  model = Transformer(MOE, rngs=nnx.Rngs(2))
+@pytest.mark.parametrize("cfg", [MOE, QWEN2_MOE], ids=["moe", "qwen2_moe"])
+def test_replay_with_natural_ids_reproduces_forward_exactly(cfg):
+  """Replaying a forward's own ids reproduces it; the record holds the routed experts only (one
+  entry per MoE layer, top-k wide: a shared expert never enters it)."""
+  model = Transformer(cfg, rngs=nnx.Rngs(2))
   tok = _tokens()
   nat = model(tok)
+  assert nat.expert_ids_BSLK.shape == (*tok.shape, cfg.n_moe_layers, cfg.n_experts_per_tok)
   rep = model(tok, replay_ids_BSLK=nat.expert_ids_BSLK)
   np.testing.assert_array_equal(rep.logits_BSV, nat.logits_BSV)
   np.testing.assert_array_equal(rep.expert_ids_BSLK, nat.expert_ids_BSLK)
@@ -159,7 +173,8 @@ def test_remat_gives_identical_loss_and_grads(cfg):
 @pytest.mark.parametrize("cfg,mesh_cfg", [
     (DENSE, sh.MeshConfig(data=2, fsdp=2, expert=1, tensor=2)),
     (MOE, sh.MeshConfig(data=1, fsdp=2, expert=2, tensor=2)),
-], ids=["dense", "moe"])
+    (QWEN2_MOE, sh.MeshConfig(data=1, fsdp=2, expert=2, tensor=2)),
+], ids=["dense", "moe", "qwen2_moe"])
 def test_sharded_equals_single_device(cfg, mesh_cfg):
   assert jax.device_count() == 8, "tests/conftest.py forces 8 host devices"
   mesh = sh.make_mesh(mesh_cfg)

@@ -13,6 +13,8 @@ PUBLISHED = {
     "qwen3-0.6b": dict(total=(0.6, 1), non_embedding=(0.44, 2)),
     "qwen3-1.7b": dict(total=(1.7, 1), non_embedding=(1.4, 1)),
     "qwen3-30b-a3b": dict(total=(30.5, 1), active=(3.3, 1)),
+    "llama3.1-8b": dict(total=(8.0, 1)),
+    "qwen1.5-moe-a2.7b": dict(total=(14.3, 1), active=(2.7, 1)),
 }
 
 
@@ -40,6 +42,16 @@ def test_preset_param_counts_match_transformers(name):
     ref = transformers.AutoModelForCausalLM.from_config(hf_cfg)
   assert counts.total == sum(p.numel() for p in ref.parameters())  # tied lm_head counted once
   assert hf.hf_to_model_config(hf.model_config_to_hf(cfg)) == cfg
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen1.5-moe-a2.7b"])
+def test_counts_read_expert_tags_in_either_layout(name):
+  """Routed experts are found by their `expert` tag: the scanned layout (dense MLPs stacked 3-D,
+  expert stacks 4-D) counts the same active parameters as the unrolled one."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  cfg = PRESETS[name]
+  assert count_params(dataclasses.replace(cfg, scan_layers=True)) == count_params(cfg)
+  assert count_params(cfg).active < count_params(cfg).total
 
 
 def test_preset_shapes():

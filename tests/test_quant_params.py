@@ -109,6 +109,30 @@ def test_quantize_params_replaces_only_linear_weights():
   assert np.all(np.abs(np.asarray(deq) - np.asarray(w)) <= amax / 127 * (0.5 + 1e-5))
 
 
+@pytest.mark.parametrize("family", ["llama3", "qwen2_moe"])
+def test_every_family_quantizes_its_linear_weights_only(family):
+  """On each family's real parameter tree (abstract): the projections, routed experts and the shared
+  expert's MLP become QTensors; q/k/v biases, the shared-expert gate, router, norms and embedding do not."""
+  from rl_jax.models import families  # pylint: disable=g-import-not-at-top
+  from rl_jax.models.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  switches = {"llama3": dict(family="llama3", qk_norm=False),
+              "qwen2_moe": dict(family="qwen2_moe", qk_norm=False, qkv_bias=True, shared_expert_d_ff=24,
+                                n_experts=4, moe_d_ff=16)}[family]
+  cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+                    tie_embeddings=False, **switches)
+  tree = nnx.to_pure_dict(nnx.state(families.abstract_model(cfg)))
+  q = jax.eval_shape(lambda t: quantize_params(t, QuantConfig.preset("int8_wa_int4_kv")), tree)
+  leaves = jax.tree_util.tree_flatten_with_path(q, is_leaf=lambda x: isinstance(x, QTensor))[0]
+  flat = {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): v for path, v in leaves}
+  quantized = {k for k, v in flat.items() if isinstance(v, QTensor)}
+  linear = {k for k in flat if k.rsplit("/", 1)[-1] in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+  assert quantized == linear and linear
+  if family == "qwen2_moe":
+    assert {"layers/0/shared_ffn/w_gate", "layers/0/ffn/w_gate"} <= quantized
+    for k in ("layers/0/attn/bq", "layers/0/w_shared_gate", "layers/0/ffn/w_router"):
+      assert k in flat and k not in quantized, k
+
+
 def test_quantize_params_lm_head_plain_formats_and_4bit_packing():
   tree = jax.eval_shape(_tree)
   cfg = QuantConfig(weights=WeightSpec("fp4", block_size=8), quantize_lm_head=True)

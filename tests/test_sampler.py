@@ -27,12 +27,21 @@ T = 10  # max_new_tokens
 LOGQ_ATOL = 2e-5
 
 
-def _model(moe: bool) -> Transformer:
+# The other families' switches (models/families), on the same shapes.
+FAMILY_SWITCHES = {
+    "llama3": dict(family="llama3", qk_norm=False, rope_scaling="llama3", rope_factor=4.0,
+                   rope_original_max_positions=16, rope_theta=10_000.0),
+    "qwen2_moe": dict(family="qwen2_moe", qk_norm=False, qkv_bias=True, shared_expert_d_ff=24,
+                      norm_topk_prob=False),
+}
+
+
+def _model(moe: bool, family: str = "qwen3") -> Transformer:
   # init_std 0.2 and untied embeddings give peaked, non-repetitive next-token
   # distributions, so greedy argmaxes are far from ties.
   cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
                     n_experts=4 if moe else 0, n_experts_per_tok=2, moe_d_ff=32, init_std=0.2,
-                    tie_embeddings=False)
+                    tie_embeddings=False, **FAMILY_SWITCHES.get(family, {}))
   return Transformer(cfg, rngs=nnx.Rngs(0))
 
 
@@ -181,6 +190,17 @@ def test_zero_mismatch_logq_topk_experts(model, monkeypatch):
 
 def test_greedy_kv_cache_equals_full_recompute(model):
   """Greedy: cached decode == `greedy_reference` token for token; batch == each prompt alone."""
+  _check_greedy(model)
+
+
+@pytest.mark.parametrize("family,moe", [("llama3", False), ("qwen2_moe", True)])
+def test_greedy_kv_cache_equals_full_recompute_other_families(family, moe):
+  """The same check on the Llama 3 and Qwen2-MoE switches (biased q/k/v and the shared expert run
+  through the sampler's prefill and cached decode)."""
+  _check_greedy(_model(moe, family))
+
+
+def _check_greedy(model):
   graphdef, state = nnx.split(model)
   toks, valid = _prompts([3, 8, 5, 1, 6, 2], seed=3)
   left, lvalid = _prompts([3, 8, 5, 1, 6, 2], seed=3, right=False)  # the same prompts, left-padded

@@ -107,3 +107,17 @@ def test_single_kv_head_holds_to_a_few_ulp():
   logits = nnx.merge(graphdef, params)(ro.tokens_BS, ro.positions_BS, ro.valid_BS).logits_BSV
   argmax_BT = np.asarray(jnp.argmax(logits, -1))[:, P - 1:P - 1 + T]
   np.testing.assert_array_equal(argmax_BT[mask], np.asarray(ro.response_BT)[mask])
+
+
+@pytest.mark.slow  # ~3 min: the file again in a fresh process
+def test_the_certificate_holds_at_llvms_default_level():
+  """The suite compiles with LLVM at -O0 (tests/conftest.py); this reruns the file's default tests at
+  the level a user's programs get, so the bitwise claims hold where they are used."""
+  import os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  env = {**os.environ, "RL_JAX_TEST_XLA_OPT": "default",
+         "XLA_FLAGS": " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                               if "xla_backend_optimization_level" not in f)}
+  proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__],
+                        env=env, capture_output=True, text=True, timeout=1800, check=False)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+  assert " passed" in proc.stdout and "failed" not in proc.stdout

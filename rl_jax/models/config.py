@@ -1,4 +1,4 @@
-"""ModelConfig: the shape of a Qwen3 dense / Qwen3-MoE decoder, validated at the boundary."""
+"""ModelConfig: the shape of a decoder of a registered family (models/families), validated at the boundary."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,9 +13,14 @@ DType = Literal["float32", "bfloat16"]
 class ModelConfig:
   """Decoder-only transformer hyper-parameters (Qwen3 / Qwen3-MoE naming in comments).
 
+  `family` names the registered family (rl_jax/models/families) whose HF mapping and defaults
+  the config follows; the block-construction switches below (q/k norm, q/k/v biases, RoPE
+  scaling, shared experts) are what a family sets, so the model code reads switches, not names.
+
   MoE layers follow transformers' Qwen3-MoE rule: layer `i` is MoE iff
   `n_experts > 0`, `i not in mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`.
   """
+  family: str = "qwen3"        # rl_jax.models.families: qwen3 (dense + MoE), llama3, qwen2_moe
   vocab_size: int = 64
   d_model: int = 64            # hidden_size
   n_layers: int = 2            # num_hidden_layers
@@ -50,6 +55,20 @@ class ModelConfig:
   # accumulation (rl_jax/batch_invariant.py). Slow: a certificate, not a training setting.
   batch_invariant: bool = False
   rope_theta: float = 1_000_000.0
+  # Block-construction switches (set by the family; docs/architecture.md#extending).
+  qk_norm: bool = True         # per-head RMSNorm of q and k before RoPE (Qwen3, not Llama / Qwen2)
+  qkv_bias: bool = False       # biases on the q / k / v projections (Qwen2-MoE)
+  # RoPE frequency scaling: "none", or "llama3" (long wavelengths divided by rope_factor, a smooth
+  # blend between low_freq_factor and high_freq_factor of the original context length).
+  rope_scaling: Literal["none", "llama3"] = "none"
+  rope_factor: float = 8.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_positions: int = 8192
+  # A shared expert in every MoE layer (Qwen2-MoE): a SwiGLU MLP of this width that every token
+  # runs, scaled by sigmoid(x w_shared_gate) and added to the routed experts' output; it never
+  # enters the routing record. 0 = none.
+  shared_expert_d_ff: int = 0
   rms_eps: float = 1e-6
   tie_embeddings: bool = True
   dtype: DType = "float32"        # compute dtype
@@ -79,6 +98,15 @@ class ModelConfig:
               f"must be in [1, n_experts={self.n_experts}], got {self.n_experts_per_tok}")
       require(self.moe_d_ff > 0, "model.moe_d_ff", "must be positive for an MoE model")
       require(self.decoder_sparse_step >= 1, "model.decoder_sparse_step", "must be >= 1")
+    require(self.rope_scaling in ("none", "llama3"), "model.rope_scaling",
+            f"must be 'none' or 'llama3', got {self.rope_scaling!r}")
+    if self.rope_scaling == "llama3":
+      require(self.rope_factor > 0 and self.rope_original_max_positions > 0, "model.rope_factor",
+              "llama3 RoPE scaling needs rope_factor > 0 and rope_original_max_positions > 0")
+      require(self.rope_high_freq_factor > self.rope_low_freq_factor > 0, "model.rope_high_freq_factor",
+              f"must exceed rope_low_freq_factor > 0, got {self.rope_high_freq_factor} and "
+              f"{self.rope_low_freq_factor}")
+    require(self.shared_expert_d_ff >= 0, "model.shared_expert_d_ff", "must be >= 0")
     bad = [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]
     require(not bad, "model.mlp_only_layers", f"layer indices {bad} outside [0, {self.n_layers})")
 

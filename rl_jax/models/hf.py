@@ -1,7 +1,7 @@
-"""Hugging Face Qwen3 / Qwen3-MoE checkpoints as rl_jax Transformers: config mapping and name plan.
+"""Hugging Face checkpoints as rl_jax Transformers: generic sharded loading and streamed saving.
 
-The file format itself (headers, sharded indexes, streamed writes) is `safetensors_io`;
-this module only knows which HF tensor feeds which parameter, in which layout.
+The file format itself (headers, sharded indexes, streamed writes) is `safetensors_io`; which HF
+tensor feeds which parameter and the config.json mapping belong to each family (`models/families`).
 """
 from __future__ import annotations
 
@@ -15,63 +15,32 @@ import jax
 import numpy as np
 from flax import nnx
 
+from rl_jax.models import families
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.safetensors_io import (DTYPE_TO_ST, INDEX_FILE, SINGLE_FILE,  # noqa: F401
                                           ST_TO_NP, CheckpointError, Reader, TensorRef,
                                           equal_tensors, index_tensors, norm_index, plan_shards,
                                           read_json, write_index, write_safetensors)
+from rl_jax.models.families import TensorEntry
 from rl_jax.models.transformer import Transformer
 from rl_jax.sharding import state_shardings
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = tuple(families.MODEL_TYPES)
+
 CONFIG_FILE = "config.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-# transformers' PretrainedConfig default when a config has no RoPE keys at all.
-_HF_DEFAULT_ROPE_THETA = 10_000.0
 
 # --------------------------------------------------------------------------------------------------
-# config.json <-> ModelConfig
+# config.json <-> ModelConfig: each family's own mapping (rl_jax/models/families)
 
 
 def _config_path(path: str) -> str:
   return path if path.endswith(".json") else os.path.join(path, CONFIG_FILE)
 
 
-def _rope_theta(hf: Mapping[str, Any], where: str) -> float:
-  """rope_theta across transformers versions: `rope_parameters` (>= 5) or top-level (4.x)."""
-  for key in ("rope_parameters", "rope_scaling"):
-    params = hf.get(key)
-    if params is None:
-      continue
-    if not isinstance(params, Mapping):
-      raise CheckpointError(f"{where}: key '{key}' must be a mapping or null, got {params!r}")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-      raise CheckpointError(f"{where}: key '{key}' has rope_type {rope_type!r}; only the default "
-                            "(unscaled) RoPE of Qwen3 is implemented")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-      raise CheckpointError(f"{where}: key '{key}.partial_rotary_factor' != 1 is not supported")
-    if "rope_theta" in params:
-      return _float(params["rope_theta"], f"{key}.rope_theta", where)
-  return _float(hf.get("rope_theta", _HF_DEFAULT_ROPE_THETA), "rope_theta", where)
-
-
-def _float(value, key: str, where: str) -> float:
-  if isinstance(value, bool) or not isinstance(value, (int, float)):
-    raise CheckpointError(f"{where}: key '{key}' = {value!r} is not a number")
-  return float(value)
-
-
-def _checkpoint_dtype(hf: Mapping[str, Any]) -> str:
-  """ModelConfig dtype for a checkpoint's declared dtype (float16 -> float32: lossless)."""
-  name = hf.get("dtype", hf.get("torch_dtype")) or "float32"
-  name = str(name).replace("torch.", "")
-  return "bfloat16" if name == "bfloat16" else "float32"
-
-
 def hf_to_model_config(hf: Mapping[str, Any], *, where: str = CONFIG_FILE, dtype: str | None = None,
                        param_dtype: str | None = None, **overrides) -> ModelConfig:
-  """Maps a Qwen3 / Qwen3-MoE `config.json` dict to ModelConfig.
+  """Maps a `config.json` dict of a registered family (`families.MODEL_TYPES`) to ModelConfig.
 
   Args:
     hf: the parsed config.json.
@@ -81,69 +50,11 @@ def hf_to_model_config(hf: Mapping[str, Any], *, where: str = CONFIG_FILE, dtype
     **overrides: further ModelConfig fields (e.g. remat=True, router_aux_loss_coef=1e-3).
   """
   model_type = hf.get("model_type")
-  if model_type not in SUPPORTED_MODEL_TYPES:
+  if model_type not in families.MODEL_TYPES:
     raise CheckpointError(f"{where}: key 'model_type' = {model_type!r} is not supported; "
                           f"supported: {list(SUPPORTED_MODEL_TYPES)}")
-
-  def num(key, cast, default=None, required=False):
-    """hf[key] as int / float; a missing or null key gives `default` (or fails if required)."""
-    value = hf.get(key)
-    if value is None:
-      if required:
-        raise CheckpointError(f"{where}: required key '{key}' is missing (model_type {model_type!r})")
-      return default
-    # JSON numbers only: int("32") would accept a string and int(32.5) would truncate.
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-        or (cast is int and not float(value).is_integer())):
-      kind = "an integer" if cast is int else "a number"
-      raise CheckpointError(f"{where}: key '{key}' = {value!r} is not {kind}")
-    return cast(value)
-
-  def need(key, cast=int):
-    return num(key, cast, required=True)
-
-  if hf.get("hidden_act", "silu") != "silu":
-    raise CheckpointError(f"{where}: key 'hidden_act' = {hf['hidden_act']!r}; only 'silu' is supported")
-  if hf.get("attention_bias", False):
-    raise CheckpointError(f"{where}: key 'attention_bias' = true is not supported (Qwen3 has none)")
-  if hf.get("use_sliding_window", False):
-    raise CheckpointError(f"{where}: key 'use_sliding_window' = true is not supported")
-  n_heads = need("num_attention_heads")
-  d_model = need("hidden_size")
-  kw = dict(
-      vocab_size=need("vocab_size"),
-      d_model=d_model,
-      n_layers=need("num_hidden_layers"),
-      n_heads=n_heads,
-      # `or`: transformers treats a 0 / null kv-head count or head_dim as "not set".
-      n_kv_heads=num("num_key_value_heads", int) or n_heads,
-      head_dim=num("head_dim", int) or d_model // n_heads,
-      d_ff=need("intermediate_size"),
-      rope_theta=_rope_theta(hf, where),
-      rms_eps=num("rms_norm_eps", float, 1e-6),
-      # Both Qwen3 config classes default to untied embeddings.
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      init_std=num("initializer_range", float, 0.02),
-  )
-  if model_type == "qwen3_moe":
-    # transformers >= 5 writes num_local_experts (num_experts is an attribute alias).
-    n_experts_key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
-    if hf.get(n_experts_key) is None:
-      raise CheckpointError(f"{where}: required key 'num_experts' (or 'num_local_experts') is missing")
-    mlp_only = hf.get("mlp_only_layers") or ()
-    if not isinstance(mlp_only, (list, tuple)) or not all(
-        isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
-      raise CheckpointError(f"{where}: key 'mlp_only_layers' = {mlp_only!r} is not a list of "
-                            "layer indices")
-    kw.update(
-        n_experts=need(n_experts_key),
-        n_experts_per_tok=need("num_experts_per_tok"),
-        moe_d_ff=num("moe_intermediate_size", int, 768),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-        decoder_sparse_step=num("decoder_sparse_step", int, 1),
-        mlp_only_layers=tuple(mlp_only),
-    )
-  dtype = dtype or _checkpoint_dtype(hf)
+  kw = families.MODEL_TYPES[model_type].config_kwargs(families.HfReader(hf, where))
+  dtype = dtype or families.checkpoint_dtype(hf)
   kw.update(dtype=dtype, param_dtype=param_dtype or dtype)
   kw.update(overrides)
   try:
@@ -162,44 +73,8 @@ def load_hf_config(path: str, *, dtype: str | None = None, param_dtype: str | No
 
 def model_config_to_hf(cfg: ModelConfig, *, dtype: str | None = None,
                        extra: Mapping[str, Any] | None = None) -> dict:
-  """config.json for `cfg` readable by transformers 4.51+ and 5.x (both RoPE spellings)."""
-  moe = cfg.n_experts > 0
-  hf = {
-      "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
-      "model_type": "qwen3_moe" if moe else "qwen3",
-      "vocab_size": cfg.vocab_size,
-      "hidden_size": cfg.d_model,
-      "intermediate_size": cfg.d_ff,
-      "num_hidden_layers": cfg.n_layers,
-      "num_attention_heads": cfg.n_heads,
-      "num_key_value_heads": cfg.n_kv_heads,
-      "head_dim": cfg.head_dim,
-      "hidden_act": "silu",
-      "attention_bias": False,
-      "attention_dropout": 0.0,
-      "max_position_embeddings": 40960,
-      "rms_norm_eps": cfg.rms_eps,
-      "rope_theta": cfg.rope_theta,
-      "rope_scaling": None,
-      "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-      "tie_word_embeddings": cfg.tie_embeddings,
-      "initializer_range": cfg.init_std,
-      "use_sliding_window": False,
-      "sliding_window": None,
-      "use_cache": True,
-      "torch_dtype": dtype or cfg.param_dtype,
-  }
-  if moe:
-    hf.update(
-        num_experts=cfg.n_experts,
-        num_experts_per_tok=cfg.n_experts_per_tok,
-        moe_intermediate_size=cfg.moe_d_ff,
-        norm_topk_prob=cfg.norm_topk_prob,
-        decoder_sparse_step=cfg.decoder_sparse_step,
-        mlp_only_layers=list(cfg.mlp_only_layers),
-        router_aux_loss_coef=cfg.router_aux_loss_coef,
-        output_router_logits=False,
-    )
+  """config.json for `cfg` (its family's mapping), readable by transformers 4.x and 5.x."""
+  hf = families.of(cfg).to_hf(cfg, dtype or cfg.param_dtype)
   hf.update(extra or {})
   return hf
 
@@ -208,21 +83,7 @@ def model_config_to_hf(cfg: ModelConfig, *, dtype: str | None = None,
 # Parameter <-> HF tensor plan
 
 
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-  """One rl_jax parameter and the HF tensor(s) it comes from.
-
-  kind: 'plain' (same layout), 'transpose' (HF Linear [out, in] -> [in, out]),
-  'experts' (per-expert [out, in] tensors -> stacked [E, in, out]) or, in the scanned
-  layout, 'stacked' (`layers`: one per-layer entry per index of the leading layer axis).
-  """
-  path: tuple
-  kind: str
-  names: tuple[str, ...]
-  layers: tuple["_Entry", ...] = ()
-
-
-def _stack_plan(plan: list[_Entry], cfg: ModelConfig) -> list[_Entry]:
+def _stack_plan(plan: list[TensorEntry], cfg: ModelConfig) -> list[TensorEntry]:
   """The unrolled plan regrouped for the scanned layout: `layers.{i}.X` of each layer group
   becomes one 'stacked' entry `layer_groups.{g}.X` (see transformer.stack_layers)."""
   by_path = {e.path: e for e in plan}
@@ -234,36 +95,14 @@ def _stack_plan(plan: list[_Entry], cfg: ModelConfig) -> list[_Entry]:
       if e.path[:2] != ("layers", start):
         continue
       sub = [by_path[("layers", start + j) + e.path[2:]] for j in range(n)]
-      out.append(_Entry(("layer_groups", g) + e.path[2:], "stacked",
+      out.append(TensorEntry(("layer_groups", g) + e.path[2:], "stacked",
                         tuple(name for x in sub for name in x.names), tuple(sub)))
   return out + tail
 
 
-def _plan(cfg: ModelConfig) -> list[_Entry]:
-  """All parameters in HF checkpoint order; the one place the name mapping lives."""
-  out = [_Entry(("embedding",), "plain", ("model.embed_tokens.weight",))]
-  moe = set(cfg.moe_layers)
-  for i in range(cfg.n_layers):
-    p = f"model.layers.{i}."
-    L = ("layers", i)
-    out.append(_Entry(L + ("attn_norm", "scale"), "plain", (p + "input_layernorm.weight",)))
-    for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-      out.append(_Entry(L + ("attn", ours), "transpose", (f"{p}self_attn.{theirs}.weight",)))
-    out.append(_Entry(L + ("attn", "q_norm", "scale"), "plain", (p + "self_attn.q_norm.weight",)))
-    out.append(_Entry(L + ("attn", "k_norm", "scale"), "plain", (p + "self_attn.k_norm.weight",)))
-    out.append(_Entry(L + ("ffn_norm", "scale"), "plain", (p + "post_attention_layernorm.weight",)))
-    projections = (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
-    if i in moe:
-      out.append(_Entry(L + ("ffn", "w_router"), "transpose", (p + "mlp.gate.weight",)))
-      for ours, theirs in projections:
-        names = tuple(f"{p}mlp.experts.{e}.{theirs}.weight" for e in range(cfg.n_experts))
-        out.append(_Entry(L + ("ffn", ours), "experts", names))
-    else:
-      for ours, theirs in projections:
-        out.append(_Entry(L + ("ffn", ours), "transpose", (f"{p}mlp.{theirs}.weight",)))
-  out.append(_Entry(("final_norm", "scale"), "plain", ("model.norm.weight",)))
-  if not cfg.tie_embeddings:
-    out.append(_Entry(("w_unembed",), "transpose", ("lm_head.weight",)))
+def _plan(cfg: ModelConfig) -> list[TensorEntry]:
+  """All parameters in HF checkpoint order: the family's name plan, regrouped when scanned."""
+  out = families.of(cfg).tensor_plan(cfg)
   return _stack_plan(out, cfg) if cfg.scan_layers else out
 
 
@@ -280,8 +119,8 @@ def _fused_names(prefix: str) -> tuple[str, str]:
   return prefix + "mlp.experts.gate_up_proj", prefix + "mlp.experts.down_proj"
 
 
-def _resolve(plan: list[_Entry], shapes: Mapping[tuple, tuple], refs: Mapping[str, TensorRef],
-             cfg: ModelConfig, path: str) -> list[tuple[_Entry, str, tuple[TensorRef, ...]]]:
+def _resolve(plan: list[TensorEntry], shapes: Mapping[tuple, tuple], refs: Mapping[str, TensorRef],
+             cfg: ModelConfig, path: str) -> list[tuple[TensorEntry, str, tuple[TensorRef, ...]]]:
   """Matches the plan against the checkpoint's tensors, raising on any missing / extra / misshapen one.
 
   Returns (entry, read kind, refs) per parameter. MoE layers accept the hub's
@@ -308,7 +147,7 @@ def _resolve(plan: list[_Entry], shapes: Mapping[tuple, tuple], refs: Mapping[st
                           f"{'/'.join(map(str, param_path))}); files: "
                           f"{sorted({fname(r) for r in refs.values()})}")
 
-  def resolve(entry: _Entry, shape: tuple):
+  def resolve(entry: TensorEntry, shape: tuple):
     if entry.kind == "stacked":  # scanned layout: resolve each layer against its slice's shape
       return entry, "stacked", tuple(resolve(sub, shape[1:]) for sub in entry.layers)
     if entry.kind == "experts" and entry.names[0] not in refs:
@@ -343,7 +182,7 @@ def _resolve(plan: list[_Entry], shapes: Mapping[tuple, tuple], refs: Mapping[st
     if (name == "lm_head.weight" and cfg.tie_embeddings) or name.endswith("rotary_emb.inv_freq"):
       continue
     raise CheckpointError(f"unexpected tensor '{name}' in file '{fname(ref)}': not a parameter of "
-                          f"this {'qwen3_moe' if cfg.n_experts else 'qwen3'} config ({path})")
+                          f"this {families.of(cfg).hf_model_type(cfg)} config ({path})")
   return out
 
 
@@ -403,7 +242,7 @@ def _state_paths(state) -> dict[tuple, Any]:
 
 def load_hf_model(path: str, *, mesh: jax.sharding.Mesh | None = None, dtype: str | None = None,
                   param_dtype: str | None = None, **overrides) -> Transformer:
-  """Builds a Transformer from a local HF Qwen3 / Qwen3-MoE checkpoint directory.
+  """Builds a Transformer from a local HF checkpoint directory of a registered family.
 
   The model is created abstractly (`nnx.eval_shape`, no memory), then each
   parameter is made with `jax.make_array_from_callback` directly in its target
@@ -431,7 +270,7 @@ def load_hf_model(path: str, *, mesh: jax.sharding.Mesh | None = None, dtype: st
   refs = index_tensors(path)
   reader = Reader()
   cfg = _untie_if_head_differs(cfg, refs, reader, path)
-  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  abstract = families.abstract_model(cfg)
   graphdef, state = nnx.split(abstract)
   variables = _state_paths(state)
   shapes = {p: tuple(v.get_value().shape) for p, v in variables.items()}
@@ -474,7 +313,7 @@ def _to_host(x: jax.Array) -> np.ndarray:
 def save_hf_checkpoint(model: Transformer, path: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                        dtype: str | None = None, extra_config: Mapping[str, Any] | None = None,
                        overwrite: bool = False) -> list[str]:
-  """Writes `model` as a HF Qwen3 / Qwen3-MoE checkpoint (hub layout, per-expert MoE tensors).
+  """Writes `model` as a HF checkpoint of its family (hub layout, per-expert MoE tensors).
 
   Files: config.json, model.safetensors or model-0000i-of-0000n.safetensors plus
   model.safetensors.index.json when the tensors exceed `max_shard_bytes`.

@@ -1,8 +1,9 @@
-"""Qwen3 building blocks: RMSNorm, RoPE, GQA attention with q/k-norm (kernels in attention.py), SwiGLU MLP."""
+"""Decoder blocks: RMSNorm, RoPE (plain / llama3-scaled), GQA attention (kernels in attention.py), SwiGLU MLP."""
 from __future__ import annotations
 
 import chex
 import einops
+import numpy as np
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -22,11 +23,12 @@ def dtype_of(name: str):
   return _DTYPES[name]
 
 
-def param(rngs: nnx.Rngs, shape, axes, cfg: ModelConfig, std: float | None = None) -> nnx.Param:
-  """A normal-initialized parameter annotated with logical axis names (see sharding.py)."""
+def param(rngs: nnx.Rngs, shape, axes, cfg: ModelConfig, std: float | None = None, **tags) -> nnx.Param:
+  """A normal-initialized parameter annotated with logical axis names (see sharding.py) and tags
+  (`expert=True` on routed-expert stacks: parameter counts and the planner read it)."""
   std = cfg.init_std if std is None else std
   value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-  return nnx.Param(value.astype(dtype_of(cfg.param_dtype)), axes=axes)
+  return nnx.Param(value.astype(dtype_of(cfg.param_dtype)), axes=axes, **tags)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -45,10 +47,32 @@ class RMSNorm(nnx.Module):
     return rms_norm(x, self.scale.get_value(), self.eps)
 
 
-def rope(x_BSHD: jax.Array, positions_BS: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding, half-split ("rotate_half") layout as in transformers' Qwen3."""
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+  """RoPE's inverse frequencies `[head_dim / 2]` (float32), with the config's frequency scaling.
+
+  llama3 scaling keeps wavelengths shorter than original_context / high_freq_factor, divides
+  those longer than original_context / low_freq_factor by `rope_factor`, and between the two
+  blends the kept and divided frequency linearly in original_context / wavelength.
+  """
+  d = cfg.head_dim
+  inv_freq_F = (1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))))
+  inv_freq_F = inv_freq_F.astype(np.float32)
+  if cfg.rope_scaling == "none":
+    return inv_freq_F
+  old_ctx = np.float32(cfg.rope_original_max_positions)
+  low, high, factor = (np.float32(cfg.rope_low_freq_factor), np.float32(cfg.rope_high_freq_factor),
+                       np.float32(cfg.rope_factor))
+  wavelen_F = np.float32(2 * np.pi) / inv_freq_F
+  scaled_F = np.where(wavelen_F > old_ctx / low, inv_freq_F / factor, inv_freq_F)
+  smooth_F = (old_ctx / wavelen_F - low) / (high - low)
+  blended_F = (1 - smooth_F) * scaled_F / factor + smooth_F * scaled_F
+  medium_F = (wavelen_F >= old_ctx / high) & (wavelen_F <= old_ctx / low)
+  return np.where(medium_F, blended_F, scaled_F).astype(np.float32)
+
+
+def rope(x_BSHD: jax.Array, positions_BS: jax.Array, inv_freq_F) -> jax.Array:
+  """Rotary embedding, half-split ("rotate_half") layout as in transformers' Qwen3 / Llama."""
   d = x_BSHD.shape[-1]
-  inv_freq_F = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))  # F = D / 2
   angles_BSF = positions_BS.astype(jnp.float32)[..., None] * inv_freq_F
   cos_BS1F = jnp.cos(angles_BSF)[:, :, None, :]
   sin_BS1F = jnp.sin(angles_BSF)[:, :, None, :]
@@ -59,7 +83,7 @@ def rope(x_BSHD: jax.Array, positions_BS: jax.Array, theta: float) -> jax.Array:
 
 
 class Attention(nnx.Module):
-  """Grouped-query attention with per-head q/k RMSNorm (Qwen3), optional KV cache."""
+  """Grouped-query attention, optional per-head q/k RMSNorm (Qwen3) and q/k/v biases (Qwen2), KV cache."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
@@ -68,8 +92,20 @@ class Attention(nnx.Module):
     self.wk = param(rngs, (d, kv * hd), ("embed", "kv_heads"), cfg)
     self.wv = param(rngs, (d, kv * hd), ("embed", "kv_heads"), cfg)
     self.wo = param(rngs, (h * hd, d), ("heads", "embed"), cfg)
-    self.q_norm = RMSNorm(hd, cfg)
-    self.k_norm = RMSNorm(hd, cfg)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(hd, cfg)
+      self.k_norm = RMSNorm(hd, cfg)
+    if cfg.qkv_bias:
+      self.bq = param(rngs, (h * hd,), ("heads",), cfg)
+      self.bk = param(rngs, (kv * hd,), ("kv_heads",), cfg)
+      self.bv = param(rngs, (kv * hd,), ("kv_heads",), cfg)
+
+  def _project(self, x_BSD, name: str):
+    """x @ w (+ b): one head-split projection `[B, S, heads, head dim]`."""
+    y = linear(x_BSD, getattr(self, "w" + name).get_value())
+    if self.cfg.qkv_bias:
+      y = y + getattr(self, "b" + name).get_value().astype(y.dtype)
+    return einops.rearrange(y, "b s (h d) -> b s h d", d=self.cfg.head_dim)
 
   def __call__(self, x_BSD, positions_BS, kv_valid_BC, cache=None, cache_index=None):
     """Returns (out_BSD, cache'); keys are the S new tokens, or all C cache slots with a cache.
@@ -80,12 +116,12 @@ class Attention(nnx.Module):
     """
     cfg = self.cfg
     hd = cfg.head_dim
-    heads = lambda y: einops.rearrange(y, "b s (h d) -> b s h d", d=hd)
-    q_BSHD = self.q_norm(heads(linear(x_BSD, self.wq.get_value())))
-    k_BSGD = self.k_norm(heads(linear(x_BSD, self.wk.get_value())))
-    v_BSGD = heads(linear(x_BSD, self.wv.get_value()))
-    q_BSHD = rope(q_BSHD, positions_BS, cfg.rope_theta)
-    k_BSGD = rope(k_BSGD, positions_BS, cfg.rope_theta)
+    q_BSHD, k_BSGD, v_BSGD = (self._project(x_BSD, n) for n in "qkv")
+    if cfg.qk_norm:
+      q_BSHD, k_BSGD = self.q_norm(q_BSHD), self.k_norm(k_BSGD)
+    inv_freq_F = rope_inv_freq(cfg)
+    q_BSHD = rope(q_BSHD, positions_BS, inv_freq_F)
+    k_BSGD = rope(k_BSGD, positions_BS, inv_freq_F)
     b, s = x_BSD.shape[:2]
     # Query head h = g * R + r reads kv head g (transformers' repeat_kv order).
     q_BSGRD = einops.rearrange(q_BSHD, "b s (g r) d -> b s g r d", g=cfg.n_kv_heads)
@@ -128,8 +164,8 @@ def _decode_attention(q_BGRD, kT_BGDC, v_BGCD, mask_BC):
 class MLP(nnx.Module):
   """SwiGLU feed-forward: down(silu(x W_gate) * x W_up)."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    d, f = cfg.d_model, cfg.d_ff
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, d_ff: int | None = None):
+    d, f = cfg.d_model, (cfg.d_ff if d_ff is None else d_ff)
     self.w_gate = param(rngs, (d, f), ("embed", "mlp"), cfg)
     self.w_up = param(rngs, (d, f), ("embed", "mlp"), cfg)
     self.w_down = param(rngs, (f, d), ("mlp", "embed"), cfg)

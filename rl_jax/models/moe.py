@@ -299,9 +299,9 @@ class MoE(nnx.Module):
     e, d, f = cfg.n_experts, cfg.d_model, cfg.moe_d_ff
     self.w_router = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (d, e), jnp.float32),
                               axes=("embed", None))
-    self.w_gate = param(rngs, (e, d, f), ("expert", "embed", "mlp"), cfg)
-    self.w_up = param(rngs, (e, d, f), ("expert", "embed", "mlp"), cfg)
-    self.w_down = param(rngs, (e, f, d), ("expert", "mlp", "embed"), cfg)
+    self.w_gate = param(rngs, (e, d, f), ("expert", "embed", "mlp"), cfg, expert=True)
+    self.w_up = param(rngs, (e, d, f), ("expert", "embed", "mlp"), cfg, expert=True)
+    self.w_down = param(rngs, (e, f, d), ("expert", "mlp", "embed"), cfg, expert=True)
 
   def __call__(self, x_BSD, valid_BS, replay_ids_BSK=None, replay_mask_BS=None):
     """Returns (y_BSD, ids_BSK used, router_logits_BSE, aux_loss, overflow).

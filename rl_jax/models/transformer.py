@@ -1,4 +1,4 @@
-"""Decoder-only transformer implementing Qwen3 (dense) and Qwen3-MoE, with KV cache and replay.
+"""Decoder-only transformer of every family (Qwen3 / Qwen3-MoE, Llama 3, Qwen2-MoE), with KV cache and replay.
 
 Two parameter layouts: unrolled (`layers.{i}`, one Block per layer) and scanned
 (`ModelConfig.scan_layers`: `layer_groups.{g}`, one Block per run of same-kind layers
@@ -39,7 +39,8 @@ class ModelOutput:
 
 
 class Block(nnx.Module):
-  """Pre-norm decoder layer: x + attn(norm(x)); x + ffn(norm(x)), ffn dense or MoE."""
+  """Pre-norm decoder layer: x + attn(norm(x)); x + ffn(norm(x)), ffn dense or MoE (MoE: plus a
+  sigmoid-gated shared expert when `shared_expert_d_ff`, outside the routing)."""
 
   def __init__(self, cfg: ModelConfig, is_moe: bool, *, rngs: nnx.Rngs):
     self.is_moe = is_moe
@@ -47,6 +48,17 @@ class Block(nnx.Module):
     self.attn = Attention(cfg, rngs=rngs)
     self.ffn_norm = RMSNorm(cfg.d_model, cfg)
     self.ffn = MoE(cfg, rngs=rngs) if is_moe else MLP(cfg, rngs=rngs)
+    self.has_shared = is_moe and cfg.shared_expert_d_ff > 0
+    if self.has_shared:
+      self.shared_ffn = MLP(cfg, rngs=rngs, d_ff=cfg.shared_expert_d_ff)
+      self.w_shared_gate = param(rngs, (cfg.d_model, 1), ("embed", None), cfg)
+
+  def _shared(self, h_BSD):
+    """sigmoid(h w_shared_gate) * shared_mlp(h): the expert every token runs (Qwen2-MoE)."""
+    b, s, d = h_BSD.shape
+    h_ND = h_BSD.reshape(b * s, d)
+    gate_N1 = jax.nn.sigmoid(linear(h_ND, self.w_shared_gate.get_value()))
+    return (gate_N1 * self.shared_ffn(h_ND)).reshape(b, s, d)
 
   def __call__(self, x_BSD, positions_BS, kv_valid_BC, valid_BS, cache, cache_index, replay_ids_BSK,
                replay_mask_BS):
@@ -57,6 +69,8 @@ class Block(nnx.Module):
     if self.is_moe:
       y_BSD, ids_BSK, router_BSE, aux, overflow = self.ffn(h_BSD, valid_BS, replay_ids_BSK,
                                                            replay_mask_BS)
+      if self.has_shared:
+        y_BSD = y_BSD + self._shared(h_BSD)
     else:
       # The dense MLP on [N, D] rows: fed [B, S, D], XLA:CPU's backward writes its [N, F]
       # activation gradients transposed (a strided copy per matmul), about 2x the MLP's time.

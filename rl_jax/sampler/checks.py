@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rl_jax.config_utils import require
-from rl_jax.models import ModelConfig, Transformer
+from rl_jax.models import ModelConfig, families
 from rl_jax.quant import kv as qkv
 from rl_jax.quant.params import quantize_params
 from rl_jax.sampler.config import SamplerConfig
@@ -14,7 +14,7 @@ from rl_jax.sampler.config import SamplerConfig
 
 def check_sampler_fits(model_cfg: ModelConfig, s: SamplerConfig) -> None:
   """Quantization block sizes must divide the model's shapes: checked abstractly (no memory)."""
-  _, state = nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
+  _, state = nnx.split(families.abstract_model(model_cfg))
   jax.eval_shape(lambda p: quantize_params(p, s.quant), nnx.to_pure_dict(state))
   if s.quant.kv.format not in ("fp32", "bf16"):
     block = s.quant.kv.block_size if s.quant.kv.granularity == "block" else None

@@ -12,7 +12,7 @@ from flax import nnx
 from rl_jax.config_utils import ConfigError
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.layers import dtype_of
-from rl_jax.models.transformer import Transformer
+from rl_jax.models import families
 from rl_jax.quant.qtensor import QTensor
 
 def _is_quantized(x) -> bool:
@@ -101,6 +101,6 @@ def sampler_graphdef(model_cfg: ModelConfig, dtype: str) -> nnx.GraphDef:
   Built abstractly (no parameters are materialized); merge it with `sync_weights`' output.
   """
   cfg = dataclasses.replace(model_cfg, dtype=dtype, param_dtype=dtype, remat=False)
-  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  abstract = families.abstract_model(cfg)
   graphdef, _ = nnx.split(abstract)
   return graphdef
