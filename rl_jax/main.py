@@ -3,14 +3,13 @@ if __name__ == "__main__":  # before jax loads: XLA:CPU runs re-exec with tcmall
   from rl_jax import host_memory
   host_memory.reexec_tuned()
 
-import os  # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys  # pylint: disable=g-import-not-at-top,wrong-import-position
-import traceback  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from absl import app, flags, logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ml_collections import config_flags
 
 from rl_jax import artifacts
+from rl_jax import cli
 from rl_jax import distributed
 from rl_jax import preempt
 
@@ -22,15 +21,9 @@ JOBS = ("sft", "rl")
 
 # Exit codes: 0 done, 2 config error, 3 run error (a non-finite step), 75 preempted (rl_jax/artifacts.py).
 CONFIG_ERROR, RUN_ERROR = artifacts.CONFIG_ERROR, artifacts.RUN_ERROR
-# RL_JAX_TRACEBACK=1 prints the full traceback of an expected failure too.
-TRACEBACK_ENV = "RL_JAX_TRACEBACK"
-
-
-def _fail(code: int, message: str) -> None:
-  print(message, file=sys.stderr, flush=True)
-  if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
-    traceback.print_exc()
-  sys.exit(code)
+# RL_JAX_TRACEBACK=1 prints the full traceback of an expected failure too (rl_jax/cli.py).
+TRACEBACK_ENV = cli.TRACEBACK_ENV
+_fail = cli.fail
 
 
 def _parse_flags(argv):
@@ -59,7 +52,11 @@ def main(argv):
   distributed.maybe_initialize()  # multi-process runs (launch/): must precede any JAX computation
   logging.set_verbosity(logging.WARNING)  # orbax logs every file operation at INFO
   config = _CONFIG.value
-  job = config.get("job")
+  try:
+    job = config.get("job")
+  except OSError as e:  # ml_collections defers a file's load error to the config's first use; errno line last
+    path = config_flags.get_config_filename(flags.FLAGS["config"])
+    _fail(CONFIG_ERROR, f"config error: --config={path}: {str(e).strip().splitlines()[-1].strip()}")
   if job not in JOBS:
     _fail(CONFIG_ERROR, f"config error: config key 'job': {job!r} is not one of {list(JOBS)}")
   from rl_jax.config_utils import ConfigError  # pylint: disable=g-import-not-at-top

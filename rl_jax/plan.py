@@ -25,6 +25,8 @@ import sys
 import time
 from typing import Any
 
+from rl_jax import cli
+
 _ENV_DEVICES = "RL_JAX_PLAN_DEVICES"
 # XLA:CPU's default scheduler optimizes for thread concurrency: it runs independent work early,
 # e.g. every layer's remat recomputation before the first backward layer, so all layers'
@@ -46,12 +48,19 @@ HEADER = ("Estimate from XLA:CPU ({n} simulated devices, {sched} scheduler): mem
 def load_config(spec: str):
   """`path.py[:arg]` -> the ConfigDict its `get_config(arg)` returns."""
   path, _, arg = spec.partition(":")
-  if not os.path.exists(path):
+  if not os.path.isfile(path):
     raise SystemExit(f"--config: no file {path!r}")
   mod_spec = importlib.util.spec_from_file_location("_plan_config", path)
+  if mod_spec is None:  # no loader for the suffix
+    raise SystemExit(f"--config: {path!r} is not a Python config file (configs/X.py[:arg])")
   mod = importlib.util.module_from_spec(mod_spec)
   mod_spec.loader.exec_module(mod)
-  return mod.get_config(arg or None)
+  if not hasattr(mod, "get_config"):
+    raise SystemExit(f"--config: {path!r} defines no get_config(arg)")
+  try:
+    return mod.get_config(arg or None)
+  except (ValueError, KeyError) as e:  # the file's own check of its `:arg` (configs/sweeps.py: KeyError)
+    raise SystemExit(f"--config={spec}: {e.args[0] if e.args else type(e).__name__}") from e
 
 
 def mesh_size(mesh_section: Any, devices: int) -> int:
@@ -621,16 +630,22 @@ def set_key(config, item: str) -> None:
   """Applies one `--set a.b=value` override to a config section (value a Python literal, else a string)."""
   import ast  # pylint: disable=g-import-not-at-top
   key, eq, raw = item.partition("=")
-  if not eq:
+  if not eq or not key:
     raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
   *parents, leaf = key.split(".")
   node = config
-  for name in parents:
+  for i, name in enumerate(parents):
     if name not in node:
       raise SystemExit(f"--set {item!r}: the config has no section {name!r}")
     node = node[name]
-  # A key the section lacks is added (e.g. a ModelConfig field left at its default); the job's
-  # own validation (RLJob.from_config) names an unknown one.
+    if not hasattr(node, "keys"):  # `in` on a str value would test substrings
+      raise SystemExit(f"--set {item!r}: {'.'.join(parents[:i + 1])!r} is a value, not a section")
+  if hasattr(node.get(leaf), "keys"):
+    raise SystemExit(f"--set {item!r}: {key!r} is a section; set one of its keys")
+  if leaf not in node and cli.schema_has(key) is False:
+    raise SystemExit(f"--set {item!r}: {cli.unknown_key(key)}")
+  # A key the section lacks but the schema has is added (e.g. a ModelConfig field left at its
+  # default); outside the schema's sections the job's own validation (RLJob.from_config) judges.
   try:
     value = ast.literal_eval(raw)
   except (ValueError, SyntaxError):
@@ -652,6 +667,7 @@ def _with_layers(job, n: int):
   return dataclasses.replace(job, model=m)
 
 
+@cli.expected_errors("python -m rl_jax.plan")
 def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   ap = argparse.ArgumentParser(prog="python -m rl_jax.plan", description=__doc__.splitlines()[0])
@@ -672,6 +688,10 @@ def main(argv: list[str] | None = None) -> int:
   config = load_config(args.config)
   for item in args.set:
     set_key(config, item)
+  programs = tuple(x for x in args.programs.split(",") if x)
+  unknown = sorted(set(programs) - set(PROGRAMS))
+  if unknown:  # before the re-exec below: no second process for a typo
+    raise SystemExit(f"--programs: unknown {unknown}; valid: {','.join(PROGRAMS)}")
   n = mesh_size(config.mesh, args.devices)
   if os.environ.get(_ENV_DEVICES) != str(n):
     # The simulated device count is read when jax's CPU backend starts: start a fresh process.
@@ -682,10 +702,6 @@ def main(argv: list[str] | None = None) -> int:
     env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, "-m", "rl_jax.plan", *argv], env)
-  programs = tuple(x for x in args.programs.split(",") if x)
-  unknown = sorted(set(programs) - set(PROGRAMS))
-  if unknown:
-    raise SystemExit(f"--programs: unknown {unknown}; valid: {','.join(PROGRAMS)}")
   dispatches = [d for d in args.dispatch.split(",") if d] or [None]
   results, fits = [], {}
   for d in dispatches:

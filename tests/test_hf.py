@@ -411,9 +411,9 @@ def test_error_shape_mismatch(ckpts, tmp_path):
 def test_error_unsupported_model_type(ckpts, tmp_path):
   dst, _ = _copy_single_file(ckpts, tmp_path)
   cfg = json.loads((dst / "config.json").read_text())
-  cfg["model_type"] = "llama"
+  cfg["model_type"] = "gpt2"
   (dst / "config.json").write_text(json.dumps(cfg))
-  with pytest.raises(hf.CheckpointError, match=r"config\.json: key 'model_type' = 'llama'"):
+  with pytest.raises(hf.CheckpointError, match=r"config\.json: key 'model_type' = 'gpt2'"):
     hf.load_hf_model(str(dst))
 
 

@@ -44,7 +44,7 @@ def test_preset_param_counts_match_transformers(name):
   assert hf.hf_to_model_config(hf.model_config_to_hf(cfg)) == cfg
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen1.5-moe-a2.7b"])
+@pytest.mark.parametrize("name", ["qwen1.5-moe-a2.7b"])
 def test_counts_read_expert_tags_in_either_layout(name):
   """Routed experts are found by their `expert` tag: the scanned layout (dense MLPs stacked 3-D,
   expert stacks 4-D) counts the same active parameters as the unrolled one."""

@@ -13,9 +13,11 @@ import argparse
 import sys
 
 from rl_jax import analysis
+from rl_jax import cli
 from rl_jax.analysis import aggregate, figures
 
 
+@cli.expected_errors("python -m rl_jax.analysis")
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m rl_jax.analysis", description=__doc__.split("\n")[0])
   p.add_argument("--workdirs", nargs="+", required=True, help="globs of workdirs (quote them)")
@@ -38,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
   try:
     groups = analysis.group_runs(runs, args.group_by, args.panel_by, allow_mixed=args.allow_mixed)
   except analysis.runs.MixedGroupError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+    print(f"{p.prog}: error: {e}", file=sys.stderr)
+    return cli.CONFIG_ERROR
+  except ValueError as e:  # group_runs' other refusal: a --group_by the runs' stored configs cannot take
+    cli.fail(cli.CONFIG_ERROR, f"{p.prog}: error: {e}")
   keys = sorted({k for g in groups for k in g.keys})
   print(f"grouped by: {', '.join(keys) if keys else 'run name'}")
   for g in groups:

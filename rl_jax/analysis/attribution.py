@@ -20,6 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from rl_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 from rl_jax.analysis import aggregate  # pylint: disable=g-import-not-at-top,wrong-import-position
 from rl_jax.analysis.runs import Group, Run, group_runs, load_runs  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -108,6 +109,7 @@ def plot(groups: Sequence[Group], path: str, stat: str = "kl") -> str:
   return path
 
 
+@cli.expected_errors("python -m rl_jax.analysis.attribution")
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m rl_jax.analysis.attribution", description=__doc__.split("\n")[0])
   p.add_argument("--workdirs", nargs="+", required=True, help="globs of workdirs (quote them)")
@@ -117,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
   args = p.parse_args(argv)
   runs = [r for r in load_runs(args.workdirs) if run_sources(r)]
   if not runs:
-    print(f"error: --workdirs {args.workdirs}: no run logged attribution/* (set rl.attribution_every)",
-          file=sys.stderr)
-    return 2
+    print(f"{p.prog}: error: --workdirs {args.workdirs}: no run logged attribution/* "
+          "(set rl.attribution_every)", file=sys.stderr)
+    return cli.CONFIG_ERROR
   groups = group_runs(runs, args.group_by, allow_mixed=True)
   os.makedirs(args.out, exist_ok=True)
   md = markdown(groups, args.stat)

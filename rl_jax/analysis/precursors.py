@@ -26,6 +26,7 @@ from typing import Literal, Sequence
 
 import numpy as np
 
+from rl_jax import cli
 from rl_jax.analysis import aggregate
 from rl_jax.analysis.runs import Group, Run
 
@@ -288,6 +289,7 @@ def predictors_markdown(rows: Sequence[PredictorRow]) -> str:
   return "\n".join(out) + "\n"
 
 
+@cli.expected_errors("python -m rl_jax.analysis.precursors")
 def main(argv: list[str] | None = None) -> int:
   """python -m rl_jax.analysis.precursors --workdirs 'ROOT/*/*/seed*': the predictor table of those runs."""
   import argparse  # pylint: disable=g-import-not-at-top
@@ -299,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
   a = p.parse_args(argv)
   found = runs_lib.load_runs(a.workdirs)
   if not found:
-    print(f"no RL workdirs match {a.workdirs}", file=sys.stderr)
-    return 2
+    print(f"{p.prog}: error: --workdirs {a.workdirs}: no RL workdir with a metrics.jsonl matched",
+          file=sys.stderr)
+    return cli.CONFIG_ERROR
   table = predictors_markdown(evaluate_predictors(found))
   done = [r for r in found if finished(r)]
   print(f"{len(done)} finished runs of {len(found)}; {sum(decline_step(r) is not None for r in done)} collapsed "

@@ -11,6 +11,7 @@ import os
 import shlex
 import sys
 
+from rl_jax import cli
 from rl_jax import preempt
 from rl_jax.study import analyze, publish, runner, studies
 
@@ -41,6 +42,7 @@ def _run_argv(argv: list[str]) -> list[str]:
   return out
 
 
+@cli.expected_errors("python -m rl_jax.study")
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m rl_jax.study", description=__doc__.split("\n")[0],
                               epilog=_listing(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--publish", default=None, metavar="DIR",
                  help="after aggregating, copy verdict.md, table.md and a small figure.png to DIR/STUDY")
   args = p.parse_args(argv)
+  if args.jobs < 1:
+    p.error(f"--jobs {args.jobs}: must be >= 1")
   if args.study is None:
     print(_listing())
     return 0
