@@ -12,7 +12,8 @@
 #              matmul of the dequantized operands, i.e. ops.qmatmul's xla path);
 #   gmm        rl_jax/models/grouped_matmul.py impl="pallas" forward and forward+backward vs
 #              lax.ragged_dot (errors vs ragged_dot on float32 inputs at HIGHEST precision;
-#              times vs ragged_dot on the same inputs, which XLA:GPU expands densely);
+#              times vs ragged_dot on the same inputs, which XLA:GPU expands densely), and the
+#              MoE experts' forward+backward wired to it (model.expert_matmul="grouped") vs the slab;
 #   attention  rl_jax.models.attention.attention(impl=flash / cudnn / splash) vs impl="xla"
 #              (errors vs xla on float32 inputs at HIGHEST precision, times vs xla on the same
 #              bf16 inputs); skipped with the module's reason where an impl cannot run;
@@ -302,10 +303,36 @@ def _gmm_rows(sz: Sizes, runs: int):
                   note="max of y/dx/dw " + "/".join(f"{v:.1e}" for v in errs))
     return row
 
+  def moe_row():
+    """The wired path: the MoE experts' forward + backward under model.expert_matmul="grouped"
+    (moe.dropless_experts, compiled) vs the slab, on float32 inputs (the rounding bound of
+    tests/tolerances.py is not reproduced here: relative to the largest |y| / gradient entry)."""
+    check_backend()
+    from rl_jax.models import moe
+    n, k = m // 2, 2
+    ids = jnp.asarray(np.stack([rng.choice(e, k, replace=False, p=p / p.sum()) for _ in range(n)]), jnp.int32)
+    gates = jnp.full((n, k), 0.5, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    ws = tuple(jnp.asarray(rng.standard_normal(s) / math.sqrt(s[1]), jnp.float32)
+               for s in ((e, d, f), (e, d, f), (e, f, d)))
+
+    def program(matmul):
+      loss = lambda x, *w: jnp.sum(moe.dropless_experts(x, ids, gates, *w, e, matmul=matmul) ** 2)
+      return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+
+    kern, ref = program("grouped"), program("slab")
+    (_, got), (_, want) = kern(x, *ws), ref(x, *ws)
+    err = max(float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
+              for a, b in zip(got, want))
+    # Sums of up to D + F + M k terms (dw), float32, both programs.
+    return dict(err=err, tol=2 * (d + f + n * k) * _U32, time_s=_timed(kern, x, *ws, runs=runs),
+                ref_s=_timed(ref, x, *ws, runs=runs), note="grads x/w_gate/w_up/w_down vs slab")
+
   shape = f"M={m} D={d} F={f} E={e}"
   yield f"gmm pallas fwd bf16 {shape}", fwd_row(jnp.bfloat16)
   yield f"gmm pallas fwd+bwd bf16 {shape}", fwd_bwd_row(jnp.bfloat16)
   yield f"gmm pallas fwd+bwd f32 {shape}", fwd_bwd_row(jnp.float32)
+  yield f"gmm moe expert_matmul=grouped fwd+bwd f32 vs slab N={m // 2} K=2 D={d} F={f} E={e}", moe_row
 
 
 # --- attention ------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Score centering on Countdown with Qwen3-0.6B and an FP8 sampler: [SC]'s 0.6B setting, one 8-GPU host.
 
 Command (arg = a local Hugging Face checkpoint directory of Qwen3-0.6B, i.e. config.json,
-model.safetensors and tokenizer.json; `--config.warm_start.path=DIR` does the same):
+model.safetensors and tokenizer.json; `--config.warm_start.path=DIR` does the same; `long:DIR` for
+8,192-token responses, see LONG_SAMPLER below):
   python -m rl_jax.main --config=configs/qwen3_0p6b_countdown.py:/ckpt/Qwen3-0.6B \
     --workdir=/runs/qwen3_0p6b_sc_fp8
   sbatch --nodes=1 launch/slurm_gpu.sbatch --config=configs/qwen3_0p6b_countdown.py:/ckpt/Qwen3-0.6B \
@@ -65,7 +66,24 @@ def model_section(preset: str, **overrides) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dataclasses.asdict(cfg))
 
 
+# `long` (arg `long` or `long:/ckpt/Qwen3-0.6B`): 8,192-token responses, the memory settings that
+# fit them on the same host (per device, of 0.9 x 80 GB: generate 56.0 GiB, evaluation 36.3, the
+# update 18.3, first-order 21.2; `python -m rl_jax.plan --config=configs/qwen3_0p6b_countdown.py:long
+# --device h100`). Only memory changes: each micro-batch / wave equals the one-shot program.
+LONG_SAMPLER = dict(max_new_tokens=8192, prefill_rows=128, max_rows_in_flight=256)
+LONG_RL = dict(forward_microbatch=64, update_microbatch=64, eval_rows_in_flight=64)
+
+
+def parse_arg(arg: str | None) -> tuple[bool, str]:
+  """(long responses, checkpoint path) of the config arg: PATH, `long` or `long:PATH`."""
+  arg = arg or ""
+  if arg == "long" or arg.startswith("long:"):
+    return True, arg[len("long:"):]
+  return False, arg
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  long, arg = parse_arg(arg)
   cfg = ml_collections.ConfigDict()
   cfg.job = "rl"
   cfg.seed = 0
@@ -92,5 +110,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       steps=1200, prompts_per_step=64, group_size=8, n_minibatches=1, staleness=1,
       routing_replay="none", eval_every=50, eval_size=512, eval_temperature=1.0,
       checkpoint_every=50, max_to_keep=2, plot=True))
+  if long:
+    cfg.sampler.update(LONG_SAMPLER)
+    cfg.rl.update(LONG_RL)
   cfg.logging = common.logging()
   return common.complete(cfg)

@@ -72,16 +72,35 @@ UPDATE_MICROBATCH = 128
 PREFILL_ROWS = 1024
 
 
-def parse_arg(arg: str | None) -> int:
+# `nN_32k`: [MiniRL]'s 32,768-token responses. The smallest H200 mesh the planner fits them on is 16
+# devices (2 hosts; data=1, fsdp=2, expert=8): per device, of 0.9 x 141 GB, generate 90.0 GiB,
+# evaluation 77.3, p_old 60.7, the update 87.0, first-order 109.4 (`python -m rl_jax.plan
+# --config=configs/qwen3_30b_a3b_minirl.py:n4_32k --device h200`, all 48 layers compiled). On 8
+# (fsdp=1) the update needs 146.5 GiB and first-order 180.9: f32 params + AdamW moments (58 GiB)
+# and two gradient copies leave no room for a 33K-token row's activations. Rows per micro-batch: 1
+# per device; decode 8 rows per device at a time (a row's FP8 cache is 1.5 GiB); the MoE dispatch in
+# 4,096-position chunks (model.moe_seq_chunk: its buffers at one 33K-token row are ~4 GiB each).
+LONG_DEVICES = 16
+LONG_MESH = dict(data=1, fsdp=2, expert=8, tensor=1, num_devices=LONG_DEVICES)
+LONG_SAMPLER = dict(max_new_tokens=32768, prefill_rows=8 * LONG_DEVICES, max_rows_in_flight=8 * LONG_DEVICES)
+LONG_RL = dict(forward_microbatch=LONG_DEVICES, update_microbatch=LONG_DEVICES,
+               eval_rows_in_flight=2 * LONG_DEVICES)
+LONG_MOE_SEQ_CHUNK = 4096
+
+
+def parse_arg(arg: str | None) -> tuple[int, bool]:
+  """(N, 32K-token responses) of the config arg: `nN` or `nN_32k`."""
   if not arg:
-    return 1
-  if arg.startswith("n") and arg[1:].isdigit() and int(arg[1:]) in N_CHOICES:
-    return int(arg[1:])
-  raise ValueError(f"unknown config arg {arg!r} (valid: {', '.join(f'n{n}' for n in N_CHOICES)})")
+    return 1, False
+  base, long = (arg[:-len("_32k")], True) if arg.endswith("_32k") else (arg, False)
+  if base.startswith("n") and base[1:].isdigit() and int(base[1:]) in N_CHOICES:
+    return int(base[1:]), long
+  valid = ", ".join(f"n{n}" for n in N_CHOICES)
+  raise ValueError(f"unknown config arg {arg!r} (valid: {valid}, each optionally with _32k)")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  n = parse_arg(arg)
+  n, long = parse_arg(arg)
   cfg = ml_collections.ConfigDict()
   cfg.job = "rl"
   cfg.seed = 0
@@ -90,9 +109,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # scan_layers: one lax.scan over the 48 MoE layers: the full model compiles in seconds.
   # moe_dispatch=shard_map: each device sends its (token, slot) rows to the expert shard that
   # owns them (all-to-all) instead of GSPMD gathering weights; attention "auto": cuDNN on GPU,
-  # flash (no [S, S] scores) where cuDNN cannot take the mask.
+  # flash (no [S, S] scores) where cuDNN cannot take the mask; expert_matmul "auto": on these GPUs
+  # the local experts (and the FP8 sampler's dequantized ones) run the Pallas grouped matmul (no
+  # dense [rows, E * F] ragged_dot); the planner's XLA:CPU compile takes the slab in its place.
   cfg.model = small.model_section("qwen3-30b-a3b", dtype="bfloat16", param_dtype="float32", remat=True,
-                                  scan_layers=True, moe_dispatch="shard_map", attention="auto")
+                                  scan_layers=True, moe_dispatch="shard_map", attention="auto",
+                                  expert_matmul="auto")
   # 32 devices. Expert weights [128, 2048, 768] split 8-way over experts (16 per shard)
   # and 4-way over d_model (fsdp): 32-way in all. Attention, embeddings and norms
   # (~1.5B params) are split 4-way by fsdp and replicated over the expert axis. The
@@ -124,6 +146,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # Memory, not math (results equal the one-shot programs'): the p_old forward 8 rows per
       # device at a time, each update's gradient accumulated over 4 rows per device.
       forward_microbatch=FORWARD_MICROBATCH, update_microbatch=UPDATE_MICROBATCH))
+  if long:
+    cfg.mesh.update(LONG_MESH)
+    cfg.model.moe_seq_chunk = LONG_MOE_SEQ_CHUNK
+    cfg.sampler.update(LONG_SAMPLER)
+    cfg.rl.update(LONG_RL)
   cfg.logging = common.logging()
-  cfg.logging.run_name = f"qwen3_30b_a3b_minirl_n{n}"
+  cfg.logging.run_name = f"qwen3_30b_a3b_minirl_n{n}" + ("_32k" if long else "")
   return common.complete(cfg)

@@ -315,6 +315,7 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
   from rl_jax.optim import make_optimizer  # pylint: disable=g-import-not-at-top
   from rl_jax.rl import programs as programs_lib  # pylint: disable=g-import-not-at-top
   from rl_jax.rl import step as step_lib  # pylint: disable=g-import-not-at-top
+  from rl_jax.rollout import expert_id_dtype  # pylint: disable=g-import-not-at-top
 
   mcfg, scfg, rl = job.model, job.sampler, job.rl
   graphdef, params = abstract_params(mcfg, mesh)
@@ -398,7 +399,10 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
         clean = jax.tree.map(_sds, *_lowered_out(progs.clean_weights, params))
       plan_generate(name, kind, rows, clean, device_bytes(clean), cfg)
 
-  # The train batch, laid out like the rollout (rows over the batch axes).
+  # The train batch, laid out like the rollout (rows over the batch axes); expert ids compact
+  # like the sampler's record (uint8 up to 256 experts).
+  id_dtype = expert_id_dtype(mcfg.n_experts)
+
   def batch_for(rows: int, with_logp_old: bool):
     def arr(shape, dtype):
       return _sds(jax.ShapeDtypeStruct(shape, dtype), sh.batch_sharding(mesh, len(shape)))
@@ -409,7 +413,7 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
     if with_logp_old:
       f["logp_old_BT"] = arr((rows, t), jnp.float32)
       if rl.routing_replay != "none":
-        f["replay_ids_BSLK"] = arr((rows, s, mcfg.n_moe_layers, mcfg.n_experts_per_tok), jnp.int32)
+        f["replay_ids_BSLK"] = arr((rows, s, mcfg.n_moe_layers, mcfg.n_experts_per_tok), id_dtype)
         f["replay_mask_BS"] = arr((rows, s), jnp.bool_)
     if scfg.record_topk:   # the trainer passes the sampler's top-k whenever it was recorded
       f["topk_ids_BTK"] = arr((rows, t, scfg.record_topk), jnp.int32)
@@ -422,7 +426,7 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
   batch, arr = batch_for(b_global, with_logp_old=False)
   sampler_ids = sampler_valid = None
   if mcfg.is_moe and scfg.record_experts:
-    sampler_ids = arr((b_global, s, mcfg.n_moe_layers, mcfg.n_experts_per_tok), jnp.int32)
+    sampler_ids = arr((b_global, s, mcfg.n_moe_layers, mcfg.n_experts_per_tok), id_dtype)
     sampler_valid = arr((b_global, s), jnp.bool_)
   old = ProgramPlan("old_forward", args={"params": n_params,
                                          "batch": device_bytes((batch, sampler_ids, sampler_valid))},
@@ -531,6 +535,24 @@ def render(plans: list[ProgramPlan], acc, title: str) -> str:
   return "\n".join(lines)
 
 
+def expert_matmul_note(model_cfg, device: str) -> str:
+  """Which expert matmul the figures assume: the config's choice resolved for the target `device`
+  (models/moe.resolve_expert_matmul), and what XLA:CPU compiled in its place when they differ."""
+  from rl_jax.models import moe  # pylint: disable=g-import-not-at-top
+  platform = "tpu" if device.startswith("tpu") else "gpu"
+  if model_cfg.batch_invariant:
+    target = moe.resolve_expert_matmul("slab")
+  else:
+    target = moe.resolve_expert_matmul(model_cfg.expert_matmul, platform)
+  compiled = moe.resolve_expert_matmul(model_cfg.expert_matmul, "cpu")
+  note = f"expert matmul {target} on {device} (model.expert_matmul={model_cfg.expert_matmul})"
+  if compiled != target:
+    # The Pallas kernel has no XLA:CPU lowering worth costing (interpret mode), and XLA:CPU expands
+    # ragged_dot densely: the slab stands in (grouped holds fewer rows than the slab's E x C >= 1.25 M).
+    note += f", compiled here as {compiled}"
+  return note
+
+
 def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=None, out=print,
         programs: tuple[str, ...] = PROGRAMS, mem_fraction: float | None = None):
   """Plans `config`'s RL step; returns (plans, fits: dict program -> error message or None)."""
@@ -575,7 +597,7 @@ def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=No
                  + ", ".join(f"{k}={v}" for k, v in sampler_mesh.shape.items()))
   model_desc = f"model.scan_layers={job.model.scan_layers}"
   if job.model.is_moe:
-    model_desc += f", model.moe_dispatch={job.model.moe_dispatch}"
+    model_desc += f", model.moe_dispatch={job.model.moe_dispatch}, {expert_matmul_note(job.model, device)}"
   sched = ("memory-optimized" if "concurrency_optimized_scheduler=false" in os.environ.get("XLA_FLAGS", "")
            else "default (concurrency-optimized)")
   title = (HEADER.format(n=mesh.size, sched=sched) + f"\nmesh {mesh_desc}; {model_desc}; {note}; "

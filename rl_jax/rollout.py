@@ -10,6 +10,22 @@ import jax.numpy as jnp
 from rl_jax.logprobs import next_token_logq
 
 
+def expert_id_dtype(n_experts: int) -> jnp.dtype:
+  """The smallest integer dtype that holds every expert id 0..n_experts-1: uint8 up to 256
+  experts, int16 up to 32768, else int32.
+
+  Recorded routes (`Rollout.expert_ids_BSLK`, `TrainBatch.replay_ids_BSLK`, theta_old's own ids)
+  are stored in it: at [MiniRL]'s 32k-token responses int32 ids of Qwen3-30B-A3B (48 MoE layers x
+  8 slots) are 1.5 KiB a token, uint8 a quarter of that. Unrecorded slots hold 0 (masked by
+  `expert_valid_BS`), so no sentinel needs a value of its own. Consumers cast to int32 where ids
+  index or enter arithmetic (the model's replay, per layer); comparisons work across dtypes.
+  """
+  for dtype in (jnp.uint8, jnp.int16):
+    if n_experts - 1 <= jnp.iinfo(dtype).max:
+      return jnp.dtype(dtype)
+  return jnp.dtype(jnp.int32)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Rollout:
@@ -38,6 +54,8 @@ class Rollout:
     - `expert_ids_BSLK`: experts routed by the sampler in each MoE layer (L = MoE
       layers in `ModelConfig.moe_layers` order) for the token *at slot s*, prompt and
       response alike: the trainer's `replay_ids_BSLK` for a forward over `tokens_BS`.
+      Stored compact, in `expert_id_dtype(n_experts)` (uint8 up to 256 experts), and 0 where
+      `expert_valid_BS` is False (no sentinel value); the model casts them to int32 per layer.
       `expert_valid_BS` marks the slots that carry a route: real prompt tokens and every
       response token except each row's last one, which the sampler never fed back.
     - `trunc_thresh_BT`, `trunc_logmass_BT`, `trunc_size_BT`: when the sampler truncates

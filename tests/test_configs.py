@@ -25,6 +25,7 @@ from rl_jax import sharding as sh
 from rl_jax import workdir as wd
 from rl_jax.config_utils import ConfigError
 from rl_jax.models import hf
+from rl_jax.models.config import EXECUTION_FIELDS, ModelConfig
 from rl_jax.models.presets import PRESETS, abstract_state
 from rl_jax.quant import kv as qkv
 from rl_jax.quant import params as quant_params
@@ -42,8 +43,8 @@ ALL_SWEEP_ARGS = [f"{s}/{name}" for s, fn in sweeps.SWEEPS.items() for name, _ i
 CONFIG_ARGS = {
     "countdown_tiny.py": [None, "test"],
     "sft_countdown_tiny.py": [None, "test"],
-    "qwen3_0p6b_countdown.py": [None, "/ckpt/Qwen3-0.6B"],
-    "qwen3_30b_a3b_minirl.py": [None] + [f"n{n}" for n in qwen3_30b_a3b_minirl.N_CHOICES],
+    "qwen3_0p6b_countdown.py": [None, "/ckpt/Qwen3-0.6B", "long", "long:/ckpt/Qwen3-0.6B"],
+    "qwen3_30b_a3b_minirl.py": [None] + [f"n{n}" for n in qwen3_30b_a3b_minirl.N_CHOICES] + ["n4_32k"],
     "sweeps.py": ALL_SWEEP_ARGS,
 }
 # Devices each GPU-scale config is laid out for (its docstring's hardware).
@@ -147,6 +148,24 @@ def test_command_line_errors_are_one_line_with_the_key_and_exit_2(tmp_path, flag
   assert r.returncode == 2, r.stderr[-3000:]
   assert message in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
   assert len([l for l in r.stderr.splitlines() if l.startswith("config error")]) == 1
+
+
+def test_long_response_variants_change_memory_settings_only():
+  """`long` / `nN_32k` differ from the base config only in response length and the memory knobs
+  (micro-batches, waves, prefill rows, MoE chunks, and the 32K variant's mesh): the same RL."""
+  memory_keys = {"sampler.max_new_tokens", "sampler.prefill_rows", "sampler.max_rows_in_flight",
+                 "rl.forward_microbatch", "rl.update_microbatch", "rl.eval_rows_in_flight",
+                 "model.moe_seq_chunk", "mesh.fsdp", "mesh.num_devices", "logging.run_name"}
+  for fname, base_arg, long_arg in (("qwen3_0p6b_countdown.py", "/ckpt/q", "long:/ckpt/q"),
+                                    ("qwen3_30b_a3b_minirl.py", "n4", "n4_32k")):
+    base, long = (_module(fname).get_config(a).to_dict() for a in (base_arg, long_arg))
+    flat = lambda d: {f"{s}.{k}": v for s, sec in d.items() if isinstance(sec, dict) for k, v in sec.items()}
+    changed = {k for k, v in flat(long).items() if flat(base)[k] != v}
+    assert "sampler.max_new_tokens" in changed and changed <= memory_keys, (fname, changed)
+  job = RLJob.from_config(qwen3_30b_a3b_minirl.get_config("n4_32k"))
+  assert job.sampler.max_new_tokens == 32768 and job.mesh.num_devices == 16
+  _check_batches(job, 16)
+  assert _module("qwen3_0p6b_countdown.py").get_config("long").warm_start.path == ""
 
 
 def test_unknown_config_args_fail():
@@ -258,7 +277,7 @@ def test_gpu_config_model_is_the_preset(fname):
   # Same architecture as the checkpoint's config.json; only precision / remat, the parameter
   # layout (scanned layers, on for the pod configs) and the kernels / dispatch are job choices.
   assert job.model.scan_layers
-  choices = ("dtype", "param_dtype", "remat", "scan_layers", "moe_dispatch", "moe_a2a", "attention")
+  choices = EXECUTION_FIELDS
   assert dataclasses.replace(job.model, **{k: getattr(ref, k) for k in choices}) == ref
   assert hf.hf_to_model_config(hf.model_config_to_hf(ref), **{k: getattr(job.model, k) for k in choices}
                                ) == job.model
@@ -266,6 +285,54 @@ def test_gpu_config_model_is_the_preset(fname):
   state = _abstract(job.model)  # nnx.eval_shape: nothing allocated
   total = sum(math.prod(x.shape) for x in jax.tree.leaves(state))
   assert abs(total - approx) / approx < 0.01, total
+
+
+def test_expert_matmul_is_in_every_config_and_survives_hf_loading():
+  """Every config's model section lists model.expert_matmul (common.complete), the 30B one states
+  "auto" (grouped on its GPUs), and an HF warm start's config keeps a non-default value."""
+  for fname in GPU_CONFIGS:
+    assert _module(fname).get_config().model.expert_matmul == "auto", fname
+  job = RLJob.from_config(qwen3_30b_a3b_minirl.get_config())
+  assert job.model.expert_matmul == "auto"
+  from rl_jax import plan  # pylint: disable=g-import-not-at-top
+  # The planner states the assumption of its figures (and what XLA:CPU compiled instead).
+  assert plan.expert_matmul_note(job.model, "h200") == (
+      "expert matmul grouped on h200 (model.expert_matmul=auto), compiled here as slab")
+  assert plan.expert_matmul_note(job.model, "tpu_v5p").startswith("expert matmul ragged_dot on tpu_v5p")
+  ref = PRESETS["qwen3-30b-a3b"]
+  assert hf.hf_to_model_config(hf.model_config_to_hf(ref), expert_matmul="grouped").expert_matmul == "grouped"
+  with pytest.raises(hf.CheckpointError, match="model.expert_matmul"):
+    hf.hf_to_model_config(hf.model_config_to_hf(ref), expert_matmul="dense")
+
+
+# Every execution field off its default in one of the two models (the zero-mismatch mode refuses
+# the grouped kernel, so it gets a model of its own).
+_EXECUTION_CHOICES = (
+    dict(dtype="bfloat16", param_dtype="bfloat16", remat=True, router_aux_loss_coef=1e-3,
+         scan_layers=True, moe_dispatch="shard_map", moe_a2a="ragged", expert_matmul="grouped",
+         moe_seq_chunk=8, attention="flash"),
+    dict(batch_invariant=True, expert_matmul="slab", attention="xla"),
+)
+
+
+@pytest.mark.parametrize("choices", _EXECUTION_CHOICES, ids=["kernels", "batch_invariant"])
+def test_an_hf_warm_start_keeps_every_execution_choice(choices, tmp_path):
+  """rl/warm_start.py hands the job's EXECUTION_FIELDS to the HF loader: a job whose model section
+  sets any of them loads the checkpoint instead of failing "differs from the HF checkpoint"."""
+  import types  # pylint: disable=g-import-not-at-top
+  from rl_jax.models.families import build_model  # pylint: disable=g-import-not-at-top
+  from rl_jax.rl import warm_start as ws_lib  # pylint: disable=g-import-not-at-top
+  default = ModelConfig()
+  changed = set().union(*(c.keys() for c in _EXECUTION_CHOICES))
+  assert changed == set(EXECUTION_FIELDS), "every execution field must be tried off its default"
+  arch = ModelConfig(n_experts=4, n_experts_per_tok=2)
+  hf.save_hf_checkpoint(build_model(arch, 0), str(tmp_path / "ckpt"))
+  model_cfg = dataclasses.replace(arch, **choices)
+  assert all(getattr(model_cfg, k) != getattr(default, k) for k in choices)
+  job = types.SimpleNamespace(model=model_cfg, seed=0,
+                              warm_start=types.SimpleNamespace(source="hf", path=str(tmp_path / "ckpt")))
+  graphdef, params = ws_lib.warm_start(job, None, str(tmp_path / "ws"), None)
+  assert graphdef is not None and jax.tree.leaves(params)
 
 
 def test_0p6b_matches_the_paper_setting():

@@ -1,5 +1,6 @@
 """Expert-parallel MoE dispatches (all-to-all, all-gather) and the grouped GSPMD one == the dropless
-reference (values, grads; balanced, skewed, overflowing, replay, quantized); byte model."""
+reference (values, grads; balanced, skewed, overflowing, replay, quantized; slab or Pallas grouped
+local experts); byte model."""
 import dataclasses
 import math
 import re
@@ -108,6 +109,10 @@ def _dispatch(name):
       "a2a_gather_fallback": lambda *a: ep_lib.all_to_all_experts(*a, E, fallback="all_gather"),
       "ragged": lambda *a: ep_lib.all_to_all_experts(*a, E, impl="ragged"),
       "all_gather": lambda *a: (ep_lib.all_gather_experts(*a, E), jnp.zeros(())),
+      # model.expert_matmul="grouped": the local experts by the Pallas grouped matmul (interpreted).
+      "a2a_grouped": lambda *a: ep_lib.all_to_all_experts(*a, E, expert_matmul="grouped"),
+      "all_gather_grouped": lambda *a: (ep_lib.all_gather_experts(*a, E, expert_matmul="grouped"),
+                                        jnp.zeros(())),
   }[name]
 
 
@@ -136,6 +141,9 @@ PADDED_OVERFLOWS = {"balanced": False, "fits": False, "overflow": True, "shifted
 
 @pytest.mark.parametrize("dispatch,routing", [
     ("a2a", "balanced"), ("a2a", "fits"), ("a2a", "overflow"), ("all_gather", "overflow"),
+    ("a2a_grouped", "balanced"),  # the local experts by the Pallas grouped matmul
+    pytest.param("a2a_grouped", "overflow", marks=pytest.mark.slow),  # ~23 s: and its rounds fallback
+    pytest.param("all_gather_grouped", "overflow", marks=pytest.mark.slow),
     pytest.param("all_gather", "balanced", marks=pytest.mark.slow),
     pytest.param("a2a", "shifted", marks=pytest.mark.slow),
     pytest.param("a2a_gather_fallback", "overflow", marks=pytest.mark.slow),
@@ -244,6 +252,28 @@ def test_gspmd_grouped_dispatch_equals_global_and_sorts_per_shard(routing):
   sorts = lambda c: set(re.findall(r"= \(([su]32\[[\d,]*\])\{[^}]*\}, [^=]*? sort\(", c.as_text()))
   assert sorts(compiled[True]) == {"s32[1,64]"}, sorts(compiled[True])
   assert "s32[512]" in sorts(compiled[False]), sorts(compiled[False])
+
+
+def test_gspmd_grouped_expert_matmul_runs_each_shard_locally():
+  """expert_matmul="grouped" under GSPMD with G = 8 token groups: a shard_map over the batch axes
+  runs each device's group through the Pallas grouped matmul; values and gradients equal the
+  reference under skew (experts 0 and 1 only, six with no row), and every sort is one shard's."""
+  mesh = sh.make_mesh(MESHES["f2e4"])
+  (x, ids, gates), ws = _grouped_inputs("overflow", mesh)
+  proj = jax.random.normal(jax.random.key(9), (N, D))
+
+  def f(x, g, ids, *w):
+    y = moe_lib.dropless_experts(x, ids, g, *w, E, *moe_lib.batch_groups(x.shape[0]), matmul="grouped")
+    return jnp.sum(y * proj), y
+
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 3, 4, 5), has_aux=True)).lower(
+        x, gates, ids, *ws).compile()
+    (l, y), grads = compiled(x, gates, ids, *ws)
+  _check_against_bounds(y, l, grads, *(np.asarray(a) for a in (x, ids, gates)),
+                        [np.asarray(w) for w in ws], proj)
+  sorts = set(re.findall(r"= \(([su]32\[[\d,]*\])\{[^}]*\}, [^=]*? sort\(", compiled.as_text()))
+  assert sorts == {"s32[64]"}, sorts
 
 
 def _tokens(b=8, t=6, seed=0):

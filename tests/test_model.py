@@ -1,5 +1,6 @@
-"""Model properties: KV cache == recompute, dropless MoE == naive loop, replay, remat, sharding."""
+"""Model properties: KV cache == recompute, dropless MoE == naive loop, expert matmuls agree, replay, remat, sharding."""
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ from rl_jax import sharding as sh
 from rl_jax.config_utils import ConfigError
 from rl_jax.models import ModelConfig, Transformer, init_cache
 from rl_jax.models import moe as moe_lib
+import tolerances as tol
 
 # float32 tolerance for results computed with different reduction orders / layouts.
 F32_ATOL = 2e-5
@@ -45,6 +47,22 @@ def test_config_errors_name_the_key():
     ModelConfig(n_heads=4, n_kv_heads=3)
   with pytest.raises(ConfigError, match="model.n_experts_per_tok"):
     ModelConfig(n_experts=4, n_experts_per_tok=5)
+  with pytest.raises(ConfigError, match=r"model\.expert_matmul.*auto, slab, ragged_dot, grouped.*'gmm'"):
+    ModelConfig(expert_matmul="gmm")
+  with pytest.raises(ConfigError, match="model.expert_matmul.*batch_invariant"):
+    ModelConfig(expert_matmul="grouped", batch_invariant=True)
+
+
+def test_expert_matmul_auto_resolves_by_backend():
+  resolve = moe_lib.resolve_expert_matmul
+  assert [resolve("auto", b) for b in ("gpu", "tpu", "cpu")] == ["grouped", "ragged_dot", "slab"]
+  assert resolve("auto") == "slab"  # this CPU run: today's path, the default
+  assert [resolve(c, "gpu") for c in ("slab", "ragged_dot", "grouped")] == ["slab", "ragged_dot", "grouped"]
+  from rl_jax import batch_invariant  # pylint: disable=g-import-not-at-top
+  with batch_invariant.scope(True):
+    assert resolve("auto", "gpu") == "slab"  # the zero-mismatch mode's products are the slab's
+  with pytest.raises(ConfigError, match="model.expert_matmul"):
+    resolve("dense", "gpu")
 
 
 @pytest.mark.parametrize("cfg", **FAMILY_CASES)
@@ -112,7 +130,76 @@ def test_no_token_dropped_under_maximally_skewed_router():
   assert np.all(np.abs(got).sum(-1) > 0), "a token got no expert output"
 
 
-@pytest.mark.parametrize("cfg", [MOE, QWEN2_MOE], ids=["moe", "qwen2_moe"])
+# Expert matmuls of the MoE block (model.expert_matmul): slab (CPU's auto), the Pallas grouped
+# matmul (interpret mode here) and ragged_dot, on E=8 experts of D=16, F=12, top-2 over 40 tokens.
+_XE, _XD, _XF, _XN = 8, 16, 12, 40
+
+
+def _expert_case(routing):
+  ks = jax.random.split(jax.random.key(7), 4)
+  ws = (0.3 * jax.random.normal(ks[0], (_XE, _XD, _XF)), 0.3 * jax.random.normal(ks[1], (_XE, _XD, _XF)),
+        0.3 * jax.random.normal(ks[2], (_XE, _XF, _XD)))
+  x = jax.random.normal(ks[3], (_XN, _XD))
+  rng = np.random.default_rng(0)
+  if routing == "random":  # experts 0-6 only: expert 7 gets no row
+    ids = np.stack([rng.permutation(_XE - 1)[:2] for _ in range(_XN)])
+  else:  # every token on experts 3 and 5: 40 rows each, past the last slab tier (rounds)
+    ids = np.tile([3, 5], (_XN, 1))
+  g = rng.uniform(0.1, 1.0, (_XN, 2))
+  return x, jnp.asarray(ids, jnp.int32), jnp.asarray(g / g.sum(-1, keepdims=True), jnp.float32), ws
+
+
+@pytest.mark.parametrize("routing", ["random", "skewed"])
+def test_expert_matmuls_agree_values_and_grads(routing):
+  """y and the gradients w.r.t. x, the gates and every expert weight under expert_matmul grouped,
+  slab and ragged_dot: pairwise within float32 rounding of the same sums (tests/tolerances.py)."""
+  x, ids, gates, ws = _expert_case(routing)
+  loads = np.bincount(np.asarray(ids).ravel(), minlength=_XE)
+  tiers = moe_lib.capacity_tiers(_XN * 2, _XE)
+  assert loads.min() == 0  # an expert with no row
+  assert (loads.max() > tiers[-1]) == (routing == "skewed"), (loads, tiers)  # slab rounds when skewed
+  head = jnp.arange(_XN * _XD).reshape(_XN, _XD) / (_XN * _XD)
+
+  def run(matmul):
+    def loss(x, g, *w):
+      y = moe_lib.dropless_experts(x, ids, g, *w, _XE, matmul=matmul)
+      return jnp.sum(jnp.sin(y) * head), y
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))(x, gates, *ws)
+
+  out = {m: run(m) for m in ("slab", "grouped", "ragged_dot")}
+  bounds = tol.swiglu_experts_bounds(x, ids, gates, *ws, head, head="sin")
+  names = ("x", "gates", "w_gate", "w_up", "w_down")
+  for a, b in (("grouped", "slab"), ("grouped", "ragged_dot"), ("slab", "ragged_dot")):
+    (_, ya), ga = out[a]
+    (_, yb), gb = out[b]
+    tol.assert_rounding_close(ya, yb, bounds["y"], f"{a} vs {b}: y")
+    for name, u, v in zip(names, ga, gb):
+      tol.assert_rounding_close(u, v, bounds[name], f"{a} vs {b}: d loss / d {name}")
+  # The empty expert's weights get exactly zero gradient on every path.
+  for m in out:
+    for gw in out[m][1][2:]:
+      np.testing.assert_array_equal(np.asarray(gw)[loads == 0], 0.0)
+
+
+def test_grouped_expert_matmul_is_the_pallas_kernel_without_dense_rows():
+  """The wired path really runs grouped_matmul's Pallas kernels (forward, dx, dw) and never holds
+  a [rows, E * F] value, forward or backward; the slab holds no Pallas call."""
+  x, ids, gates, ws = _expert_case("random")
+  def grad_text(matmul):
+    loss = lambda x, *w: jnp.sum(moe_lib.dropless_experts(x, ids, gates, *w, _XE, matmul=matmul))
+    return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, *ws))
+  text = grad_text("grouped")
+  # Three grouped products forward, then dx and dw of each backward.
+  assert text.count("name=grouped_matmul_dw") == 3, text
+  assert len(re.findall(r"name=grouped_matmul\b", text)) == 6, text
+  rows = _XN * 2
+  for bad in (f"[{rows},{_XE * _XF}]", f"[{rows},{_XE},{_XF}]", f"[{rows},{_XE * _XD}]"):
+    assert bad not in text, bad
+  assert "pallas_call" not in grad_text("slab")
+
+
+@pytest.mark.parametrize("cfg", [MOE, QWEN2_MOE, dataclasses.replace(MOE, expert_matmul="grouped")],
+                         ids=["moe", "qwen2_moe", "moe-grouped"])
 def test_replay_with_natural_ids_reproduces_forward_exactly(cfg):
   """Replaying a forward's own ids reproduces it; the record holds the routed experts only (one
   entry per MoE layer, top-k wide: a shared expert never enters it)."""

@@ -7,6 +7,14 @@ from typing import Literal
 from rl_jax.config_utils import require
 
 DType = Literal["float32", "bfloat16"]
+# How the local experts' matmuls run (`model.expert_matmul`; models/moe.py resolves "auto").
+EXPERT_MATMULS = ("auto", "slab", "ragged_dot", "grouped")
+# The job's execution choices: how the model computes, not what it is. A Hugging Face config.json
+# holds none of them, so a warm start from a checkpoint takes each one from the job's model section
+# (rl/warm_start.py); a field added here is carried there with no other edit.
+EXECUTION_FIELDS = ("dtype", "param_dtype", "remat", "router_aux_loss_coef", "scan_layers",
+                    "moe_dispatch", "moe_a2a", "expert_matmul", "moe_seq_chunk", "attention",
+                    "batch_invariant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +51,18 @@ class ModelConfig:
   # The shard_map all-to-all's collective: "padded" (lax.all_to_all of fixed per-peer buffers,
   # runs everywhere) or "ragged" (lax.ragged_all_to_all, only routed rows; not on XLA:CPU).
   moe_a2a: Literal["padded", "ragged"] = "padded"
+  # The local experts' matmuls (docs/architecture.md#expert-dispatch): "slab" (an [E, C, D] capacity
+  # slab, then rounds of it: plain XLA ops, no dense expansion), "grouped" (the Pallas grouped
+  # matmul of expert-sorted rows, models/grouped_matmul.py, with its own VJP; interpreted on CPU),
+  # "ragged_dot" (lax.ragged_dot, the reference: native on TPU, dense [rows, E * F] on XLA:CPU/GPU),
+  # or "auto" (grouped on GPU, ragged_dot on TPU, slab on CPU and in the zero-mismatch mode, from
+  # jax.default_backend() at trace time). Quantized sampler experts take ragged_dot unless "grouped".
+  expert_matmul: Literal["auto", "slab", "ragged_dot", "grouped"] = "auto"
+  # Sequence positions per MoE dispatch chunk (0: the whole sequence at once). The experts run per
+  # token, so chunking is exact; it bounds the dispatch's buffers (all-to-all, capacity slab, the
+  # experts' activations, each ~tokens x top-k x d_model) to one chunk's, forward and backward
+  # (each chunk rematerialized), which at 32K-token responses is most of a layer's memory.
+  moe_seq_chunk: int = 0
   # Attention kernel (rl_jax/models/attention.py): "auto" (cuDNN on GPU where the mask allows, splash
   # on TPU, else XLA below 512 x 512 scores and the blocked online-softmax "flash" above), or one of
   # "xla" (materialized [S, C] scores), "flash", "cudnn", "splash" (the last two fall back to flash,
@@ -93,6 +113,13 @@ class ModelConfig:
             f"must be one of auto, xla, flash, cudnn, splash; got {self.attention!r}")
     require(self.moe_a2a in ("padded", "ragged"), "model.moe_a2a",
             f"must be 'padded' or 'ragged', got {self.moe_a2a!r}")
+    require(self.expert_matmul in EXPERT_MATMULS, "model.expert_matmul",
+            f"must be one of {', '.join(EXPERT_MATMULS)}; got {self.expert_matmul!r}")
+    require(self.moe_seq_chunk >= 0, "model.moe_seq_chunk",
+            f"must be >= 0 (0: no chunking), got {self.moe_seq_chunk}")
+    # The zero-mismatch mode's fixed-order products are the slab's (batch_invariant.ordered_bmm).
+    require(not self.batch_invariant or self.expert_matmul in ("auto", "slab"), "model.expert_matmul",
+            f"must be 'auto' or 'slab' with model.batch_invariant, got {self.expert_matmul!r}")
     if self.n_experts:
       require(0 < self.n_experts_per_tok <= self.n_experts, "model.n_experts_per_tok",
               f"must be in [1, n_experts={self.n_experts}], got {self.n_experts_per_tok}")

@@ -6,7 +6,8 @@ Two explicit dispatches (`ModelConfig.moe_dispatch`), both dropless and equal to
 - "shard_map": ALL-TO-ALL. Each device sends each expert-axis peer only the (token, slot) rows
   routed to that peer's local experts, in a per-peer buffer of `a2a_capacity` rows
   (`A2A_CAPACITY_FACTOR` x the balanced load n k / ep, rounded up to 8), the peer runs its
-  local experts on what it received (`moe.dropless_rows`: capacity slab tiers, then rounds of the last one),
+  local experts on what it received (`moe.dropless_rows`: capacity slab tiers, then rounds of the last one;
+  or, by `ModelConfig.expert_matmul`, the Pallas grouped matmul or ragged_dot of the sorted rows),
   a second all-to-all brings the results back and the owner combines them with its gates (gates
   never travel). When any buffer of the expert-axis group would overflow (skewed routing), the
   whole group (a `pmax` of the flag over `expert`) takes an exact fallback under a `lax.cond`,
@@ -102,9 +103,11 @@ class _Layout:
   tok_spec: P
   tensor: str | None            # TENSOR_AXIS when the experts' F is split over it
   w_specs: tuple
+  matmul: str = "slab"          # the local experts' resolved `model.expert_matmul` (models/moe.py)
 
 
-def _layout(mesh, n_experts: int, n_tokens: int, w_gate, w_up, w_down, dispatch: str) -> _Layout:
+def _layout(mesh, n_experts: int, n_tokens: int, w_gate, w_up, w_down, dispatch: str,
+            matmul: str = "slab") -> _Layout:
   ep = mesh.shape[EXPERT_AXIS]
   if n_experts % ep:
     raise ConfigError(f"config key 'model.moe_dispatch'={dispatch!r}: n_experts={n_experts} is not "
@@ -118,7 +121,15 @@ def _layout(mesh, n_experts: int, n_tokens: int, w_gate, w_up, w_down, dispatch:
              _weight_spec(w_up, P(EXPERT_AXIS, None, tensor)),
              _weight_spec(w_down, P(EXPERT_AXIS, tensor, None)))
   return _Layout(ep, n_experts // ep, batch_axes, split,
-                 P(batch_axes, None) if split else P(None, None), tensor, w_specs)
+                 P(batch_axes, None) if split else P(None, None), tensor, w_specs, matmul)
+
+
+def _check_vma(lay: _Layout) -> bool:
+  """shard_map's varying-axes check, off around the Pallas grouped matmul: jax 0.10's pallas_call
+  wants each output's varying axes declared, and its interpret mode (CPU) slices varying refs
+  with unvarying grid indices, which the check rejects. Off, the transpose still sums a
+  replicated input's cotangent over the axes it is replicated on."""
+  return lay.matmul != "grouped"
 
 
 def _gather_body(lay: _Layout, x_nD, ids_nK, gates_nK, wg, wu, wd):
@@ -140,9 +151,12 @@ def _gather_body(lay: _Layout, x_nD, ids_nK, gates_nK, wg, wu, wd):
   order_M = jnp.argsort(key_M, stable=True)
   group_sizes_e = jnp.bincount(key_M, length=lay.n_local + 1)[:lay.n_local].astype(jnp.int32)
   x_MD = x_GD[order_M // k]
-  # A QTensor's logical shape is read off its (now local) children: no fix-up needed.
-  h_MF = jax.nn.silu(ragged_linear(x_MD, wg, group_sizes_e)) * ragged_linear(x_MD, wu, group_sizes_e)
-  y_MD = ragged_linear(h_MF, wd, group_sizes_e)
+  # A QTensor's logical shape is read off its (now local) children: no fix-up needed. Only
+  # expert_matmul "grouped" changes the product: this dispatch had no slab, so "slab" keeps ragged_dot.
+  impl = "pallas" if lay.matmul == "grouped" else "ragged_dot"
+  h_MF = (jax.nn.silu(ragged_linear(x_MD, wg, group_sizes_e, impl))
+          * ragged_linear(x_MD, wu, group_sizes_e, impl))
+  y_MD = ragged_linear(h_MF, wd, group_sizes_e, impl)
   # Rows past the local groups are not defined by ragged_dot's contract: zero them explicitly.
   y_MD = jnp.where(jnp.sort(key_M)[:, None] < lay.n_local, y_MD, 0)
   y_GKD = jnp.zeros_like(y_MD).at[order_M].set(y_MD).reshape(g, k, -1)
@@ -157,20 +171,22 @@ def _tensor_sum(lay: _Layout, y_nD):
   return y_nD if lay.tensor is None else jax.lax.psum(y_nD, TENSOR_AXIS)
 
 
-def all_gather_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: int, mesh=None):
+def all_gather_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: int, mesh=None, *,
+                       expert_matmul: str = "slab"):
   """Dropless SwiGLU experts, all-gather + reduce-scatter over `expert` (module docstring).
 
   Equals `moe.dropless_experts`; the exact fallback of `all_to_all_experts`. `mesh` defaults to
-  the context mesh (`jax.set_mesh`).
+  the context mesh (`jax.set_mesh`). `expert_matmul` (resolved: slab, ragged_dot, grouped): the
+  local experts' grouped product, ragged_dot unless "grouped" (the Pallas grouped matmul).
   """
   mesh = context_mesh("all_gather") if mesh is None else mesh
-  lay = _layout(mesh, n_experts, x_ND.shape[0], w_gate, w_up, w_down, "all_gather")
+  lay = _layout(mesh, n_experts, x_ND.shape[0], w_gate, w_up, w_down, "all_gather", expert_matmul)
 
   def body(*args):
     return _tensor_sum(lay, _gather_body(lay, *args))
 
   fn = jax.shard_map(body, mesh=mesh, in_specs=(lay.tok_spec,) * 3 + lay.w_specs,
-                     out_specs=lay.tok_spec)
+                     out_specs=lay.tok_spec, check_vma=_check_vma(lay))
   return fn(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down)
 
 
@@ -223,7 +239,7 @@ def _local_experts(lay: _Layout, x_RD, e_R, ws, n_assignments: int):
   """Ungated SwiGLU of received rows by local expert e_R (n_local = padding row: zero)."""
   from rl_jax.models import moe as moe_lib  # pylint: disable=g-import-not-at-top  (moe imports this module)
   return moe_lib.dropless_rows(x_RD[None], e_R[None, :, None], *ws, lay.n_local,
-                               n_assignments=n_assignments)[0, :, 0]
+                               n_assignments=n_assignments, matmul=lay.matmul)[0, :, 0]
 
 
 def _padded_round(lay: _Layout, cap: int, r, x_nD, ids_nK, gates_nK, *ws):
@@ -313,7 +329,7 @@ FALLBACKS = ("rounds", "all_gather")
 
 def all_to_all_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: int, mesh=None, *,
                        impl: str = "padded", capacity_factor: float = A2A_CAPACITY_FACTOR,
-                       fallback: str = "rounds"):
+                       fallback: str = "rounds", expert_matmul: str = "slab"):
   """Dropless SwiGLU experts by a capped all-to-all over `expert` (module docstring).
 
   Returns (y_ND, fallback_fraction): y_ND equals `moe.dropless_experts`; the float32 scalar is
@@ -324,14 +340,15 @@ def all_to_all_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: 
   buffers as the busiest peer needs: memory stays the all-to-all's) or "all_gather"
   (`all_gather_experts`' body: skew-independent traffic, but a `lax.cond` allocates for its
   larger branch, so the gather's ep n k rows set the layer's peak memory anyway).
-  `mesh` defaults to the context mesh (`jax.set_mesh`).
+  `mesh` defaults to the context mesh (`jax.set_mesh`). `expert_matmul` (resolved: slab,
+  ragged_dot, grouped) is how the local experts run on the received rows (`moe.dropless_rows`).
   """
   if impl not in A2A_IMPLS:
     raise ConfigError(f"config key 'model.moe_a2a': {impl!r} is not one of {list(A2A_IMPLS)}")
   if fallback not in FALLBACKS:
     raise ValueError(f"all_to_all_experts: fallback={fallback!r} is not one of {FALLBACKS}")
   mesh = context_mesh("shard_map") if mesh is None else mesh
-  lay = _layout(mesh, n_experts, x_ND.shape[0], w_gate, w_up, w_down, "shard_map")
+  lay = _layout(mesh, n_experts, x_ND.shape[0], w_gate, w_up, w_down, "shard_map", expert_matmul)
   n_shards = math.prod(mesh.shape[a] for a in lay.batch_axes)
   k = ids_NK.shape[1]
   m = x_ND.shape[0] // n_shards * k  # (token, slot) pairs per device
@@ -340,7 +357,8 @@ def all_to_all_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: 
     # Every device holds every token (replicated) or one device all experts: nothing to route.
     # A buffer of all m rows can never overflow, but the all-to-all would move ep x m rows where
     # the gather moves ep x n tokens: take the gather.
-    y_ND = all_gather_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts, mesh)
+    y_ND = all_gather_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts, mesh,
+                              expert_matmul=expert_matmul)
     return y_ND, jnp.zeros((), jnp.float32)
 
   a2a_body = _padded_a2a_body if impl == "padded" else _ragged_a2a_body
@@ -359,7 +377,7 @@ def all_to_all_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: 
     return _tensor_sum(lay, y_nD), over.astype(jnp.float32)[None]
 
   fn = jax.shard_map(body, mesh=mesh, in_specs=(lay.tok_spec,) * 3 + lay.w_specs,
-                     out_specs=(lay.tok_spec, P(lay.batch_axes)))
+                     out_specs=(lay.tok_spec, P(lay.batch_axes)), check_vma=_check_vma(lay))
   y_ND, over_S = fn(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down)
   return y_ND, jnp.mean(over_S)
 

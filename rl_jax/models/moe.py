@@ -1,4 +1,4 @@
-"""Qwen3-MoE sparse block: float32 router, dropless experts (capacity slabs; ragged_dot for quantized weights), routing replay."""
+"""Qwen3-MoE sparse block: float32 router, dropless experts (capacity slabs, Pallas grouped matmul or ragged_dot), routing replay."""
 from __future__ import annotations
 
 import functools
@@ -10,8 +10,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from rl_jax import batch_invariant as invariant
+from rl_jax.config_utils import ConfigError
 from rl_jax.models import expert_parallel as ep_lib
-from rl_jax.models.config import ModelConfig
+from rl_jax.models.config import EXPERT_MATMULS, ModelConfig
 from rl_jax.models.expert_parallel import BATCH_AXES
 from rl_jax.models.layers import param
 from rl_jax.quant.ops import ragged_linear
@@ -47,13 +48,35 @@ def route(router_logits_NE: jax.Array, k: int, norm_topk_prob: bool,
 CAPACITY_TIERS = (1.25, 2.0)
 
 
+def resolve_expert_matmul(choice: str, backend: str | None = None) -> str:
+  """`model.expert_matmul` -> "slab", "ragged_dot" or "grouped"; "auto" by `backend` (default
+  jax.default_backend(), read at trace time): grouped on GPU (no dense expansion, where XLA:GPU's
+  ragged_dot has one), ragged_dot on TPU (lowered natively), slab elsewhere and in the zero-mismatch
+  mode (its fixed-order products are the slab's)."""
+  if choice not in EXPERT_MATMULS:
+    raise ConfigError(f"config key 'model.expert_matmul': {choice!r} is not one of {list(EXPERT_MATMULS)}")
+  if choice != "auto":
+    return choice
+  if invariant.active():
+    return "slab"
+  backend = backend or jax.default_backend()
+  return {"gpu": "grouped", "cuda": "grouped", "rocm": "grouped", "tpu": "ragged_dot"}.get(backend, "slab")
+
+
+# `_ragged_rows`' grouped-product impl (quant.ops.ragged_linear) per resolved expert matmul; the
+# slab path's quantized weights keep ragged_dot.
+_ROW_IMPL = {"slab": "ragged_dot", "ragged_dot": "ragged_dot", "grouped": "pallas"}
+
+
 def _combine(y_NKD, gates_NK):
   """Sum of each token's K slot outputs weighted by its gates -> y_ND."""
   return jnp.einsum("nkd,nk->nd", y_NKD, gates_NK.astype(y_NKD.dtype))
 
 
-def _ragged_rows(x_ND, ids_NK, w_gate, w_up, w_down, n_experts: int):
-  """Ungated SwiGLU output y_NKD of every (token, slot) pair by its expert, via `lax.ragged_dot`.
+def _ragged_rows(x_ND, ids_NK, w_gate, w_up, w_down, n_experts: int, impl: str = "ragged_dot"):
+  """Ungated SwiGLU output y_NKD of every (token, slot) pair by its expert, as a grouped product of
+  the expert-sorted rows: `lax.ragged_dot` (`impl` "ragged_dot") or the Pallas grouped matmul
+  ("pallas": `[M, D]` and `[M, F]` rows, never `[M, E * F]`, forward and backward).
 
   An id equal to `n_experts` means "no expert" (the all-to-all dispatch's padding rows): it sorts
   after every group and its row is zero.
@@ -63,9 +86,9 @@ def _ragged_rows(x_ND, ids_NK, w_gate, w_up, w_down, n_experts: int):
   order_M = jnp.argsort(flat_ids_M, stable=True)
   x_MD = x_ND[order_M // k]
   group_sizes_E = jnp.bincount(flat_ids_M, length=n_experts + 1)[:n_experts].astype(jnp.int32)
-  h_MF = (jax.nn.silu(ragged_linear(x_MD, w_gate, group_sizes_E))
-          * ragged_linear(x_MD, w_up, group_sizes_E))
-  y_MD = ragged_linear(h_MF, w_down, group_sizes_E)
+  h_MF = (jax.nn.silu(ragged_linear(x_MD, w_gate, group_sizes_E, impl))
+          * ragged_linear(x_MD, w_up, group_sizes_E, impl))
+  y_MD = ragged_linear(h_MF, w_down, group_sizes_E, impl)
   y_NKD = jnp.zeros_like(y_MD).at[order_M].set(y_MD).reshape(n, k, -1)
   # Rows past the groups are not defined by ragged_dot's contract: zero them explicitly.
   return jnp.where((ids_NK < n_experts)[..., None], y_NKD, 0)
@@ -184,7 +207,7 @@ def _capacity_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: i
 
 
 def dropless_rows(x_GnD, ids_GnK, w_gate, w_up, w_down, n_experts: int,
-                  n_assignments: int | None = None):
+                  n_assignments: int | None = None, matmul: str = "slab"):
   """Ungated y_GnKD of every (token, slot) pair of G independent token groups: no drop, ever.
 
   Plain weights: per group an `[E, C, D]` slab (`_capacity_rows`, vmapped over G with the
@@ -197,13 +220,17 @@ def dropless_rows(x_GnD, ids_GnK, w_gate, w_up, w_down, n_experts: int,
   would make vmap run every branch. Quantized (QTensor) weights always take the ragged rows of
   all groups at once. `n_assignments` sets the tiers' mean load (default the n K rows of a
   group, which then bound C); an id equal to `n_experts` is a padding row (zero output, no load).
+
+  `matmul` (a resolved `model.expert_matmul`): "slab" as above; "grouped" / "ragged_dot" take
+  every group's rows at once through `_ragged_rows` (the Pallas grouped matmul / lax.ragged_dot,
+  plain or quantized weights): the same products, no tiers.
   """
   g, n, k = ids_GnK.shape
   rows = n * k
 
   def ragged(x_GnD, ids_GnK, w_gate, w_up, w_down, _):
     y_NKD = _ragged_rows(x_GnD.reshape(g * n, -1), ids_GnK.reshape(g * n, k), w_gate, w_up, w_down,
-                         n_experts)
+                         n_experts, _ROW_IMPL[matmul])
     return y_NKD.reshape(g, n, k, -1)
 
   def slab(c):
@@ -213,7 +240,7 @@ def dropless_rows(x_GnD, ids_GnK, w_gate, w_up, w_down, n_experts: int,
     return lambda x, ids, *ws_rounds: jax.vmap(one, in_axes=(0, 0, None, None, None))(
         x, ids, *ws_rounds[:3])
 
-  if any(isinstance(w, QTensor) for w in (w_gate, w_up, w_down)):
+  if matmul != "slab" or any(isinstance(w, QTensor) for w in (w_gate, w_up, w_down)):
     return ragged(x_GnD, ids_GnK, w_gate, w_up, w_down, None)
   tiers = capacity_tiers(rows if n_assignments is None else n_assignments, n_experts, max_slots=rows)
   branches = [slab(c) for c in tiers]
@@ -244,7 +271,7 @@ def batch_groups(n_tokens: int) -> tuple[int, tuple[str, ...]]:
 
 
 def dropless_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: int,
-                     groups: int = 1, group_axes: tuple[str, ...] = ()):
+                     groups: int = 1, group_axes: tuple[str, ...] = (), matmul: str = "slab"):
   """SwiGLU experts over every (token, slot) assignment: no capacity drop, ever.
 
   Plain weights: an `[E, C, D]` batched matmul (`_capacity_rows`) with C the smallest of
@@ -262,6 +289,11 @@ def dropless_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: in
   all-gathers the expert weights to every batch shard instead (8 devices, 1,024 tokens each,
   D 512, 64 experts, top-8, bf16: forward + backward temporaries 1.20 GiB grouped, 5.03 GiB
   ungrouped, whose global ragged fallback alone sets the peak).
+
+  `matmul` "grouped" / "ragged_dot" (`dropless_rows`): with G > 1 groups pinned to mesh axes, a
+  `shard_map` over those axes runs each device's own group (the SPMD partitioner cannot split a
+  Pallas call, and splits no ragged_dot rows by expert): tokens stay put, the weights are
+  gathered to every batch shard as GSPMD does for the slab.
   """
   n, d = x_ND.shape
   k = ids_NK.shape[1]
@@ -273,9 +305,59 @@ def dropless_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: in
   x_GnD = pin(x_ND.reshape(groups, n // groups, d))
   ids_GnK = pin(ids_NK.reshape(groups, n // groups, k))
   gates_GnK = pin(gates_NK.reshape(groups, n // groups, k))
-  y_GnKD = dropless_rows(x_GnD, ids_GnK, w_gate, w_up, w_down, n_experts)
+  if matmul != "slab" and group_axes:
+    y_GnKD = _rows_per_shard(x_GnD, ids_GnK, (w_gate, w_up, w_down), n_experts, group_axes, matmul)
+  else:
+    y_GnKD = dropless_rows(x_GnD, ids_GnK, w_gate, w_up, w_down, n_experts, matmul=matmul)
   y_GnD = pin(jnp.einsum("gnkd,gnk->gnd", y_GnKD, gates_GnK.astype(y_GnKD.dtype)))
   return y_GnD.reshape(n, -1)
+
+
+def _rows_per_shard(x_GnD, ids_GnK, ws, n_experts: int, group_axes: tuple[str, ...], matmul: str):
+  """`dropless_rows` of each device's own group under a `shard_map` over `group_axes` (of the
+  context mesh), every weight replicated into it."""
+  tok = P(group_axes)
+  w_specs = tuple(jax.tree.map(lambda _: P(), w) for w in ws)  # a QTensor: each of its leaves
+
+  def local(x, ids, *ws):
+    return dropless_rows(x, ids, *ws, n_experts, matmul=matmul)
+
+  # check_vma off: see expert_parallel._check_vma (the Pallas call under shard_map's check).
+  return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(), in_specs=(tok, tok) + w_specs,
+                       out_specs=tok, check_vma=matmul != "grouped")(x_GnD, ids_GnK, *ws)
+
+
+def seq_chunked(experts, x_BSD, ids_BSK, gates_BSK, chunk: int, n_experts: int):
+  """`experts(x, ids, gates) -> (y, overflow)` over sequence chunks of `chunk` positions, in a
+  `lax.scan` whose body is rematerialized: the dispatch's buffers are one chunk's, forward and backward.
+
+  Exact: experts act per token. Every chunk holds all B rows, so a batch-sharded input stays
+  sharded and every device works on every chunk. The tail is padded to a whole chunk with zero
+  tokens at gate 0, routed round-robin (an even load, not one expert's overflow): their output,
+  SwiGLU(0) x 0, and their gradients are exactly zero, and they are sliced off. `overflow` is the
+  chunks' mean.
+  """
+  b, s, d = x_BSD.shape
+  k = ids_BSK.shape[-1]
+  n_chunks = -(-s // chunk)
+  pad = n_chunks * chunk - s
+  if pad:
+    fill_BPK = (jnp.arange(b * pad * k, dtype=ids_BSK.dtype) % n_experts).reshape(b, pad, k)
+    x_BSD = jnp.concatenate([x_BSD, jnp.zeros((b, pad, d), x_BSD.dtype)], axis=1)
+    ids_BSK = jnp.concatenate([ids_BSK, fill_BPK], axis=1)
+    gates_BSK = jnp.concatenate([gates_BSK, jnp.zeros((b, pad, k), gates_BSK.dtype)], axis=1)
+  # [B, n * c, ...] -> [n, B, c, ...]: the scan's axis first, the batch's sharding kept on B.
+  split = lambda a: jnp.moveaxis(a.reshape(b, n_chunks, chunk, *a.shape[2:]), 1, 0)
+
+  @jax.checkpoint
+  def body(carry, xs):
+    y_BcD, overflow = experts(*xs)
+    return carry + overflow, y_BcD
+
+  overflow, y_nBcD = jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                                  (split(x_BSD), split(ids_BSK), split(gates_BSK)))
+  y_BSD = jnp.moveaxis(y_nBcD, 0, 1).reshape(b, n_chunks * chunk, -1)[:, :s]
+  return y_BSD, overflow / n_chunks
 
 
 def load_balancing_loss(probs_NE, natural_ids_NK, valid_N, n_experts: int):
@@ -299,9 +381,9 @@ class MoE(nnx.Module):
     e, d, f = cfg.n_experts, cfg.d_model, cfg.moe_d_ff
     self.w_router = nnx.Param(cfg.init_std * jax.random.normal(rngs.params(), (d, e), jnp.float32),
                               axes=("embed", None))
-    self.w_gate = param(rngs, (e, d, f), ("expert", "embed", "mlp"), cfg, expert=True)
-    self.w_up = param(rngs, (e, d, f), ("expert", "embed", "mlp"), cfg, expert=True)
-    self.w_down = param(rngs, (e, f, d), ("expert", "mlp", "embed"), cfg, expert=True)
+    self.w_gate = param(rngs, (e, d, f), ("expert", "embed", "mlp"), cfg, expert=True, quantize=True)
+    self.w_up = param(rngs, (e, d, f), ("expert", "embed", "mlp"), cfg, expert=True, quantize=True)
+    self.w_down = param(rngs, (e, f, d), ("expert", "mlp", "embed"), cfg, expert=True, quantize=True)
 
   def __call__(self, x_BSD, valid_BS, replay_ids_BSK=None, replay_mask_BS=None):
     """Returns (y_BSD, ids_BSK used, router_logits_BSE, aux_loss, overflow).
@@ -320,20 +402,37 @@ class MoE(nnx.Module):
     rmask_N = None if replay_mask_BS is None else replay_mask_BS.reshape(b * s)
     ids_NK, gates_NK, natural_NK, probs_NE = route(logits_NE, cfg.n_experts_per_tok,
                                                    cfg.norm_topk_prob, rid_NK, rmask_N)
-    # Same math every way; the shard_map dispatches make the expert-parallel communication explicit.
     ws = (self.w_gate.get_value(), self.w_up.get_value(), self.w_down.get_value())
+    k = cfg.n_experts_per_tok
+    x_BSD_in, ids_BSK, gates_BSK = x_BSD, ids_NK.reshape(b, s, k), gates_NK.reshape(b, s, k)
+    if 0 < cfg.moe_seq_chunk < s:
+      y_BSD, overflow = seq_chunked(functools.partial(self._experts, ws=ws), x_BSD_in, ids_BSK,
+                                    gates_BSK, cfg.moe_seq_chunk, cfg.n_experts)
+    else:
+      y_BSD, overflow = self._experts(x_BSD_in, ids_BSK, gates_BSK, ws=ws)
+    aux = load_balancing_loss(probs_NE, natural_NK, valid_BS.reshape(-1), cfg.n_experts)
+    return (y_BSD.astype(x_BSD.dtype), ids_BSK, logits_NE.reshape(b, s, -1), aux, overflow)
+
+  def _experts(self, x_BSD, ids_BSK, gates_BSK, *, ws):
+    """(gated expert output y_BSD, overflow) of routed tokens: the dispatch the config names."""
+    cfg = self.cfg
+    b, s, d = x_BSD.shape
+    x_ND, ids_NK, gates_NK = x_BSD.reshape(b * s, d), ids_BSK.reshape(b * s, -1), gates_BSK.reshape(b * s, -1)
+    # Same math every way; the shard_map dispatches make the expert-parallel communication explicit.
     overflow = jnp.zeros((), jnp.float32)
+    matmul = resolve_expert_matmul(cfg.expert_matmul)
+    # Keyword-only and only when not the slab, so the slab's calls keep their signatures.
+    mm = {} if matmul == "slab" else dict(expert_matmul=matmul)
     if cfg.moe_dispatch == "shard_map":
       y_ND, overflow = ep_lib.all_to_all_experts(x_ND, ids_NK, gates_NK, *ws, cfg.n_experts,
-                                                 impl=cfg.moe_a2a)
+                                                 impl=cfg.moe_a2a, **mm)
     elif cfg.moe_dispatch == "all_gather":
-      y_ND = ep_lib.all_gather_experts(x_ND, ids_NK, gates_NK, *ws, cfg.n_experts)
+      y_ND = ep_lib.all_gather_experts(x_ND, ids_NK, gates_NK, *ws, cfg.n_experts, **mm)
     else:
       groups, axes = batch_groups(b * s)
       # Keyword-only when grouped, so the ungrouped call keeps `ragged_experts`' signature.
       grouping = dict(groups=groups, group_axes=axes) if groups > 1 else {}
+      if matmul != "slab":
+        grouping["matmul"] = matmul
       y_ND = dropless_experts(x_ND, ids_NK, gates_NK, *ws, cfg.n_experts, **grouping)
-    aux = load_balancing_loss(probs_NE, natural_NK, valid_BS.reshape(-1), cfg.n_experts)
-    k = cfg.n_experts_per_tok
-    return (y_ND.reshape(b, s, d).astype(x_BSD.dtype), ids_NK.reshape(b, s, k),
-            logits_NE.reshape(b, s, -1), aux, overflow)
+    return y_ND.reshape(b, s, d), overflow

@@ -168,7 +168,7 @@ class Transformer(nnx.Module):
       self.layers = nnx.List(blocks)
     self.final_norm = RMSNorm(cfg.d_model, cfg)
     if not cfg.tie_embeddings:
-      self.w_unembed = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg)
+      self.w_unembed = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg, lm_head=True)
 
   def unembed_weight(self, dtype=jnp.float32) -> jax.Array:
     """The output projection `[D, V]` (the transposed embedding when tied)."""
@@ -211,7 +211,8 @@ class Transformer(nnx.Module):
       kv_valid_BC: which cache slots hold real tokens after this write (default:
         slots < cache_index + S).
       replay_ids_BSLK / replay_mask_BS: experts to replay per MoE layer and where
-        (docs/math.md#routing-replay); unmasked positions use the natural top-k.
+        (docs/math.md#routing-replay); unmasked positions use the natural top-k. Any integer
+        dtype (recorded ids are compact, `rollout.expert_id_dtype`): cast to int32 per layer.
     """
     cfg = self.cfg
     dtype = dtype_of(cfg.dtype)
@@ -269,7 +270,8 @@ class Transformer(nnx.Module):
     for i, block in enumerate(self.layers):
       r_ids_BSK = None
       if replay_ids_BSLK is not None and i in moe_index:
-        r_ids_BSK = replay_ids_BSLK[:, :, moe_index[i]]
+        # Stored compact (rollout.expert_id_dtype); the MoE block indexes with int32.
+        r_ids_BSK = replay_ids_BSLK[:, :, moe_index[i]].astype(jnp.int32)
       layer_cache = None if cache is None else cache[i]
       if cfg.remat and cache is None:
         graphdef, state = nnx.split(block)
@@ -313,6 +315,8 @@ class Transformer(nnx.Module):
 
       def body(x_BSD, xs, _graphdef=graphdef):
         layer_state, layer_cache, r_ids_BSK = xs
+        if r_ids_BSK is not None:  # scanned over compact (rollout.expert_id_dtype), cast per layer
+          r_ids_BSK = r_ids_BSK.astype(jnp.int32)
         x_BSD, layer_cache, ids_BSK, rl_BSE, aux, overflow = nnx.merge(_graphdef, layer_state)(
             x_BSD, positions_BS, kv_valid_BC, valid_BS, layer_cache, cache_index, r_ids_BSK,
             replay_mask_BS)

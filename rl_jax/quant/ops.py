@@ -150,19 +150,32 @@ def qmatmul(x_sK: jax.Array, qt: QTensor) -> jax.Array:
   return out.reshape(lead + (n,)).astype(x_sK.dtype)
 
 
-def ragged_qmatmul(x_NK: jax.Array, qt: QTensor, group_sizes_E: jax.Array) -> jax.Array:
+def _grouped(x_NK, w_EKN, group_sizes_E, impl: str, **kw) -> jax.Array:
+  """`lax.ragged_dot` ("ragged_dot") or the Pallas grouped matmul ("pallas", no dense expansion)."""
+  if impl == "ragged_dot":
+    return jax.lax.ragged_dot(x_NK, w_EKN, group_sizes_E, **kw)
+  if impl != "pallas":
+    raise ValueError(f"grouped matmul impl must be 'ragged_dot' or 'pallas', got {impl!r}")
+  # Imported here: rl_jax.models imports this module (moe.py), so a top-level import would cycle.
+  from rl_jax.models import grouped_matmul  # pylint: disable=g-import-not-at-top
+  kw.pop("precision", None)  # the kernel runs float32 operands at HIGHEST itself
+  return grouped_matmul.grouped_matmul(x_NK, w_EKN, group_sizes_E, impl="pallas", **kw)
+
+
+def ragged_qmatmul(x_NK: jax.Array, qt: QTensor, group_sizes_E: jax.Array,
+                   impl: str = "ragged_dot") -> jax.Array:
   """`lax.ragged_dot` of expert-sorted rows with a quantized `[E, K, N]` weight -> `[rows, N]`.
 
   Dequantizes the experts' weights (Pallas kernel or jnp) and, for W+A, fake-
-  quantizes the rows per token, then runs `lax.ragged_dot` in float32.
+  quantizes the rows per token, then runs the grouped product in float32: `lax.ragged_dot`
+  ("ragged_dot"), or the Pallas grouped matmul on the same float32 operands ("pallas").
   """
   if qt.ndim != 3:
     raise ValueError(f"ragged_qmatmul needs a 3-D [E, K, N] weight, got logical shape {qt.shape} (a "
                      "stacked layer axis is sliced off by the layer scan before any matmul)")
   _check_k(x_NK, qt.shape[1], qt)
-  out = jax.lax.ragged_dot(fake_quantize_activations(x_NK, qt), dequantize_weight(qt, jnp.float32),
-                           group_sizes_E, precision=_HIGHEST,
-                           preferred_element_type=jnp.float32)
+  out = _grouped(fake_quantize_activations(x_NK, qt), dequantize_weight(qt, jnp.float32),
+                 group_sizes_E, impl, precision=_HIGHEST, preferred_element_type=jnp.float32)
   return out.astype(x_NK.dtype)
 
 
@@ -175,11 +188,12 @@ def linear(x_sK: jax.Array, w) -> jax.Array:
   return jnp.dot(x_sK, w.astype(x_sK.dtype))
 
 
-def ragged_linear(x_NK: jax.Array, w, group_sizes_E: jax.Array) -> jax.Array:
-  """`lax.ragged_dot(x, w[E, K, N], group_sizes)` in x's dtype, for a plain array or a QTensor."""
+def ragged_linear(x_NK: jax.Array, w, group_sizes_E: jax.Array, impl: str = "ragged_dot") -> jax.Array:
+  """`lax.ragged_dot(x, w[E, K, N], group_sizes)` in x's dtype, for a plain array or a QTensor;
+  `impl` "pallas" computes it with the Pallas grouped matmul (models/grouped_matmul.py)."""
   if isinstance(w, QTensor):
-    return ragged_qmatmul(x_NK, w, group_sizes_E)
-  return jax.lax.ragged_dot(x_NK, w.astype(x_NK.dtype), group_sizes_E)
+    return ragged_qmatmul(x_NK, w, group_sizes_E, impl)
+  return _grouped(x_NK, w.astype(x_NK.dtype), group_sizes_E, impl)
 
 
 def dense(w, dtype) -> jax.Array:

@@ -55,7 +55,7 @@ class TrainBatch:
   logp_old_BT: jax.Array | None = None
   topk_ids_BTK: jax.Array | None = None
   topk_logq_BTK: jax.Array | None = None
-  replay_ids_BSLK: jax.Array | None = None
+  replay_ids_BSLK: jax.Array | None = None  # compact: rollout.expert_id_dtype(n_experts)
   replay_mask_BS: jax.Array | None = None
   trunc_thresh_BT: jax.Array | None = None
   trunc_covered_BT: jax.Array | None = None
@@ -193,7 +193,7 @@ def old_forward(params, batch: TrainBatch, sampler_ids_BSLK=None, sampler_valid_
   activations live at a time.
 
   Returns (logp_old_BT, own_ids_BSLK or None, metrics): `own_ids_BSLK` are the experts the
-  trainer itself routes to (R2 replays them).
+  trainer itself routes to (R2 replays them), in `rollout.expert_id_dtype` like the sampler's.
   """
   if replay == "R3" and sampler_ids_BSLK is None:
     raise ValueError("routing_replay='R3' needs the sampler's expert ids (sampler.record_experts)")
@@ -242,7 +242,9 @@ def _old_forward_rows(params, batch: TrainBatch, sampler_ids_BSLK, sampler_valid
     # Batch-sharded like the residual stream: unconstrained, GSPMD gathered the global batch's
     # [B, S, L, E] router probabilities on every device for the top-k (the 30B plan: 120 GiB).
     probs_BSLE = constrain_batch(jax.nn.softmax(out.router_logits_BSLE.astype(jnp.float32), axis=-1))
-    own_ids_BSLK = jax.lax.top_k(probs_BSLE, own_ids_BSLK.shape[-1])[1].astype(jnp.int32)
+    own_ids_BSLK = jax.lax.top_k(probs_BSLE, own_ids_BSLK.shape[-1])[1]
+  if own_ids_BSLK is not None:  # stored compact like the sampler's (R2 replays them)
+    own_ids_BSLK = own_ids_BSLK.astype(rollout_lib.expert_id_dtype(model.cfg.n_experts))
   mask = batch.response_mask_BT.astype(jnp.float32)
   # Under sampling_mask='replay' a token outside theta_old's rebuilt kept set has p~_old = 0
   # (-inf): the updates mask it; the mismatch metrics are over the others, and count it.

@@ -10,6 +10,7 @@ from rl_jax import experiment as ex
 from rl_jax import workdir as wd
 from rl_jax.checkpoint import Checkpointer
 from rl_jax.config_utils import ConfigError
+from rl_jax.models.config import EXECUTION_FIELDS
 from rl_jax.rl.job import RLJob
 
 
@@ -56,10 +57,7 @@ def warm_start(job: RLJob, config: Any, workdir: str, mesh) -> tuple[nnx.GraphDe
     from rl_jax.models import hf  # pylint: disable=g-import-not-at-top
     m = job.model
     # The job's execution choices (precision, remat, layout, kernels) over the checkpoint's architecture.
-    model = hf.load_hf_model(ws.path, mesh=mesh, dtype=m.dtype, param_dtype=m.param_dtype,
-                             remat=m.remat, router_aux_loss_coef=m.router_aux_loss_coef,
-                             scan_layers=m.scan_layers, moe_dispatch=m.moe_dispatch, moe_a2a=m.moe_a2a,
-                             attention=m.attention, batch_invariant=m.batch_invariant)
+    model = hf.load_hf_model(ws.path, mesh=mesh, **{f: getattr(m, f) for f in EXECUTION_FIELDS})
     if model.cfg != job.model:
       raise ConfigError(f"config key 'model': differs from the HF checkpoint {ws.path}/config.json; "
                         f"set model to {model.cfg}")

@@ -16,7 +16,7 @@ from rl_jax.models.kv_cache import LayerKV, cache_len, grow_cache, init_cache
 from rl_jax.models.layers import dtype_of
 from rl_jax.models.transformer import default_positions
 # The contract (layout, alignment) lives in rl_jax.rollout.
-from rl_jax.rollout import Rollout
+from rl_jax.rollout import Rollout, expert_id_dtype
 from rl_jax.sampler.config import SamplerConfig
 from rl_jax.sharding import BATCH_AXES, batch_divisor, shard_batch
 
@@ -245,7 +245,7 @@ def _prefill(model, tokens_BP, positions_BP, pvalid_BP, kv_valid_BC, cache_slots
                                  backend=getattr(cfg.quant, "backend", "auto")))
     out = model(tok_bP[:, :p - 1], pos_bP[:, :p - 1], pv_bP[:, :p - 1], cache=cache, cache_index=0,
                 kv_valid_BC=kvv_bC[:, :cache_len(cache)], compute_logits=False)
-    return constrain(out.cache), out.expert_ids_BSLK
+    return constrain(out.cache), out.expert_ids_BSLK.astype(expert_id_dtype(mcfg.n_experts))
 
   xs = (tokens_BP, positions_BP, pvalid_BP, kv_valid_BC)
   chunks = microbatch.count(tokens_BP.shape[0], cfg.prefill_rows, "sampler.prefill_rows", div)
@@ -277,7 +277,9 @@ def _generate_rows(model, prompts_BP, valid_BP, keys_B, *, cfg: SamplerConfig, k
   kv_valid_BC = jnp.concatenate([pvalid_BP, jnp.ones((b, t), bool)], axis=1)
   # The cache starts at the first decode phase's slots (the prefill's p-1 fit in them).
   slots0 = cfg.phase_bounds()[0][1]
-  experts_BSLK = jnp.zeros((b, s, n_moe, k_exp), jnp.int32) if record_experts else None
+  # Compact ids (uint8 up to 256 experts): 1/4 of int32's bytes in the carry and the rollout.
+  experts_BSLK = (jnp.zeros((b, s, n_moe, k_exp), expert_id_dtype(mcfg.n_experts)) if record_experts
+                  else None)
 
   # Prefill: every prompt token but the last in one forward pass, no logits. The last
   # prompt token (slot p-1, real for every row thanks to left padding) is the first
@@ -343,8 +345,8 @@ def _generate_rows(model, prompts_BP, valid_BP, keys_B, *, cfg: SamplerConfig, k
       head_B = jnp.where(active_B, jnp.exp(jnp.max(logq_BV, axis=-1)), 0.0)
       new["head_mass_BT"] = jax.lax.dynamic_update_slice(c["head_mass_BT"], head_B[:, None], (0, j))
     if record_experts:
-      new["experts_BSLK"] = jax.lax.dynamic_update_slice(c["experts_BSLK"], out.expert_ids_BSLK,
-                                                         (0, slot, 0, 0))
+      new["experts_BSLK"] = jax.lax.dynamic_update_slice(
+          c["experts_BSLK"], out.expert_ids_BSLK.astype(c["experts_BSLK"].dtype), (0, slot, 0, 0))
     return constrain(new)
 
   # Decode phases: attention over the whole static cache at every step reads, on average,
