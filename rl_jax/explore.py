@@ -11,13 +11,15 @@ from flax import nnx
 
 from rl_jax import rollout as rollout_lib
 from rl_jax.config_utils import ConfigError
-from rl_jax.logprobs import gather_logprobs
+from rl_jax.rl import programs as programs_lib
 from rl_jax.rl import step as step_lib
 from rl_jax.rl.loss_config import LossConfig
 from rl_jax.rl.losses import rl_loss
-from rl_jax.sampler import generate as gen
 from rl_jax.sampler import weights as sampler_weights
 from rl_jax.sampler.config import SamplerConfig
+
+# Every jitted program here (sync, generate, the p_old forward, the probe, the update) is the
+# trainer's, from the one factory (`programs.build_local`): a notebook measures what a run executes.
 
 # --- Drift and score centering by enumeration (docs/math.md#score-centering) -----------------
 #
@@ -111,13 +113,9 @@ def tail_reconstruction(logp_V: jax.Array, logq_V: jax.Array, k: int, eps: float
 # --- Train / inference mismatch of the sampler, per regime (docs/math.md#mismatch-sources) -----------
 
 
-def routing_agreement_per_layer(trainer_ids_BSLK: jax.Array, sampler_ids_BSLK: jax.Array,
-                                valid_BS: jax.Array) -> jax.Array:
-  """[L]: per MoE layer, the fraction of (token, slot) whose sampler expert is among the trainer's top-k."""
-  hit_BSLK = jnp.any(sampler_ids_BSLK[..., :, None] == trainer_ids_BSLK[..., None, :], axis=-1)
-  w_BS = valid_BS.astype(jnp.float32)
-  return jnp.einsum("bslk,bs->l", hit_BSLK.astype(jnp.float32), w_BS) / jnp.maximum(
-      jnp.sum(w_BS) * hit_BSLK.shape[-1], 1.0)
+# [L]: per MoE layer, the fraction of (token, slot) whose sampler expert is among the trainer's top-k
+# (the replay probe computes it inside its program).
+routing_agreement_per_layer = programs_lib.routing_agreement_per_layer
 
 
 def mismatch_stats(graphdef: nnx.GraphDef, params: Any, ro: rollout_lib.Rollout, temperature: float,
@@ -150,13 +148,14 @@ def mismatch_stats(graphdef: nnx.GraphDef, params: Any, ro: rollout_lib.Rollout,
 
 def sample(model_cfg: Any, params: Any, ids_BP: jax.Array, valid_BP: jax.Array, key: jax.Array,
            cfg: SamplerConfig, noise_key: jax.Array | None = None) -> rollout_lib.Rollout:
-  """One rollout from the sampler `cfg` builds out of `params` (its noise, quantization and dtype)."""
+  """One rollout from the sampler `cfg` builds out of `params` (its noise, quantization and dtype):
+  the trainer's sync and generate programs (`programs.build_local`)."""
+  progs = programs_lib.build_local(model=model_cfg, sampler=cfg)
   delta = None
   if cfg.noise != "none":
     delta = sampler_weights.make_noise(params, cfg.noise, cfg.noise_sigma,
                                        noise_key if noise_key is not None else jax.random.key(1))
-  state = sampler_weights.sync_weights(params, delta, cfg.quant, cfg.dtype)
-  return gen.generate(sampler_weights.sampler_graphdef(model_cfg, cfg.dtype), state, ids_BP, valid_BP, key, cfg)
+  return progs.generate(progs.sync(params, delta), ids_BP, valid_BP, key)
 
 
 def regimes(presets: Sequence[str], noise_sigmas: Sequence[float], base: SamplerConfig,
@@ -191,62 +190,41 @@ def mismatch_by_regime(model_cfg: Any, graphdef: nnx.GraphDef, params: Any, ids_
 # --- Routing replay over N mini-batches (docs/math.md#routing-replay) -----------------------
 
 
-def _probe(params, mb: step_lib.TrainBatch, sampler_ids_BSLK, sampler_valid_BS, *, graphdef, temperature):
-  """log p_theta on the mini-batch (under its replay, if any) and the trainer's own routing agreement per layer."""
-  model = nnx.merge(graphdef, params)
-  kw = {}
-  if mb.replay_ids_BSLK is not None:
-    kw = dict(replay_ids_BSLK=mb.replay_ids_BSLK, replay_mask_BS=mb.replay_mask_BS)
-  out = model(mb.tokens_BS, mb.positions_BS, mb.valid_BS, **kw)
-  logp_BT = gather_logprobs(mb.response_slots(out.logits_BSV), mb.response_BT[..., None], temperature)[0][..., 0]
-  # Under replay the model reports the replayed ids: the trainer's own routing needs a free forward.
-  own = model(mb.tokens_BS, mb.positions_BS, mb.valid_BS) if kw else out
-  return logp_BT, routing_agreement_per_layer(own.expert_ids_BSLK, sampler_ids_BSLK, sampler_valid_BS)
-
-
 def replay_trajectory(graphdef: nnx.GraphDef, params: Any, opt_state: Any, ro: rollout_lib.Rollout,
                       adv_B: jax.Array, *, loss_cfg: LossConfig, optimizer: Any, replay: step_lib.Replay,
                       n_minibatches: int, aux_coef: float = 0.0) -> dict[str, np.ndarray]:
   """One global step of the trainer, N mini-batch updates, probed before each update.
 
-  As `rl_jax.rl.trainer` does it: `step.old_forward` (p_old under the replay's routing), the
-  replay ids (R2: theta_old's own experts, R3: the sampler's), then `step.update` per
-  mini-batch. Before mini-batch i's update, at theta_i (i updates in), it records over that
-  mini-batch's response tokens the IS log-ratio log p_theta_i - log q and the staleness
-  log-ratio log p_theta_i - log p_old (mean |.| and max |.|), and per MoE layer the agreement
-  of the trainer's own routing at theta_i with the sampler's. Returns arrays of length N
-  (per-layer ones [N, L]) and the `old_forward` metrics.
+  As `rl_jax.rl.trainer` does it, with its programs (`programs.build_local`): `StepPrograms.prepare`
+  (p_old under the replay's routing, the replay ids: R2 theta_old's own experts, R3 the
+  sampler's), then the update per mini-batch. Before mini-batch i's update, at theta_i (i
+  updates in), it records over that mini-batch's response tokens the IS log-ratio
+  log p_theta_i - log q and the staleness log-ratio log p_theta_i - log p_old (mean |.| and
+  max |.|), and per MoE layer the agreement of the trainer's own routing at theta_i with the
+  sampler's. Returns arrays of length N (per-layer ones [N, L]) and the p_old forward's metrics.
+  `params` and `opt_state` are left as they were (the update donates copies).
   """
   if ro.expert_ids_BSLK is None:
     raise ValueError("replay_trajectory needs a MoE rollout with recorded experts (sampler.record_experts)")
   if ro.tokens_BS.shape[0] % n_minibatches:
     raise ValueError(f"rl.n_minibatches={n_minibatches} does not divide the {ro.tokens_BS.shape[0]} rows")
-  batch = step_lib.TrainBatch.from_rollout(ro, adv_B, loss_cfg.score_centering != "none",
-                                           truncated=loss_cfg.replay_mask)
-  logp_old_BT, own_ids, old_m = step_lib.old_forward(params, batch, ro.expert_ids_BSLK, ro.expert_valid_BS,
-                                                     graphdef=graphdef, loss_cfg=loss_cfg, replay=replay)
-  batch = batch.replace(logp_old_BT=logp_old_BT)
-  if replay == "R2":
-    batch = batch.replace(replay_ids_BSLK=own_ids, replay_mask_BS=batch.valid_BS)
-  elif replay == "R3":
-    batch = batch.replace(replay_ids_BSLK=ro.expert_ids_BSLK, replay_mask_BS=ro.expert_valid_BS)
+  progs = programs_lib.build_local(graphdef, loss_cfg, replay=replay, optimizer=optimizer, aux_coef=aux_coef)
+  # The trainer's update donates params and optimizer state: it gets copies, the caller keeps its own.
+  params, opt_state = jax.tree.map(jnp.copy, (params, opt_state))
+  batch, old_m = progs.prepare(params, ro, adv_B)
   rows = batch.rows // n_minibatches
-  probe = jax.jit(_probe, static_argnames=("graphdef", "temperature"))
-  upd = jax.jit(step_lib.update, static_argnames=("graphdef", "optimizer", "loss_cfg", "aux_coef"))
   rec = {k: [] for k in ("is_abs_mean", "is_abs_max", "stale_abs_mean", "stale_abs_max", "agreement_L", "loss")}
   for i in range(n_minibatches):
     sl = slice(i * rows, (i + 1) * rows)
     mb = batch.slice_rows(sl.start, sl.stop)
-    logp_BT, agree_L = probe(params, mb, ro.expert_ids_BSLK[sl], ro.expert_valid_BS[sl], graphdef=graphdef,
-                             temperature=loss_cfg.temperature)
+    logp_BT, agree_L = progs.probe(params, mb, ro.expert_ids_BSLK[sl], ro.expert_valid_BS[sl])
     mask = mb.response_mask_BT
     for name, d_BT in (("is", logp_BT - mb.logq_BT), ("stale", logp_BT - mb.logp_old_BT)):
       a_BT = jnp.abs(d_BT)
       rec[f"{name}_abs_mean"].append(float(step_lib.masked_mean(a_BT, mask)))
       rec[f"{name}_abs_max"].append(float(jnp.max(jnp.where(mask, a_BT, 0.0))))
     rec["agreement_L"].append(np.asarray(agree_L))
-    params, opt_state, m = upd(params, opt_state, mb, graphdef=graphdef, optimizer=optimizer,
-                               loss_cfg=loss_cfg, aux_coef=aux_coef)
+    params, opt_state, m = progs.update(params, opt_state, mb)
     rec["loss"].append(float(m["loss"]))
   out = {k: np.asarray(v) for k, v in rec.items()}
   out["old_forward"] = {k: float(v) for k, v in old_m.items()}

@@ -8,6 +8,7 @@ import pytest
 from rl_jax import explore
 from rl_jax import experiment as ex
 from rl_jax.models import ModelConfig
+from rl_jax.rl import programs as programs_lib
 from rl_jax.rl import step as step_lib
 from rl_jax.rl.loss_config import LossConfig
 from rl_jax.sampler.config import SamplerConfig
@@ -146,6 +147,13 @@ def test_replay_trajectory_staleness_starts_at_zero():
     assert o["stale_abs_mean"][1] > 0, r     # one update later the policy moved
     assert o["agreement_L"].shape == (2, 2)
   assert "mismatch/routing_agreement" in out["none"]["old_forward"]
+  # The programs that ran are the factory's (cached per configuration: these are the jits explore
+  # called), and the caller's params survived the update's donation.
+  for r in out:
+    progs = programs_lib.build_local(graphdef, LossConfig(), replay=r, optimizer=opt)
+    assert progs.old_forward._cache_size() == 1, r  # pylint: disable=protected-access
+    assert progs.probe._cache_size() >= 1 and progs.update._cache_size() >= 1, r  # pylint: disable=protected-access
+  assert not any(x.is_deleted() for x in jax.tree.leaves(params))
   # The first update sees identical inputs whatever the replay only when routing agrees: at
   # least its loss is finite and the same sign convention holds.
   assert all(np.isfinite(o["loss"]).all() for o in out.values())

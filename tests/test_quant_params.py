@@ -1,4 +1,5 @@
-"""QuantConfig checks; quantize_params on dicts / nnx.State; QTensor via jit, sharding, orbax."""
+"""QuantConfig checks; quantize_params on dicts / nnx.State (by parameter tags); QTensor via jit, sharding, orbax."""
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -13,7 +14,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rl_jax.config_utils import ConfigError, from_dict
 from rl_jax.quant import ActivationSpec, KVSpec, QTensor, QuantConfig, WeightSpec, ops
-from rl_jax.quant.params import quantize_params
+from rl_jax.quant import params as quant_params
+from rl_jax.quant.params import plan_of, quantize_params
 
 # --------------------------------------------------------------------------- config
 
@@ -109,28 +111,101 @@ def test_quantize_params_replaces_only_linear_weights():
   assert np.all(np.abs(np.asarray(deq) - np.asarray(w)) <= amax / 127 * (0.5 + 1e-5))
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2_moe"])
+_LINEAR = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def _flat(tree):
+  leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, QTensor))[0]
+  return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path if getattr(k, "name", None) != "value"): v
+          for path, v in leaves}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3", "qwen2_moe"])
 def test_every_family_quantizes_its_linear_weights_only(family):
   """On each family's real parameter tree (abstract): the projections, routed experts and the shared
-  expert's MLP become QTensors; q/k/v biases, the shared-expert gate, router, norms and embedding do not."""
+  expert's MLP become QTensors; q/k/v biases, the shared-expert gate, router, norms and embedding do not.
+  The same leaves by the tags on the model's nnx.State, by its plan on the pure dict, and by name on
+  a pure dict without a plan (names derived from the tags); the lm head only with quantize_lm_head."""
   from rl_jax.models import families  # pylint: disable=g-import-not-at-top
   from rl_jax.models.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  switches = {"llama3": dict(family="llama3", qk_norm=False),
+  switches = {"qwen3": dict(family="qwen3", n_experts=4, moe_d_ff=16, mlp_only_layers=(0,)),
+              "llama3": dict(family="llama3", qk_norm=False),
               "qwen2_moe": dict(family="qwen2_moe", qk_norm=False, qkv_bias=True, shared_expert_d_ff=24,
                                 n_experts=4, moe_d_ff=16)}[family]
   cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
                     tie_embeddings=False, **switches)
-  tree = nnx.to_pure_dict(nnx.state(families.abstract_model(cfg)))
-  q = jax.eval_shape(lambda t: quantize_params(t, QuantConfig.preset("int8_wa_int4_kv")), tree)
-  leaves = jax.tree_util.tree_flatten_with_path(q, is_leaf=lambda x: isinstance(x, QTensor))[0]
-  flat = {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): v for path, v in leaves}
-  quantized = {k for k, v in flat.items() if isinstance(v, QTensor)}
-  linear = {k for k in flat if k.rsplit("/", 1)[-1] in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
-  assert quantized == linear and linear
+  state = nnx.state(families.abstract_model(cfg))
+  tree, plan = nnx.to_pure_dict(state), plan_of(state)
+  qcfg = QuantConfig.preset("int8_wa_int4_kv")
+  linear = {k for k in _flat(tree) if k.rsplit("/", 1)[-1] in _LINEAR}
+  assert linear and plan.paths("quantize") == linear and plan.paths("lm_head") == {"w_unembed"}
+  for how, src, p in (("tags", state, None), ("plan", tree, plan), ("names", tree, None)):
+    flat = _flat(jax.eval_shape(lambda t: quantize_params(t, qcfg, p), src))  # pylint: disable=cell-var-from-loop
+    quantized = {k for k, v in flat.items() if isinstance(v, QTensor)}
+    assert quantized == linear, how
+    with_head = dataclasses.replace(qcfg, quantize_lm_head=True)
+    head = _flat(jax.eval_shape(lambda t: quantize_params(t, with_head, p), src))  # pylint: disable=cell-var-from-loop
+    assert {k for k, v in head.items() if isinstance(v, QTensor)} == linear | {"w_unembed"}, how
   if family == "qwen2_moe":
     assert {"layers/0/shared_ffn/w_gate", "layers/0/ffn/w_gate"} <= quantized
-    for k in ("layers/0/attn/bq", "layers/0/w_shared_gate", "layers/0/ffn/w_router"):
-      assert k in flat and k not in quantized, k
+  for k in {"qwen3": ("layers/1/ffn/w_router", "layers/0/attn/q_norm/scale", "embedding"),
+            "llama3": ("embedding", "final_norm/scale"),
+            "qwen2_moe": ("layers/0/attn/bq", "layers/0/w_shared_gate", "layers/0/ffn/w_router")}[family]:
+    assert k in flat and k not in quantized, k
+
+
+def test_a_new_tagged_linear_weight_is_quantized_without_a_name_list(monkeypatch):
+  """A family's new linear weight needs only its tag: an MLP with an extra `quantize=True` weight
+  under a name nothing lists is quantized in every layer of the real model through its plan (and its
+  nnx.State); the same weight untagged stays plain."""
+  from rl_jax.models import families, layers, transformer  # pylint: disable=g-import-not-at-top
+  from rl_jax.models.config import ModelConfig  # pylint: disable=g-import-not-at-top
+
+  def mlp_with(tags):
+    class ExtraMLP(layers.MLP):
+      def __init__(self, cfg, *, rngs, d_ff=None):
+        super().__init__(cfg, rngs=rngs, d_ff=d_ff)
+        self.w_novel = layers.param(rngs, (cfg.d_model, 16), ("embed", "mlp"), cfg, **tags)
+    return ExtraMLP
+
+  cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
+  qcfg = QuantConfig.preset("int8_wa_int4_kv")
+  for tags, expect in (({"quantize": True}, True), ({}, False)):
+    monkeypatch.setattr(transformer, "MLP", mlp_with(tags))
+    state = nnx.state(families.abstract_model(cfg))
+    plan = plan_of(state)
+    assert ("layers/1/ffn/w_novel" in plan.paths("quantize")) == expect
+    for src, p in ((nnx.to_pure_dict(state), plan), (state, None)):
+      flat = _flat(jax.eval_shape(lambda t: quantize_params(t, qcfg, p), src))  # pylint: disable=cell-var-from-loop
+      assert all(isinstance(flat[f"layers/{i}/ffn/w_novel"], QTensor) == expect for i in range(2)), tags
+      assert isinstance(flat["layers/0/ffn/w_up"], QTensor)
+
+
+def test_plan_errors_and_jit_with_a_static_plan():
+  """A plan of another layout names the missing parameters; a pure tree has no tags to plan from;
+  the plan is hashable, so `quantize_params` jits with it static."""
+  from rl_jax.models import families  # pylint: disable=g-import-not-at-top
+  from rl_jax.models.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
+  unrolled = nnx.state(families.abstract_model(cfg))
+  scanned = plan_of(nnx.state(families.abstract_model(dataclasses.replace(cfg, scan_layers=True))))
+  assert {s for _, _, s in scanned.entries} == {1}  # the layer axis, read off the `axes` tag
+  qcfg = QuantConfig.preset("int8_wa_int4_kv")
+  with pytest.raises(ValueError, match=r"does not have.*layer_groups/0/"):
+    jax.eval_shape(lambda t: quantize_params(t, qcfg, scanned), nnx.to_pure_dict(unrolled))
+  with pytest.raises(ValueError, match="no parameter tags"):
+    plan_of(nnx.to_pure_dict(unrolled))
+  plan = plan_of(unrolled)
+  assert plan == plan_of(unrolled) and hash(plan) == hash(plan_of(unrolled))
+  lowered = jax.jit(quantize_params, static_argnums=(1, 2)).lower(nnx.to_pure_dict(unrolled), qcfg, plan)
+  assert "i8" in lowered.as_text()
+
+
+def test_a_name_tagged_in_one_place_only_needs_a_plan(monkeypatch):
+  monkeypatch.setattr(quant_params, "tagged_names", lambda: {"w": quant_params._AMBIGUOUS})  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match=r"'blk/w'.*plan=plan_of"):
+    jax.eval_shape(lambda t: quantize_params(t, QuantConfig.preset("int8_wa_int4_kv")),
+                   {"blk": {"w": jax.ShapeDtypeStruct((D, D), jnp.float32)}})
 
 
 def test_quantize_params_lm_head_plain_formats_and_4bit_packing():
@@ -158,7 +233,7 @@ def test_quantize_params_errors_name_the_parameter():
 class _Tiny(nnx.Module):
   def __init__(self):
     self.embedding = nnx.Param(jnp.ones((V, D)))
-    self.wq = nnx.Param(jnp.asarray(np.random.default_rng(1).standard_normal((D, 8)), jnp.float32))
+    self.wq = nnx.Param(jnp.asarray(np.random.default_rng(1).standard_normal((D, 8)), jnp.float32), quantize=True)
     self.scale = nnx.Param(jnp.ones((D,)))
 
   def __call__(self, x):
@@ -166,7 +241,7 @@ class _Tiny(nnx.Module):
 
 
 def test_quantize_params_on_nnx_state():
-  """nnx.State paths end in `.value`: the Variable's name decides; merge gives a usable model."""
+  """nnx.State paths end in `.value`: the Variable's `quantize` tag decides; merge gives a usable model."""
   model = _Tiny()
   graphdef, state = nnx.split(model)
   qstate = _quantize_jit(state, QuantConfig.preset("fp8_wa_fp8_kv"))

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import chex
 import einops
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from rl_jax.models.attention import MASK_VALUE, attention
@@ -24,8 +24,10 @@ def dtype_of(name: str):
 
 
 def param(rngs: nnx.Rngs, shape, axes, cfg: ModelConfig, std: float | None = None, **tags) -> nnx.Param:
-  """A normal-initialized parameter annotated with logical axis names (see sharding.py) and tags
-  (`expert=True` on routed-expert stacks: parameter counts and the planner read it)."""
+  """A normal-initialized parameter annotated with logical axis names (see sharding.py) and tags:
+  `expert=True` on routed-expert stacks (`presets.count_params` reads it), `quantize=True` on a
+  linear weight `[in, out]` / `[experts, in, out]` and `lm_head=True` on the output projection
+  (`quant.params.plan_of` reads them: what the sampler quantizes)."""
   std = cfg.init_std if std is None else std
   value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
   return nnx.Param(value.astype(dtype_of(cfg.param_dtype)), axes=axes, **tags)
@@ -88,10 +90,10 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    self.wq = param(rngs, (d, h * hd), ("embed", "heads"), cfg)
-    self.wk = param(rngs, (d, kv * hd), ("embed", "kv_heads"), cfg)
-    self.wv = param(rngs, (d, kv * hd), ("embed", "kv_heads"), cfg)
-    self.wo = param(rngs, (h * hd, d), ("heads", "embed"), cfg)
+    self.wq = param(rngs, (d, h * hd), ("embed", "heads"), cfg, quantize=True)
+    self.wk = param(rngs, (d, kv * hd), ("embed", "kv_heads"), cfg, quantize=True)
+    self.wv = param(rngs, (d, kv * hd), ("embed", "kv_heads"), cfg, quantize=True)
+    self.wo = param(rngs, (h * hd, d), ("heads", "embed"), cfg, quantize=True)
     if cfg.qk_norm:
       self.q_norm = RMSNorm(hd, cfg)
       self.k_norm = RMSNorm(hd, cfg)
@@ -166,9 +168,9 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, d_ff: int | None = None):
     d, f = cfg.d_model, (cfg.d_ff if d_ff is None else d_ff)
-    self.w_gate = param(rngs, (d, f), ("embed", "mlp"), cfg)
-    self.w_up = param(rngs, (d, f), ("embed", "mlp"), cfg)
-    self.w_down = param(rngs, (f, d), ("mlp", "embed"), cfg)
+    self.w_gate = param(rngs, (d, f), ("embed", "mlp"), cfg, quantize=True)
+    self.w_up = param(rngs, (d, f), ("embed", "mlp"), cfg, quantize=True)
+    self.w_down = param(rngs, (f, d), ("mlp", "embed"), cfg, quantize=True)
 
   def __call__(self, x_BSD):
     h_BSF = (jax.nn.silu(linear(x_BSD, self.w_gate.get_value()))

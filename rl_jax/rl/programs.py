@@ -1,8 +1,10 @@
 """The one factory of an RL step's jitted programs: the trainer runs them, the planner compiles them.
 
 `build(job, mesh, graphdef, ...)` returns the sampler-weight sync, generate (rollout, greedy and
-sampled evaluation), the p_old forward, the update and the first-order meter, each with the
-run's static configuration, shardings and donation; nothing else in the package jits them.
+sampled evaluation), the p_old forward, the update, the first-order meter and the replay probe,
+each with the run's static configuration, shardings and donation; `build_local(...)` the same
+programs without a job, on one device, for notebooks (`rl_jax.explore`). Nothing else in the
+package jits them.
 """
 from __future__ import annotations
 
@@ -11,13 +13,17 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from rl_jax import microbatch
+from rl_jax import rollout as rollout_lib
 from rl_jax import sharding as sh
+from rl_jax.logprobs import gather_logprobs
 from rl_jax.rl import attribution as attribution_lib
 from rl_jax.rl import step as step_lib
 from rl_jax.rl.advantages import compute_advantages
+from rl_jax.rl.loss_config import LossConfig
 from rl_jax.sampler import generate as gen
 from rl_jax.sampler import weights as sampler_weights
 from rl_jax.sampler.config import SamplerConfig
@@ -28,17 +34,19 @@ class StepPrograms:
   """The jitted programs of one RL run (fields) and the host wrappers that call them (methods).
 
   `old_forward(params, batch, sampler_ids, sampler_valid)`, `update(params, opt_state, mb)`
-  (donates both), `first_order(params, mb)` and `advantages(rewards)` are `jax.jit`s: call
-  them, or `.lower(...)` them with abstract arguments (rl_jax.plan).
+  (donates both), `first_order(params, mb)`, `probe(params, mb, sampler_ids, sampler_valid)` and
+  `advantages(rewards)` are `jax.jit`s: call them, or `.lower(...)` them with abstract
+  arguments (rl_jax.plan). `job` is None for `build_local`'s programs, which leave out what
+  their arguments do not define (None fields).
   """
   job: Any
   mesh: Any
   sampler_mesh: Any
-  graphdef: nnx.GraphDef
-  sampler_graphdef: nnx.GraphDef
-  eval_graphdef: nnx.GraphDef
-  eval_cfg: SamplerConfig
-  eval_sampled_cfg: SamplerConfig
+  graphdef: nnx.GraphDef | None
+  sampler_graphdef: nnx.GraphDef | None
+  eval_graphdef: nnx.GraphDef | None
+  eval_cfg: SamplerConfig | None
+  eval_sampled_cfg: SamplerConfig | None
   forward_microbatches: int
   update_microbatches: int
   optimizer: Any
@@ -49,16 +57,24 @@ class StepPrograms:
   # `attribution.attribute` jitted (None with rl.attribution_every = 0) and the variants it runs.
   attribution: Any = None
   attribution_variants: tuple = ()
+  # The sampler's config, the leaves its sync quantizes (the model's parameter tags), the loss
+  # and routing replay the batches are prepared for, and the replay probe (`probe`).
+  sampler_cfg: SamplerConfig | None = None
+  quant_plan: Any = None
+  loss_cfg: LossConfig | None = None
+  replay: str = "none"
+  probe: Any = None
 
   # -- the sampler -------------------------------------------------------------------------
 
   def sync(self, params, delta):
     """Sampler weights cast(quantize(params + delta)) (`sampler_weights.sync_weights`)."""
-    return sampler_weights.sync_weights(params, delta, self.job.sampler.quant, self.job.sampler.dtype)
+    return sampler_weights.sync_weights(params, delta, self.sampler_cfg.quant, self.sampler_cfg.dtype,
+                                        self.quant_plan)
 
   def lower_sync(self, params, delta):
-    return sampler_weights._sync.lower(params, delta, qcfg=self.job.sampler.quant,  # pylint: disable=protected-access
-                                       dtype=self.job.sampler.dtype)
+    return sampler_weights._sync.lower(params, delta, qcfg=self.sampler_cfg.quant,  # pylint: disable=protected-access
+                                       dtype=self.sampler_cfg.dtype, plan=self.quant_plan)
 
   def clean_weights(self, params):
     """The float32 evaluation weights (no noise, no quantization)."""
@@ -66,7 +82,7 @@ class StepPrograms:
 
   def _generate_args(self, kind: str):
     if kind == "rollout":
-      return self.sampler_graphdef, self.job.sampler
+      return self.sampler_graphdef, self.sampler_cfg
     if kind == "greedy":
       return self.eval_graphdef, self.eval_cfg
     if kind == "sampled":
@@ -95,6 +111,52 @@ class StepPrograms:
     return jax.eval_shape(functools.partial(gen._generate, graphdef, cfg=cfg, kv_spec=kv_spec,  # pylint: disable=protected-access
                                             mesh=self.sampler_mesh), state, prompts_BP, valid_BP, key)
 
+  # -- the trainer -------------------------------------------------------------------------
+
+  def train_batch(self, ro: rollout_lib.Rollout, adv_B) -> step_lib.TrainBatch:
+    """The rollout's TrainBatch before the p_old forward: the sampler's top-k rides along whenever it
+    was recorded (score centering and the drift meter read it); the truncated q under
+    `loss.sampling_mask='replay'`."""
+    return step_lib.TrainBatch.from_rollout(ro, adv_B, with_topk=True, truncated=self.loss_cfg.replay_mask)
+
+  def prepare(self, params, ro: rollout_lib.Rollout, adv_B, old=None) -> tuple[step_lib.TrainBatch, dict]:
+    """The TrainBatch of a global step (`train_batch`) with p_old from `old_forward` at `params` (or
+    `old`, its outputs computed earlier) and the replay routes (R2: theta_old's own experts, R3:
+    the sampler's), and the p_old forward's metrics: what `RLTrainer.prepare` builds."""
+    batch = self.train_batch(ro, adv_B)
+    if old is None:
+      old = self.old_forward(params, batch, ro.expert_ids_BSLK, ro.expert_valid_BS)
+    logp_old, own_ids, m = old
+    batch = batch.replace(logp_old_BT=logp_old)
+    if self.replay == "R2":
+      batch = batch.replace(replay_ids_BSLK=own_ids, replay_mask_BS=batch.valid_BS)
+    elif self.replay == "R3":
+      batch = batch.replace(replay_ids_BSLK=ro.expert_ids_BSLK, replay_mask_BS=ro.expert_valid_BS)
+    return batch, m
+
+
+def routing_agreement_per_layer(trainer_ids_BSLK: jax.Array, sampler_ids_BSLK: jax.Array,
+                                valid_BS: jax.Array) -> jax.Array:
+  """[L]: per MoE layer, the fraction of (token, slot) whose sampler expert is among the trainer's top-k."""
+  hit_BSLK = jnp.any(sampler_ids_BSLK[..., :, None] == trainer_ids_BSLK[..., None, :], axis=-1)
+  w_BS = valid_BS.astype(jnp.float32)
+  return jnp.einsum("bslk,bs->l", hit_BSLK.astype(jnp.float32), w_BS) / jnp.maximum(
+      jnp.sum(w_BS) * hit_BSLK.shape[-1], 1.0)
+
+
+def probe(params, mb: step_lib.TrainBatch, sampler_ids_BSLK, sampler_valid_BS, *, graphdef, temperature):
+  """log p_theta on the mini-batch's response tokens (under its replay, if any) and, per MoE layer,
+  the agreement of the trainer's own routing with the sampler's (`explore.replay_trajectory`)."""
+  model = nnx.merge(graphdef, params)
+  kw = {}
+  if mb.replay_ids_BSLK is not None:
+    kw = dict(replay_ids_BSLK=mb.replay_ids_BSLK, replay_mask_BS=mb.replay_mask_BS)
+  out = model(mb.tokens_BS, mb.positions_BS, mb.valid_BS, **kw)
+  logp_BT = gather_logprobs(mb.response_slots(out.logits_BSV), mb.response_BT[..., None], temperature)[0][..., 0]
+  # Under replay the model reports the replayed ids: the trainer's own routing needs a free forward.
+  own = model(mb.tokens_BS, mb.positions_BS, mb.valid_BS) if kw else out
+  return logp_BT, routing_agreement_per_layer(own.expert_ids_BSLK, sampler_ids_BSLK, sampler_valid_BS)
+
 
 def eval_configs(sampler: SamplerConfig, eval_temperature: float,
                  rows_in_flight: int = 0) -> tuple[SamplerConfig, SamplerConfig]:
@@ -117,14 +179,32 @@ def microbatch_counts(job, mesh) -> tuple[int, int]:
           microbatch.count(rows // rl.n_minibatches, rl.update_microbatch, "rl.update_microbatch", div))
 
 
+def _step_programs(graphdef: nnx.GraphDef, loss: LossConfig, replay: str, mesh, *, fwd_n: int = 1,
+                   upd_n: int = 1, optimizer=None, aux_coef: float = 0.0, param_shardings=None,
+                   opt_shardings=None) -> dict:
+  """The trainer-side programs of `graphdef` under `loss` (`build` and `build_local` both take them
+  from here, so each is jitted in this one place): the p_old forward, the update (with an
+  optimizer; donates params and optimizer state), the first-order meter and the replay probe."""
+  cfg = dict(graphdef=graphdef, loss_cfg=loss)
+  update = None
+  if optimizer is not None:
+    update = jax.jit(functools.partial(step_lib.update, **cfg, aux_coef=aux_coef, optimizer=optimizer,
+                                       microbatches=upd_n, grad_shardings=param_shardings),
+                     donate_argnums=(0, 1), out_shardings=(param_shardings, opt_shardings, sh.replicated(mesh)))
+  return dict(
+      old_forward=jax.jit(functools.partial(step_lib.old_forward, **cfg, replay=replay, microbatches=fwd_n)),
+      update=update,
+      first_order=jax.jit(functools.partial(step_lib.first_order, **cfg, microbatches=upd_n,
+                                            grad_shardings=param_shardings)),
+      probe=jax.jit(functools.partial(probe, graphdef=graphdef, temperature=loss.temperature)))
+
+
 def build(job, mesh, graphdef: nnx.GraphDef, param_shardings, opt_shardings, optimizer,
           sampler_mesh=None) -> StepPrograms:
   """Every program of `job`'s RL step on `mesh` (the shardings are the params' and optimizer state's);
   rollouts are generated on `sampler_mesh` (default: `mesh`)."""
   rl = job.rl
   fwd_n, upd_n = microbatch_counts(job, mesh)
-  cfg = dict(graphdef=graphdef, loss_cfg=job.loss)
-  aux = dict(aux_coef=job.model.router_aux_loss_coef)
   greedy, sampled = eval_configs(job.sampler, rl.eval_temperature, rl.eval_rows_in_flight)
   attribution, variants = None, ()
   if rl.attribution_every:
@@ -139,17 +219,48 @@ def build(job, mesh, graphdef: nnx.GraphDef, param_shardings, opt_shardings, opt
       eval_graphdef=sampler_weights.sampler_graphdef(job.model, "float32"),
       eval_cfg=greedy, eval_sampled_cfg=sampled, forward_microbatches=fwd_n, update_microbatches=upd_n,
       optimizer=optimizer,
-      old_forward=jax.jit(functools.partial(step_lib.old_forward, **cfg, replay=rl.routing_replay,
-                                            microbatches=fwd_n)),
-      update=jax.jit(functools.partial(step_lib.update, **cfg, **aux, optimizer=optimizer, microbatches=upd_n,
-                                       grad_shardings=param_shardings),
-                     donate_argnums=(0, 1), out_shardings=(param_shardings, opt_shardings, sh.replicated(mesh))),
-      first_order=jax.jit(functools.partial(step_lib.first_order, **cfg, microbatches=upd_n,
-                                            grad_shardings=param_shardings)),
+      **_step_programs(graphdef, job.loss, rl.routing_replay, mesh, fwd_n=fwd_n, upd_n=upd_n, optimizer=optimizer,
+                       aux_coef=job.model.router_aux_loss_coef, param_shardings=param_shardings,
+                       opt_shardings=opt_shardings),
       # Laid out like the rollout's rows (as the planner's train batch is), not replicated.
       advantages=jax.jit(functools.partial(compute_advantages, group_size=rl.group_size, cfg=job.advantage),
                          out_shardings=sh.batch_sharding(mesh, 1)),
-      attribution=attribution, attribution_variants=variants)
+      attribution=attribution, attribution_variants=variants,
+      sampler_cfg=job.sampler, quant_plan=sampler_weights.quant_plan(job.model), loss_cfg=job.loss,
+      replay=rl.routing_replay)
+
+
+def build_local(graphdef: nnx.GraphDef | None = None, loss: LossConfig | None = None, *, model=None,
+                sampler: SamplerConfig | None = None, replay: str = "none", optimizer=None,
+                aux_coef: float = 0.0) -> StepPrograms:
+  """`build`'s programs without a job, on a one-device mesh (notebooks: `rl_jax.explore`).
+
+  `graphdef` + `loss` give the p_old forward (one micro-batch, routing `replay`), the first-order
+  meter, the probe and, with an `optimizer`, the update (unsharded, donating as `build`'s); the
+  model config `model` + `sampler` give the sampler's sync and rollout `generate`. What is not
+  given stays None. Cached on its (hashable) arguments, so repeated calls reuse the compiled programs.
+  """
+  # Positional, so the cache key does not depend on which defaults a caller spelled out.
+  return _build_local(graphdef, loss, model, sampler, replay, optimizer, float(aux_coef))
+
+
+@functools.lru_cache(maxsize=64)
+def _build_local(graphdef, loss, model, sampler, replay, optimizer, aux_coef) -> StepPrograms:
+  mesh = sh.make_mesh(sh.MeshConfig(num_devices=1))
+  progs = {}
+  if graphdef is not None:
+    if loss is None:
+      raise ValueError("build_local: a graphdef needs its LossConfig (loss=...)")
+    progs = _step_programs(graphdef, loss, replay, mesh, optimizer=optimizer, aux_coef=aux_coef)
+  if sampler is not None and model is None:
+    raise ValueError("build_local: a SamplerConfig needs the model's ModelConfig (model=...)")
+  return StepPrograms(
+      job=None, mesh=mesh, sampler_mesh=mesh, graphdef=graphdef,
+      sampler_graphdef=None if sampler is None else sampler_weights.sampler_graphdef(model, sampler.dtype),
+      eval_graphdef=None, eval_cfg=None, eval_sampled_cfg=None, forward_microbatches=1, update_microbatches=1,
+      optimizer=optimizer, old_forward=progs.get("old_forward"), update=progs.get("update"),
+      first_order=progs.get("first_order"), probe=progs.get("probe"), advantages=None, sampler_cfg=sampler,
+      quant_plan=None if model is None else sampler_weights.quant_plan(model), loss_cfg=loss, replay=replay)
 
 
 def attribution_stale(job) -> bool:

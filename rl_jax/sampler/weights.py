@@ -62,15 +62,15 @@ def _leaf_noise(key, w, sigma, relative):
   return sigma * eps * jnp.where(relative, w.astype(jnp.float32), 1.0)
 
 
-@functools.partial(jax.jit, static_argnames=("qcfg", "dtype"))
-def _sync(params_state, delta, qcfg, dtype):
+@functools.partial(jax.jit, static_argnames=("qcfg", "dtype", "plan"))
+def _sync(params_state, delta, qcfg, dtype, plan=None):
   state = params_state
   if delta is not None:
     state = jax.tree.map(lambda w, d: (w.astype(jnp.float32) + d).astype(w.dtype) if _is_float(w) else w,
                          state, delta)
   if qcfg is not None and not _is_noop_quant(qcfg):
     from rl_jax.quant.params import quantize_params  # pylint: disable=g-import-not-at-top
-    state = quantize_params(state, qcfg)
+    state = quantize_params(state, qcfg, plan)
   target = dtype_of(dtype)
   # QTensors keep their own storage and scale dtypes; only plain float leaves are cast.
   return jax.tree.map(lambda w: w if _is_quantized(w) or not _is_float(w) else w.astype(target),
@@ -83,16 +83,26 @@ def _is_noop_quant(qcfg) -> bool:
   return all(f in ("fp32", None) for f in fmts)
 
 
-def sync_weights(params_state: Any, delta: Any | None, qcfg: Any, dtype: str) -> Any:
+def sync_weights(params_state: Any, delta: Any | None, qcfg: Any, dtype: str, plan: Any = None) -> Any:
   """Sampler weights from the trainer's: `cast(quantize(params + Delta))`, in that order.
 
-  One jitted program per (parameter shapes, qcfg, dtype): calling it after every trainer
+  One jitted program per (parameter shapes, qcfg, dtype, plan): calling it after every trainer
   step (or every K steps, the trainer's staleness policy) never recompiles. `qcfg` is a
   `QuantConfig` (weights / activations are quantized by `quantize_params`; the KV-cache
-  section is used by `generate` through `init_cache(kv_spec=qcfg.kv)`), or None.
+  section is used by `generate` through `init_cache(kv_spec=qcfg.kv)`), or None. `plan`
+  (`quant_plan(model_cfg)`) names the leaves to quantize by the model's parameter tags; a pure
+  dict without one is matched by name (`quant.params.tagged_names`).
   The trainer's parameters are not donated: the trainer keeps using them.
   """
-  return _sync(params_state, delta, qcfg, dtype)
+  return _sync(params_state, delta, qcfg, dtype, plan)
+
+
+@functools.lru_cache(maxsize=None)
+def quant_plan(model_cfg: ModelConfig):
+  """The `quant.params.QuantPlan` of the model of `model_cfg` (its parameter tags, read from the
+  abstract model: nothing allocated); its paths are `nnx.to_pure_dict`'s of the trainer's state."""
+  from rl_jax.quant.params import plan_of  # pylint: disable=g-import-not-at-top
+  return plan_of(nnx.state(families.abstract_model(model_cfg)))
 
 
 def sampler_graphdef(model_cfg: ModelConfig, dtype: str) -> nnx.GraphDef:

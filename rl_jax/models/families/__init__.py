@@ -33,6 +33,17 @@ def build_model(cfg: ModelConfig, seed: int = 0):
   return Transformer(cfg, rngs=nnx.Rngs(seed))
 
 
+def reference_configs() -> tuple[ModelConfig, ...]:
+  """One tiny config per registered family with every block switch on (q/k norm, q/k/v biases, a
+  dense and an MoE layer, a shared expert, an untied head): every kind of parameter the blocks
+  create, for what is read off the parameters' tags without a model at hand
+  (`quant.params.tagged_names`). A new switch that adds a parameter is turned on here too."""
+  return tuple(ModelConfig(family=name, vocab_size=8, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4,
+                           d_ff=8, n_experts=2, n_experts_per_tok=1, moe_d_ff=8, mlp_only_layers=(0,),
+                           shared_expert_d_ff=8, qk_norm=True, qkv_bias=True, tie_embeddings=False)
+               for name in FAMILIES)
+
+
 def abstract_model(cfg: ModelConfig):
   """The model with ShapeDtypeStruct parameters (logical axes and tags kept), nothing allocated."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
@@ -40,4 +51,4 @@ def abstract_model(cfg: ModelConfig):
 
 
 __all__ = ["FAMILIES", "Family", "HfReader", "MODEL_TYPES", "TensorEntry", "abstract_model",
-           "build_model", "checkpoint_dtype", "get", "of"]
+           "build_model", "checkpoint_dtype", "get", "of", "reference_configs"]
