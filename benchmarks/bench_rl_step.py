@@ -23,7 +23,9 @@
 # an unquantized fp32 sampler and the config's loss; `--compare attribution`: "attr" with
 # rl.attribution_every=1 (rl.attribution_rows rows through one sampler per mismatch source of the
 # config's sampler) vs "off", also reported per call and at --attribution-every; 'sampler_wait' is how long async's host waited for the rollout
-# generated ahead once the updates were done. A loss config is baked into
+# generated ahead once the updates were done; `--compare mode` also prints each trainer's median
+# `async/sampler_busy`, `async/trainer_busy` and `async/busy_overlap` next to its step time.
+# A loss config is baked into
 # each trainer's jitted update, hence two trainers; both keep the same sampler settings,
 # prompts and keys (top-k still recorded), so the difference is the loss / meter (the rollouts
 # themselves diverge after step 1, as the two policies do). Step 0 of each is the warm-up
@@ -60,6 +62,8 @@ from rl_jax.rl.job import RLConfig  # pylint: disable=g-import-not-at-top,wrong-
 from rl_jax.rl.trainer import RLTrainer  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 PHASES = ("sample", "p_old", "update", "sync", "sampler_wait", "attribution")
+# The step's device-group busy fractions (rl_jax/rl/inflight.py BusyClock, docs/metrics.md).
+BUSY = ("sampler_busy", "trainer_busy", "busy_overlap")
 TARGET = 1.05          # score centering's full-step target
 METER_TARGET = 1.03    # the meters' target at the default M
 
@@ -67,8 +71,8 @@ METER_TARGET = 1.03    # the meters' target at the default M
 class NoDriftTrainer(RLTrainer):
   """Drops the sampler's top-k from the batch: the loss computes no drift meter."""
 
-  def prepare(self, ro, rewards):
-    batch, m = super().prepare(ro, rewards)
+  def prepare(self, ro, rewards, old=None):
+    batch, m = super().prepare(ro, rewards, old)
     return batch.replace(topk_ids_BTK=None, topk_logq_BTK=None), m
 
 
@@ -134,6 +138,7 @@ def timed_step(trainer: RLTrainer, step: int) -> dict:
   t0 = time.perf_counter()
   row = trainer.train_step(step)
   out = {p: row.get(f"time/{p}_s", 0.0) for p in PHASES}  # sync_s: sync loop; sampler_wait_s: async
+  out.update({b: row.get(f"async/{b}", 0.0) for b in BUSY})
   out["step"] = time.perf_counter() - t0
   return out
 
@@ -245,6 +250,11 @@ def main():
   if args.compare == "mode":
     print("  (no target: what overlaps depends on the devices; on simulated CPU devices both groups "
           "share the same cores)")
+    print(f"\nDevice busy fractions of the step's wall time, medians ('overlap' = both groups busy; "
+          f"upper bounds from [dispatch, observed ready] intervals):")
+    print(f"{'trainer':8} {'step s':>8} {'sampler':>8} {'trainer':>8} {'overlap':>8}")
+    for n in names:
+      print(f"{n:8} {med[n]['step']:8.4f} " + " ".join(f"{med[n][b]:8.3f}" for b in BUSY))
   elif args.compare == "attribution":
     call = med[a_name]["attribution"]
     e = args.attribution_every

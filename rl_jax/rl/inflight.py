@@ -1,7 +1,9 @@
-"""Rollouts generated ahead of the step that trains them (async RL): their record and checkpoint form."""
+"""Async RL bookkeeping: rollouts in flight (record, checkpoint form), the stale-rollout rule, busy intervals."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -58,3 +60,124 @@ def target(abstract_item: dict, mesh) -> dict:
     sharding = sh.batch_sharding(mesh, len(x.shape)) if len(x.shape) else sh.replicated(mesh)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
   return jax.tree.map(one, abstract_item)
+
+
+# -- the stale-rollout rule (docs/architecture.md#asynchronous-rl) ------------------------------
+
+
+def is_stale(lag: int, max_staleness: int) -> bool:
+  """Whether a rollout `lag` updates behind the trainer is too stale to train on (lag > K).
+
+  Under `rl.stale_policy='wait'` the loop never produces one; under 'drop' such a rollout is
+  discarded and its prompts regenerated with the trainer's current weights.
+  """
+  return lag > max_staleness
+
+
+def pipeline_version(step: int, sync_every: int) -> int:
+  """The weights the async sampler holds when it dispatches generation at `step`: it refreshes
+  them at the start of every `sync_every`-th step (1 = every step, the 'wait' loop)."""
+  return step - step % sync_every
+
+
+# -- busy intervals of the two device groups ----------------------------------------------------
+
+GROUPS = ("sampler", "trainer")
+
+
+def merge(spans, lo: float, hi: float) -> list[tuple[float, float]]:
+  """The intervals `spans` clipped to [lo, hi] and merged: sorted, disjoint, non-empty."""
+  out: list[list[float]] = []
+  for a, b in sorted((max(a, lo), min(b, hi)) for a, b in spans):
+    if b <= a:
+      continue
+    if out and a <= out[-1][1]:
+      out[-1][1] = max(out[-1][1], b)
+    else:
+      out.append([a, b])
+  return [(a, b) for a, b in out]
+
+
+def union_length(spans, lo: float, hi: float) -> float:
+  """Length of the union of the intervals `spans` within the window [lo, hi]."""
+  return sum(b - a for a, b in merge(spans, lo, hi))
+
+
+def overlap_length(a_spans, b_spans, lo: float, hi: float) -> float:
+  """Length of (union of a_spans) intersected with (union of b_spans) within [lo, hi]; exactly 0
+  when no two intervals intersect."""
+  a, b = merge(a_spans, lo, hi), merge(b_spans, lo, hi)
+  total, i, j = 0.0, 0, 0
+  while i < len(a) and j < len(b):
+    total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+    if a[i][1] < b[j][1]:
+      i += 1
+    else:
+      j += 1
+  return total
+
+
+class BusyClock:
+  """Per device group, the intervals [call, ready] of the programs the loop dispatches.
+
+  `track` records the time just before a program was called and starts a watcher thread that
+  blocks on its smallest output (every output of one XLA execution becomes ready together);
+  `observed` is the host's own wait on a program's outputs: its end is capped there, since the
+  watcher thread may be scheduled late. Both ends are upper bounds (a program cannot start
+  before it is called; readiness is observed after it happens), so the busy fractions are upper
+  bounds of the device time; the starts include dispatch (and, on a program's first call,
+  compilation) and a program queued behind another on its devices.
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._spans: dict[str, list[list]] = {g: [] for g in GROUPS}
+
+  def track(self, group: str, out, start: float):
+    """Records `out` (the pytree a program called at `start` returned); returns `out`."""
+    leaves = [x for x in jax.tree.leaves(out) if hasattr(x, "block_until_ready")]
+    leaf = min(leaves, key=lambda x: x.size) if leaves else None
+    span = [start, None, leaf]   # the leaf is kept to match `observed` by identity (a small one)
+    with self._lock:
+      self._spans[group].append(span)
+    if leaf is None:
+      span[1] = time.perf_counter()
+    else:
+      threading.Thread(target=self._watch, args=(span, leaf), daemon=True).start()
+    return out
+
+  def _watch(self, span: list, leaf) -> None:
+    try:
+      leaf.block_until_ready()
+    except Exception:  # pylint: disable=broad-except
+      return  # deleted before the wait began: the host's `observed` time (or the window's end) stands
+    now = time.perf_counter()
+    with self._lock:
+      span[1] = now if span[1] is None else min(span[1], now)
+
+  def observed(self, group: str, out) -> None:
+    """The host has waited for `out` (a tracked program's outputs): that program is done."""
+    now = time.perf_counter()
+    ids = {id(x) for x in jax.tree.leaves(out)}
+    with self._lock:
+      for span in self._spans[group]:
+        if id(span[2]) in ids and (span[1] is None or span[1] > now):
+          span[1] = now
+
+  def reset(self) -> None:
+    """Forgets every span (a step's window starts)."""
+    with self._lock:
+      self._spans = {g: [] for g in GROUPS}
+
+  def fractions(self, lo: float, hi: float) -> dict[str, float]:
+    """`async/<group>_busy` and `async/busy_overlap` over the window [lo, hi]; clears the spans.
+
+    A span whose end was never observed is counted up to `hi`.
+    """
+    with self._lock:
+      spans = {g: [(a, hi if b is None else b) for a, b, _ in s] for g, s in self._spans.items()}
+      self._spans = {g: [] for g in GROUPS}
+    wall = max(hi - lo, 1e-12)
+    out = {f"async/{g}_busy": min(1.0, union_length(spans[g], lo, hi) / wall) for g in GROUPS}
+    out["async/busy_overlap"] = min(1.0, overlap_length(spans["sampler"], spans["trainer"], lo, hi) / wall)
+    return out

@@ -113,6 +113,8 @@ class RLTrainer:
 
   def _init_state(self) -> None:
     job = self.job
+    # The [dispatch, ready] intervals of the sampler's and the trainer's programs (async/*_busy).
+    self.busy = inflight_lib.BusyClock()
     self.ckpt = Checkpointer(self.workdir, max_to_keep=job.rl.max_to_keep)
     self.resuming = self.ckpt.latest_step() is not None
     # On resume the checkpoint overwrites everything: skip the (possibly costly) warm start
@@ -127,8 +129,9 @@ class RLTrainer:
     self.state = {"params": params, "opt_state": opt_state}
     if delta is not None:
       self.state["noise"] = delta
-    if job.rl.staleness > 1:
-      # A copy: the trainer's params are donated to every update.
+    if job.rl.staleness > 1 or job.rl.sampler_sync_every > 1:
+      # A copy: the trainer's params are donated to every update. Checkpointed, so a resumed
+      # sampler holds the very weights of the uninterrupted run's (async 'drop': an older version).
       self.state["sampler_src"] = jax.tree.map(jnp.copy, params)
     self.start_step = 0
     meta = {}
@@ -197,13 +200,16 @@ class RLTrainer:
     With split devices the params are first copied to the sampler's (dispatched, not waited
     for: the copy reads the params before the next update, which donates them, overwrites them).
     """
-    src = self.state.get("sampler_src", self.state["params"])
+    self.sampler_state = self._sampler_weights(self.state.get("sampler_src", self.state["params"]))
+
+  def _sampler_weights(self, src):
+    """The sampler's weights from the trainer params `src` (copied to its devices first when split)."""
+    t = time.perf_counter()
     if self._sampler_shardings is None:
-      self.sampler_state = self.programs.sync(src, self.state.get("noise"))
-      return
+      return self.busy.track("sampler", self.programs.sync(src, self.state.get("noise")), t)
     src = sh.on_mesh(src, self.sampler_mesh, self._sampler_shardings)
     with sh.mesh_context(self.sampler_mesh):
-      self.sampler_state = self.programs.sync(src, getattr(self, "_noise_s", None))
+      return self.busy.track("sampler", self.programs.sync(src, getattr(self, "_noise_s", None)), t)
 
   def prompts(self, step: int, split: str = "train", count: int | None = None, start: int | None = None):
     count = count or self.job.rl.prompts_per_step
@@ -212,8 +218,9 @@ class RLTrainer:
     ids, valid = data_lib.prompt_batch(self.task, self.tok, problems, self.job.sampler.max_prompt_len)
     return problems, ids, valid
 
-  def rollout(self, step: int):
-    """B prompts x G completions from the sampler; deterministic in (seed, step).
+  def rollout(self, step: int, weights=None):
+    """B prompts x G completions from the sampler; deterministic in (seed, step) and the weights
+    (`weights`, default the sampler's own: a dropped rollout's regeneration passes the trainer's).
 
     Dispatched on the sampler's devices and returned at once (JAX's asynchronous dispatch):
     reading its tokens (`completions`) is what waits for the sampler.
@@ -223,15 +230,19 @@ class RLTrainer:
     with sh.mesh_context(self.sampler_mesh):  # eager ops (the repeat, the key) place on the context mesh
       ids, valid = rollout_lib.repeat_prompts((ids, valid), g)
       key = jax.random.fold_in(jax.random.key(self.job.seed), step)
-      ro = self.programs.generate(self.sampler_state, ids, valid, key)
+      t = time.perf_counter()
+      ro = self.busy.track("sampler", self.programs.generate(
+          self.sampler_state if weights is None else weights, ids, valid, key), t)
     return [p for p in problems for _ in range(g)], ro
 
   def produce(self, step: int, version: int, problems, ro, old_params=None) -> inflight_lib.InFlight:
     """The rollout of `step` scored on the host and moved to the trainer's devices; with
     `old_params` (the weights of `version`) its p_old forward runs now (`rl.p_old_version`)."""
+    generated = ro
     if self.sampler_mesh is not self.mesh:  # first: eager ops below run on the trainer's (context) mesh
       ro = sh.on_mesh(ro, self.mesh)
     rewards = self.score(problems, ro)
+    self.busy.observed("sampler", generated)  # the host read its tokens: the generation is done
     item = inflight_lib.InFlight(step=step, version=version, ro=ro, rewards=rewards)
     if old_params is not None:
       item.old = self._old_forward(old_params, ro, rewards)
@@ -241,7 +252,8 @@ class RLTrainer:
     batch = TrainBatch.from_rollout(ro, self.programs.advantages(jnp.asarray(rewards)), with_topk=True,
                                     truncated=self.job.loss.replay_mask)
     sampler_ids = ro.expert_ids_BSLK if self.job.model.is_moe else None
-    return self.programs.old_forward(params, batch, sampler_ids, ro.expert_valid_BS)
+    t = time.perf_counter()
+    return self.busy.track("trainer", self.programs.old_forward(params, batch, sampler_ids, ro.expert_valid_BS), t)
 
   def completions(self, ro) -> list[str]:
     """Response texts on the host: the only place tokens leave the device."""
@@ -289,7 +301,10 @@ class RLTrainer:
     sub = jax.tree.map(lambda x: x[::stride][:n], ro)
     stale = self.state["sampler_src"] if programs_lib.attribution_stale(self.job) else None
     t0 = time.perf_counter()
-    raw = sh.to_host(self.programs.attribution(self._p_old_params(), stale, self.state.get("noise"), sub))
+    out = self.busy.track("trainer", self.programs.attribution(
+        self._p_old_params(), stale, self.state.get("noise"), sub), t0)
+    raw = sh.to_host(out)
+    self.busy.observed("trainer", out)
     m = attribution_lib.contributions(raw)
     m["time/attribution_s"] = time.perf_counter() - t0
     return m
@@ -304,10 +319,15 @@ class RLTrainer:
     """N optimizer updates on group-aligned mini-batches; raises on a non-finite step."""
     metrics = []
     for i, mb in enumerate(self.minibatches(batch)):
+      t = time.perf_counter()
+      # Watched through its metrics (never donated; every output of the update is ready together).
       params, opt_state, m = self.programs.update(self.state["params"], self.state["opt_state"], mb)
+      self.busy.track("trainer", m, t)
       # Params were donated: keep the returned ones (unchanged when the step was not finite).
       self.state["params"], self.state["opt_state"] = params, opt_state
+      m_dev = m
       m = sh.to_host(m)
+      self.busy.observed("trainer", m_dev)
       if not bool(m["finite"]):
         raise FloatingPointError(
             f"non-finite loss or gradient at RL step {step + 1}, mini-batch {i} (loss={m['loss']}, "
@@ -318,9 +338,19 @@ class RLTrainer:
     return out
 
   def train_step(self, step: int) -> dict:
-    """One global step; returns its metrics (docs/metrics.md)."""
+    """One global step; returns its metrics (docs/metrics.md), with the device groups' busy
+    fractions over the step's wall time (`async/*_busy`, inflight.BusyClock)."""
+    self.busy.reset()
+    start = time.perf_counter()
     if self.job.rl.mode == "async" and self.job.rl.max_staleness > 0:
-      return self._async_step(step)
+      row = self._async_step(step)
+    else:
+      row = self._sync_step(step)
+    row.update(self.busy.fractions(start, time.perf_counter()))
+    return row
+
+  def _sync_step(self, step: int) -> dict:
+    """Generate, score, train, then sync the sampler (every `rl.staleness` steps)."""
     t0 = time.perf_counter()
     problems, ro = self.rollout(step)
     item = self.produce(step, step, problems, ro)
@@ -332,6 +362,7 @@ class RLTrainer:
         self.state["sampler_src"] = jax.tree.map(jnp.copy, self.state["params"])
       self.sync_sampler()
       jax.block_until_ready(self.sampler_state)
+      self.busy.observed("sampler", self.sampler_state)
     row["time/sync_s"] = time.perf_counter() - t3
     return row
 
@@ -341,46 +372,82 @@ class RLTrainer:
     Order of dispatch: the sampler's weights of version s (before update s donates the params),
     the generation of step s + K on the sampler's devices, then the trainer's p_old forward and
     updates on its own; only then does the host wait for the new tokens and score them.
+
+    `rl.stale_policy='drop'` with `rl.sampler_sync_every = S > 1`: the sampler refreshes its
+    weights only at the start of every S-th step and otherwise generates with the ones it holds
+    (no wait for the trainer), so a rollout can arrive more than K versions behind; at the step
+    that would train it such a rollout is dropped and its prompts regenerated, before anything
+    else, with the trainer's current weights (docs/architecture.md#asynchronous-rl).
     """
     rl = self.job.rl
-    k = rl.max_staleness
+    k, every = rl.max_staleness, rl.sampler_sync_every
+    p_old_at_rollout = rl.p_old_version == "rollout"
     t0 = time.perf_counter()
     if not self.queue:  # a fresh run: steps 0..K-1 come from the initial weights (version 0)
       for s in range(step, min(step + k, rl.steps)):
         problems, ro = self.rollout(s)
         self.queue.append(self.produce(s, step, problems, ro,
-                                       self.state["params"] if rl.p_old_version == "rollout" else None))
+                                       self.state["params"] if p_old_at_rollout else None))
     item = self.queue.popleft()
     assert item.step == step, (item.step, step)
+    dropped = waits = 0
+    fresh = None  # the weights of version `step`, when a regeneration already made them
+    if inflight_lib.is_stale(item.lag, k):  # only under 'drop': 'wait' never lets the lag pass K
+      dropped, (item, fresh) = 1, self._regenerate(step)
+      waits += 1
     ahead = step + k
     keep = None
     if ahead < rl.steps:
-      self.sync_sampler()  # version `step`
-      if rl.p_old_version == "rollout":
-        keep = jax.tree.map(jnp.copy, self.state["params"])  # theta_step, for the p_old of step + K
+      if step % every == 0:  # every step under 'wait'
+        if "sampler_src" in self.state:
+          self.state["sampler_src"] = jax.tree.map(jnp.copy, self.state["params"])
+        if fresh is None:
+          self.sync_sampler()  # version `step`
+        else:  # the same params, synced once already (bit for bit what sync_sampler would make)
+          self.sampler_state = fresh
+        waits += 1
+      if p_old_at_rollout:  # the params of the version generating step + K, for its p_old
+        keep = (self.state["sampler_src"] if "sampler_src" in self.state
+                else jax.tree.map(jnp.copy, self.state["params"]))  # update donates the params
       ahead_rollout = self.rollout(ahead)
     t1 = time.perf_counter()
     row = self._train_on(item, t0, t1)
     t3 = time.perf_counter()
     if ahead < rl.steps:
-      self.queue.append(self.produce(ahead, step, *ahead_rollout, keep))
+      version = inflight_lib.pipeline_version(step, every)
+      self.queue.append(self.produce(ahead, version, *ahead_rollout, keep))
     # The host's wait for the sampler after the trainer finished (0 when generation kept up).
     row["time/sampler_wait_s"] = time.perf_counter() - t3
+    row["async/dropped"], row["async/waits"] = float(dropped), float(waits)
     return row
+
+  def _regenerate(self, step: int):
+    """The rollout of `step` (its prompts and key) again, from the trainer's current weights, and
+    those sampler weights: a one-off sync that leaves the sampler's own weights, and their refresh
+    schedule, as they were. Waited for here, so the sampler's devices hold nothing else yet."""
+    params = self.state["params"]
+    weights = self._sampler_weights(params)
+    problems, ro = self.rollout(step, weights)
+    item = self.produce(step, step, problems, ro, params if self.job.rl.p_old_version == "rollout" else None)
+    return item, weights
 
   def _train_on(self, item: inflight_lib.InFlight, t0: float, t1: float) -> dict:
     """p_old, the meter and the N updates of `item`'s step; its metrics row."""
     step, ro, rewards = item.step, item.ro, item.rewards
-    batch, m_old = self.prepare(ro, rewards, item.old)
-    m_old = sh.to_host(m_old)
+    batch, m_dev = self.prepare(ro, rewards, item.old)
+    m_old = sh.to_host(m_dev)
+    self.busy.observed("trainer", m_dev)
     t2 = time.perf_counter()
     meter_every = self.job.rl.meter_every
     m_first = {}
     if meter_every and (step + 1) % meter_every == 0:
       # On the first mini-batch at theta_old, before its update (which donates the params):
       # fetched to the host here, so the meter has finished reading them.
-      fo = self.programs.first_order(self.state["params"], next(self.minibatches(batch)))
+      t = time.perf_counter()
+      fo = self.busy.track("trainer", self.programs.first_order(self.state["params"],
+                                                                next(self.minibatches(batch))), t)
       m_first = {f"first_order/{k}": float(v) for k, v in sh.to_host(fo).items()}
+      self.busy.observed("trainer", fo)
     every = self.job.rl.attribution_every
     m_attr = self.attribute(ro) if every and (step + 1) % every == 0 else {}
     m_upd = self.update(batch, step)
@@ -515,6 +582,15 @@ class RLTrainer:
         summary["lag_steps"] = {str(k): lags.count(k) for k in sorted(set(lags))}
         summary["lag_token_share"] = {str(k): float(tokens[np.asarray(lags) == k].sum() / tokens.sum())
                                       for k in sorted(set(lags))}
+      busy = [r for r in train if "async/sampler_busy" in r]
+      if len(busy) > 1:  # step 1 onwards: the first step's spans include compilation
+        busy = busy[1:]
+      for key in ("sampler_busy", "trainer_busy", "busy_overlap"):
+        if busy:
+          summary[f"{key}_mean"] = float(np.mean([r[f"async/{key}"] for r in busy]))
+      if any("async/dropped" in r for r in train):
+        summary["async_dropped_total"] = int(sum(r.get("async/dropped", 0) for r in train))
+        summary["async_waits_total"] = int(sum(r.get("async/waits", 0) for r in train))
     if jax.process_index() == 0:
       self.run_dir.path(artifacts.SUMMARY).write_text(json.dumps(summary, indent=1))
       if self.job.rl.plot and rows:
