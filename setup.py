@@ -33,6 +33,10 @@ setup(
         "tokenizers>=0.20",
         # rl_jax.study.stats: the paired t / Wilcoxon tests and power of the pre-registered studies.
         "scipy>=1.11",
+        # A host allocator in a wheel (libmimalloc.so under site-packages/cmeel.prefix/lib) that the
+        # CPU entry points preload (rl_jax/host_memory.py): glibc malloc re-faults XLA:CPU's
+        # temporaries every step. No wheel for other platforms: there a system tcmalloc serves.
+        "cmeel-mimalloc>=3.4; sys_platform == 'linux' and platform_machine == 'x86_64'",
     ],
     extras_require={
         # safetensors: only tests import it (the runtime reads and writes the format itself);

@@ -4,6 +4,10 @@ Usage:
   PYTHONPATH=. python benchmarks/bench_train_peers.py            # issue 15's models and batch
   PYTHONPATH=. python benchmarks/bench_train_peers.py --small    # quick check (smaller batch, 3 rounds)
   PYTHONPATH=. python benchmarks/bench_train_peers.py --models dense --rounds 9
+  PYTHONPATH=. python benchmarks/bench_train_peers.py --attention xla,flash --response 128,992
+      # rl_jax against itself, one row per attention implementation (model.attention) and length:
+      # step time as a ratio to the first implementation, and the compiled programs' XLA memory
+      # stats (temporaries), which show the [S, S] score buffers blocked attention never holds
 
 Models (issue 15): random Qwen3, vocab 4096, hidden 256, 4 layers, 8 heads x 32, 4 KV heads,
 fp32, tied embeddings; 'dense' FFN 768, 'moe' 8 experts top-2, expert FFN 256, every layer MoE.
@@ -101,9 +105,11 @@ def make_batch(b, p, t, v, seed=0):
 # --- rl_jax ---------------------------------------------------------------------------------
 
 class Ours:
-  def __init__(self, cfg: ModelConfig, data, p, seed=0, remat=None):
+  def __init__(self, cfg: ModelConfig, data, p, seed=0, remat=None, attention=None):
     if remat is not None:
       cfg = dataclasses.replace(cfg, remat=remat)
+    if attention is not None:
+      cfg = dataclasses.replace(cfg, attention=attention)
     self.cfg = cfg
     self.graphdef, self.params = init_params(cfg, seed)
     self.optimizer = make_optimizer(OPTIM)
@@ -138,6 +144,14 @@ class Ours:
 
   def model(self, params=None):
     return nnx.merge(self.graphdef, self.params if params is None else params)
+
+  def temp_bytes(self) -> dict:
+    """XLA's compiled temporaries (bytes) of the update and the p_old forward on this batch."""
+    out = {}
+    for k, fn, args in (("upd", self.update, (self.params, self.opt_state, self.batch)),
+                        ("old", self.old_forward, (self.params, self.batch))):
+      out[k] = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    return out
 
 
 # --- HF transformers + torch ----------------------------------------------------------------
@@ -285,6 +299,52 @@ def bench(name, cfg, data, p, args, root):
   return wall, cpu, best, t
 
 
+def bench_attention_impls(name, cfg, data, p, args):
+  """rl_jax's step under each `model.attention` in `args.attention`: interleaved timed rounds and
+  the compiled temporaries. Returns {impl: (median update s, median p_old s, temp bytes)}."""
+  runs = {a: Ours(cfg, data, p, remat=args.remat, attention=a) for a in args.attention}
+  first = args.attention[0]
+  ref = np.asarray(runs[first].p_old())
+  for a, ours in runs.items():  # like for like: the same log-probs to float32 rounding
+    err = float(np.abs(np.asarray(ours.p_old()) - ref).max())
+    if err > 1e-4:
+      raise SystemExit(f"[{name}] attention={a} p_old differs from {first} by {err:.1e}: not comparable")
+  mem = {a: ours.temp_bytes() for a, ours in runs.items()}
+  for _ in range(2):  # warm-up
+    for ours in runs.values():
+      ours.step(), ours.p_old()
+  t = {a: {"upd": [], "old": []} for a in runs}
+  order = list(runs)
+  for r in range(args.rounds):
+    for a in (order if r % 2 == 0 else order[::-1]):
+      time.sleep(args.settle)
+      t[a]["upd"].append(timed(runs[a].step)[0])
+      time.sleep(args.settle)
+      t[a]["old"].append(timed(runs[a].p_old)[0])
+  return {a: (statistics.median(t[a]["upd"]), statistics.median(t[a]["old"]), mem[a]) for a in runs}
+
+
+def main_attention(args):
+  """--attention: one table row per (model, response length, implementation)."""
+  b, p = args.batch, args.prompt
+  print(f"rl_jax train step by model.attention: {b} x ({p} + T) tokens, PG, AdamW; jax {jax.__version__} "
+        f"{jax.devices()[0].platform}; {args.rounds} interleaved rounds; host allocator "
+        f"{host_memory.describe()}")
+  print(f"\n{'model':6} {'S':>5} {'attention':9} {'update s':>9} {'x first':>8} {'p_old s':>8} "
+        f"{'x first':>8} {'update temp MiB':>16} {'p_old temp MiB':>15}")
+  for name in args.models.split(","):
+    cfg = ModelConfig(**MODELS[name])
+    for t_len in args.response_lengths:
+      data = make_batch(b, p, t_len, cfg.vocab_size)
+      res = bench_attention_impls(name, cfg, data, p, args)
+      u0, o0, _ = res[args.attention[0]]
+      for a, (u, o, mem) in res.items():
+        print(f"{name:6} {p + t_len:5d} {a:9} {u:9.4f} {u / u0:8.2f} {o:8.4f} {o / o0:8.2f} "
+              f"{mem['upd'] / 2**20:16.1f} {mem['old'] / 2**20:15.1f}", flush=True)
+  print(f"x first: median wall time over the first implementation's ({args.attention[0]}), same "
+        "rounds (< 1: faster). temp: XLA's compiled temporaries (memory_analysis), not timed.")
+
+
 def flops_per_token(cfg: ModelConfig, s: int, t: int) -> dict:
   """Forward matmul FLOPs per token (2 per multiply-add): projections, attention, unembedding."""
   d, hd = cfg.d_model, cfg.head_dim
@@ -305,7 +365,8 @@ def main():
   ap.add_argument("--models", default="dense,moe")
   ap.add_argument("--batch", type=int, default=32)
   ap.add_argument("--prompt", type=int, default=32)
-  ap.add_argument("--response", type=int, default=128)
+  ap.add_argument("--response", default="128",
+                  help="response tokens T (comma-separated lengths with --attention)")
   ap.add_argument("--rounds", type=int, default=7)
   ap.add_argument("--threads", default="2,1",
                   help="torch thread counts, each timed as a peer; the best per round is the baseline (on "
@@ -318,10 +379,19 @@ def main():
   ap.add_argument("--remat", type=int, choices=(0, 1), default=None,
                   help="override model.remat (default: the ModelConfig default)")
   ap.add_argument("--no-grad-check", action="store_true")
+  ap.add_argument("--attention", default=None,
+                  help="compare model.attention implementations (e.g. xla,flash) in rl_jax alone; no HF peer")
   args = ap.parse_args()
   args.threads = [int(n) for n in str(args.threads).split(",")]
+  args.response_lengths = [int(n) for n in str(args.response).split(",")]
+  args.response = args.response_lengths[0]
   if args.small:
     args.batch, args.response, args.rounds = 8, 64, 3
+    args.response_lengths = [64]
+  if args.attention:
+    args.attention = args.attention.split(",")
+    main_attention(args)
+    return
   b, p, t = args.batch, args.prompt, args.response
   s = p + t
   print(f"train step: {b} x ({p} + {t}) tokens, PG over the response tokens, AdamW; "

@@ -5,6 +5,7 @@ import importlib.util
 import os
 import platform
 import sys
+import sysconfig
 from typing import Mapping
 
 # Why: XLA:CPU allocates an executable's temporaries afresh at every call, and glibc serves
@@ -16,19 +17,27 @@ from typing import Mapping
 # knobs are no substitute (no mmap + no trim + one arena: dense 1.07 s but MoE 2.11 s).
 # (Measured with resource.getrusage around 5 steady steps of `bench_train_peers.Ours.step`.)
 #
-# Each entry: (library file names, the variables that make it keep freed pages).
+# Each entry: (library file names, the variables that make it keep freed pages), in order of
+# preference. mimalloc comes from a wheel (`cmeel-mimalloc`, a dependency of rl_jax on x86-64
+# Linux), so a pip install alone gets a fast allocator, no apt; the system ones still serve where
+# the wheel does not exist (aarch64).
 ALLOCATORS = (
+    (("libmimalloc.so",), {"MIMALLOC_PURGE_DELAY": "-1"}),
     (("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"), {"TCMALLOC_RELEASE_RATE": "0"}),
     (("libjemalloc.so.2",), {"MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}),
 )
 LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
             "/usr/local/lib")
+# Where cmeel wheels put their shared libraries: <site-packages>/cmeel.prefix/lib.
+WHEEL_LIB_DIRS = tuple(dict.fromkeys(
+    os.path.join(sysconfig.get_paths()[k], "cmeel.prefix", "lib") for k in ("purelib", "platlib")))
+ALLOCATOR_TAGS = ("mimalloc", "tcmalloc", "jemalloc")
 # RL_JAX_HOST_MALLOC: unset / "auto" picks a library above; "0" leaves the process alone; a path
 # names the library to preload. The re-executed process sees "on".
 SWITCH = "RL_JAX_HOST_MALLOC"
 HINT = ("rl_jax: XLA:CPU re-faults its temporaries at every step under glibc malloc (~20% of a train "
-        "step here); install tcmalloc or jemalloc (Debian/Ubuntu: apt install libtcmalloc-minimal4) "
-        f"and rl_jax's entry points preload it ({SWITCH}=0 silences this)")
+        "step here); pip install cmeel-mimalloc, or a system tcmalloc / jemalloc (Debian/Ubuntu: apt "
+        f"install libtcmalloc-minimal4), and rl_jax's entry points preload it ({SWITCH}=0 silences this)")
 _ACCELERATOR_PLUGINS = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
                         "jax_rocm7_plugin")
 
@@ -50,13 +59,13 @@ def find_allocator(choice: str = "auto") -> tuple[str, dict[str, str]] | None:
   """(library path, its variables) for `choice` ("auto" or a library path), or None if none is found."""
   if choice not in ("", "auto"):
     if not os.path.isfile(choice):
-      raise FileNotFoundError(f"{SWITCH}={choice!r}: no such file (a tcmalloc or jemalloc .so, "
-                              "'auto' or '0')")
+      raise FileNotFoundError(f"{SWITCH}={choice!r}: no such file (a mimalloc, tcmalloc or jemalloc "
+                              ".so, 'auto' or '0')")
     name = os.path.basename(choice)
     env = next((e for names, e in ALLOCATORS if any(name.startswith(n.split(".so")[0]) for n in names)), {})
     return choice, dict(env)
   for names, env in ALLOCATORS:
-    for d in LIB_DIRS:
+    for d in WHEEL_LIB_DIRS + LIB_DIRS:
       for n in names:
         path = os.path.join(d, n)
         if os.path.isfile(path):
@@ -105,6 +114,6 @@ def reexec_tuned() -> None:
 def describe(environ: Mapping[str, str] = os.environ) -> str:
   """The allocator this process runs with, for benchmark headers: a preloaded library or glibc's malloc."""
   for lib in environ.get("LD_PRELOAD", "").split(":"):
-    if any(k in os.path.basename(lib) for k in ("tcmalloc", "jemalloc")):
+    if any(k in os.path.basename(lib) for k in ALLOCATOR_TAGS):
       return os.path.basename(lib)
   return "glibc malloc"

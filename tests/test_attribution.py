@@ -77,7 +77,7 @@ def test_clean_sampler_attributes_nothing(moe):
   tot = raw["total"]
   # fp32 on both sides: the one-pass teacher forcing differs from the trainer by rounding only.
   assert 0.0 <= tot["kl"] < 1e-7 and tot["tv"] < 1e-5 and abs(tot["k1"]) < 1e-6
-  assert tot["logq_err_max"] < 1e-5
+  assert tot["logq_err_max"] < attribution.LOGQ_ROUNDING and tot["logq_err_frac"] == 0.0
   if moe:
     assert tot["routing_agreement"] == 1.0
 
@@ -104,13 +104,22 @@ def test_each_source_matches_its_oracle():
     np.testing.assert_allclose(raw[name]["kl"], kl, rtol=2e-3, atol=2e-8, err_msg=name)
     np.testing.assert_allclose(raw[name]["tv"], tv, rtol=2e-3, atol=2e-7, err_msg=name)
   assert raw["kv"]["kl"] > 1e-6   # int4 keys and values: the cache is where this one comes from
-  assert raw["total"]["logq_err_max"] < 1e-4
+  # The teacher forcing reproduces the recorded log q to float rounding at all but a few tokens;
+  # the rest sit one quantizer step away: an int4 KV value or int8 activation whose input the
+  # one-pass forward and the token-by-token decode round differently lands on the other side of a
+  # rounding boundary (on an AMD EPYC box: one token of 28 at 4.1e-4, none past 1.7e-6 with an int8
+  # cache). A wrong cache, weight or position would move most tokens.
+  assert raw["total"]["logq_err_frac"] <= 0.1, raw["total"]
+  assert raw["total"]["logq_err_max"] < 1e-2, raw["total"]
   # The total's k1 at the sampled tokens is the run's mismatch/kl_k1 on these rows.
   mask = np.asarray(ro.response_mask_BT)
   logp = response_slice(next_token_logq(nnx.merge(ctx["graphdef"], ctx["params"])(
       ro.tokens_BS, ro.positions_BS, ro.valid_BS).logits_BSV, 1.0), ro)
   logp_y = np.take_along_axis(np.asarray(logp), np.asarray(ro.response_BT)[..., None], -1)[..., 0]
-  np.testing.assert_allclose(raw["total"]["k1"], (np.asarray(ro.logq_BT) - logp_y)[mask].mean(), atol=1e-5)
+  # |mean of two per-token log q's difference| <= the rounding share + the quantizer-step tokens' share.
+  tot = raw["total"]
+  np.testing.assert_allclose(tot["k1"], (np.asarray(ro.logq_BT) - logp_y)[mask].mean(),
+                             atol=attribution.LOGQ_ROUNDING + tot["logq_err_frac"] * tot["logq_err_max"])
   m = attribution.contributions(raw)
   for k in ("kl", "tv"):
     assert m[f"attribution/routing/{k}"] == pytest.approx(raw["total"][k] - raw[attribution.TRAINER_ROUTES][k])

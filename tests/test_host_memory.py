@@ -49,7 +49,28 @@ def test_not_glibc_is_left_alone(linux_glibc, monkeypatch):
 def test_no_allocator_installed_prints_the_hint(linux_glibc, monkeypatch, capsys):
   monkeypatch.setattr(hm, "find_allocator", lambda choice="auto": None)
   assert hm.tuned_env({"JAX_PLATFORMS": "cpu"}) is None
-  assert "apt install libtcmalloc-minimal4" in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert "pip install cmeel-mimalloc" in err and "apt install libtcmalloc-minimal4" in err
+
+
+def test_the_wheel_allocator_comes_first_with_its_purge_delay_off(tmp_path, monkeypatch):
+  wheel_lib, system_lib = tmp_path / "wheel", tmp_path / "system"
+  wheel_lib.mkdir(), system_lib.mkdir()
+  (system_lib / "libtcmalloc_minimal.so.4").write_bytes(b"")
+  monkeypatch.setattr(hm, "WHEEL_LIB_DIRS", (str(wheel_lib),))
+  monkeypatch.setattr(hm, "LIB_DIRS", (str(system_lib),))
+  assert hm.find_allocator() == (str(system_lib / "libtcmalloc_minimal.so.4"), {"TCMALLOC_RELEASE_RATE": "0"})
+  (wheel_lib / "libmimalloc.so").write_bytes(b"")
+  assert hm.find_allocator() == (str(wheel_lib / "libmimalloc.so"), {"MIMALLOC_PURGE_DELAY": "-1"})
+  assert hm.describe({"LD_PRELOAD": str(wheel_lib / "libmimalloc.so")}) == "libmimalloc.so"
+
+
+@pytest.mark.skipif(not (sys.platform == "linux" and os.uname().machine == "x86_64"),
+                    reason="cmeel-mimalloc is a dependency on x86-64 Linux only (setup.py)")
+def test_the_installed_package_brings_its_allocator():
+  """`pip install rl_jax` alone gives the entry points an allocator to preload (setup.py's dependency)."""
+  found = hm.find_allocator()
+  assert found is not None and os.path.isfile(found[0]), found
 
 
 def test_a_named_library_must_exist_and_gets_its_variables(tmp_path):
