@@ -18,7 +18,7 @@ device against 0.9 x 141 GB usable; about 4 minutes on 2 cores):
   f32 params / AdamW      4.8 / 9.6 in every program (AdamW's moments sharded like the params)
   FP8 KV cache                   10.2      2.5          10.0
   temporaries                    21.6      6.2          10.0          13.5       33.1         44.8
-  peak                    15.8   47.8      29.3         40.6          29.7       49.1         60.8
+  peak                    15.8   47.6      29.3         40.6          29.0       48.9         60.6
   roofline s (H200)       0.002  20.7      3.9          12.4          19.1       14.6         24.5
 Every program fits with more than half the memory free; ~99 s of roofline per global step
 (collectives at 50 GB/s per chip, not overlapped: the MoE all-to-all dominates). What made it fit
