@@ -70,6 +70,17 @@ def need(module: str):
   return pytest.importorskip(module)
 
 
+def ragged_prompts(vocab: int, width: int, lengths=(3, 8, 5, 1), seed: int = 1):
+  """(tokens, valid) [len(lengths), width] int32 / bool: random ids in [2, vocab) left-aligned to
+  each row's length, the rest padding (a batch of unequal prompts, one of them a single token)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed)
+  toks, valid = np.zeros((len(lengths), width), np.int32), np.zeros((len(lengths), width), bool)
+  for i, n in enumerate(lengths):
+    toks[i, :n], valid[i, :n] = rng.integers(2, vocab, n), True
+  return toks, valid
+
+
 # Parametrizations run only with `-m slow`: each repeats a property another case of its test pins
 # in the default suite (kept there: the other format / model / rule), at 10-40 s apiece on 2 cores.
 SLOW_CASES = (

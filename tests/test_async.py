@@ -111,12 +111,8 @@ def test_busy_fractions_of_the_async_loop(uninterrupted):
   assert 0 <= summary["busy_overlap_mean"] <= summary["sampler_busy_mean"] <= 1
 
 
-def test_sigterm_checkpoints_the_step_and_rollouts_in_flight_and_resume_matches(tmp_path, uninterrupted,
-                                                                                monkeypatch):
-  """A SIGTERM during step 1 (of 4, no checkpoint due): the step finishes, step 2 is saved with the
-  two rollouts generated ahead (steps 2, 3) and `Preempted` is raised; the resumed run trains each
-  prompt once and ends on the uninterrupted run's parameters bit for bit."""
-  workdir = tmp_path / "preempted"
+def _preempted_in_step_1(config, workdir, monkeypatch) -> preempt.Preempted:
+  """Runs `config` with a SIGTERM delivered while step 1 trains; returns the Preempted it raised."""
   real = trainer_lib.RLTrainer._train_on
 
   def signal_during_step_1(self, item, t0, t1):
@@ -126,8 +122,17 @@ def test_sigterm_checkpoints_the_step_and_rollouts_in_flight_and_resume_matches(
   with monkeypatch.context() as m:
     m.setattr(trainer_lib.RLTrainer, "_train_on", signal_during_step_1)
     with pytest.raises(preempt.Preempted) as err:
-      trainer_lib.run(_config(**ONE_OFF), str(workdir))
-  assert err.value.step == 2
+      trainer_lib.run(config, str(workdir))
+  return err.value
+
+
+def test_sigterm_checkpoints_the_step_and_rollouts_in_flight_and_resume_matches(tmp_path, uninterrupted,
+                                                                                monkeypatch):
+  """A SIGTERM during step 1 (of 4, no checkpoint due): the step finishes, step 2 is saved with the
+  two rollouts generated ahead (steps 2, 3) and `Preempted` is raised; the resumed run trains each
+  prompt once and ends on the uninterrupted run's parameters bit for bit."""
+  workdir = tmp_path / "preempted"
+  assert _preempted_in_step_1(_config(**ONE_OFF), workdir, monkeypatch).step == 2
   ckpt = Checkpointer(str(workdir), create=False)
   assert ckpt.manager.all_steps() == [2]
   meta = ckpt.manager.restore(2, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
@@ -296,16 +301,7 @@ def test_drop_resume_matches_the_uninterrupted_run(tmp_path, dropped, monkeypatc
   and the sampler's weights of version 0; the resume drops it as the uninterrupted run did and
   ends on its parameters bit for bit."""
   workdir = tmp_path / "preempted"
-  real = trainer_lib.RLTrainer._train_on
-
-  def signal_during_step_1(self, item, t0, t1):
-    if item.step == 1:
-      os.kill(os.getpid(), signal.SIGTERM)
-    return real(self, item, t0, t1)
-  with monkeypatch.context() as m:
-    m.setattr(trainer_lib.RLTrainer, "_train_on", signal_during_step_1)
-    with pytest.raises(preempt.Preempted):
-      trainer_lib.run(_config(**DROP), str(workdir))
+  _preempted_in_step_1(_config(**DROP), workdir, monkeypatch)
   trainer_lib.run(_config(**DROP), str(workdir))
   rows, want = _train_rows(workdir), _train_rows(dropped[0])
   for key in ("step", "async/lag", "async/dropped", "async/waits"):

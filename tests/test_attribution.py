@@ -5,6 +5,7 @@ import functools
 import jax
 import numpy as np
 import pytest
+from conftest import ragged_prompts
 from flax import nnx
 
 from configs import countdown_tiny
@@ -33,11 +34,7 @@ def _model(moe: bool):
 
 
 def _prompts():
-  rng = np.random.default_rng(1)
-  toks, valid = np.zeros((4, P), np.int32), np.zeros((4, P), bool)
-  for i, n in enumerate([3, 8, 5, 1]):
-    toks[i, :n], valid[i, :n] = rng.integers(2, V, n), True
-  return toks, valid
+  return ragged_prompts(V, P)
 
 
 def _run(moe: bool, quant="none", noise=0.0, stale=False):

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ragged_prompts
 from flax import nnx
 
 from rl_jax.models.config import ModelConfig
@@ -23,11 +24,7 @@ SCFG = SamplerConfig(max_prompt_len=P, max_new_tokens=T, temperature=0.7, record
 
 
 def _prompts():
-  rng = np.random.default_rng(1)
-  toks, valid = np.zeros((4, P), np.int32), np.zeros((4, P), bool)
-  for i, n in enumerate([3, 8, 5, 1]):
-    toks[i, :n], valid[i, :n] = rng.integers(2, V, n), True
-  return toks, valid
+  return ragged_prompts(V, P)
 
 
 def test_dtype_rule():
