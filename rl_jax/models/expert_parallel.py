@@ -132,6 +132,34 @@ def _check_vma(lay: _Layout) -> bool:
   return lay.matmul != "grouped"
 
 
+def _varying(lay: _Layout, ws):
+  """The expert weights marked varying over every batch axis, before any per-device branch.
+
+  A weight replicated over a batch axis (`data`, say) gets its cotangent summed over that axis by
+  the transpose, at the point where it first meets per-device values. Left to JAX, that is inside
+  whichever `lax.switch` / `lax.cond` branch a device takes (the capacity tier of its load, the
+  overflow fallback), so devices on different branches wait in different all-reduces: a deadlock
+  (XLA:CPU aborts after its rendezvous timeout; NCCL would hang). Cast here, the sum runs once, at
+  the top of the body, on every device. (With the check off, shard_map sums at its boundary;
+  with tokens not split over the batch axes every device takes the same branches.)
+  """
+  if not _check_vma(lay) or not lay.split:
+    return ws
+
+  def one(w):
+    aval = jax.typeof(w)
+    # jax 0.10 keeps the varying axes in `manual_axis_type.varying`; later versions in `vma`.
+    mat = getattr(aval, "manual_axis_type", None)
+    varying = mat.varying if mat is not None else aval.vma
+    missing = tuple(a for a in lay.batch_axes if a not in varying)
+    if not missing:
+      return w
+    if hasattr(jax.lax, "pcast"):
+      return jax.lax.pcast(w, missing, to="varying")
+    return jax.lax.pvary(w, missing)
+  return jax.tree.map(one, ws)
+
+
 def _gather_body(lay: _Layout, x_nD, ids_nK, gates_nK, wg, wu, wd):
   """All-gather dispatch of one device's tokens: y_nD, before the tensor-axis psum."""
   k = ids_nK.shape[1]
@@ -182,8 +210,8 @@ def all_gather_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: 
   mesh = context_mesh("all_gather") if mesh is None else mesh
   lay = _layout(mesh, n_experts, x_ND.shape[0], w_gate, w_up, w_down, "all_gather", expert_matmul)
 
-  def body(*args):
-    return _tensor_sum(lay, _gather_body(lay, *args))
+  def body(x_nD, ids_nK, gates_nK, *ws):
+    return _tensor_sum(lay, _gather_body(lay, x_nD, ids_nK, gates_nK, *_varying(lay, ws)))
 
   fn = jax.shard_map(body, mesh=mesh, in_specs=(lay.tok_spec,) * 3 + lay.w_specs,
                      out_specs=lay.tok_spec, check_vma=_check_vma(lay))
@@ -364,6 +392,7 @@ def all_to_all_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: 
   a2a_body = _padded_a2a_body if impl == "padded" else _ragged_a2a_body
 
   def body(x_nD, ids_nK, gates_nK, *ws):
+    ws = _varying(lay, ws)
     sizes_P = jnp.bincount(ids_nK.reshape(-1) // lay.n_local, length=lay.ep)  # pairs per peer
     # Rounds of cap rows the busiest (device, peer) pair needs: > 1 overflows the padded buffers.
     rounds = jax.lax.pmax(-(-jnp.max(sizes_P) // cap), EXPERT_AXIS)
