@@ -8,6 +8,8 @@ Usage:
       # rl_jax against itself, one row per attention implementation (model.attention) and length:
       # step time as a ratio to the first implementation, and the compiled programs' XLA memory
       # stats (temporaries), which show the [S, S] score buffers blocked attention never holds
+  PYTHONPATH=. python benchmarks/bench_train_peers.py --torch-device cuda --size gpu --threads 1
+      # on a GPU: torch on CUDA against rl_jax on jax's GPU backend, ~170M / ~250M-param models
 
 Models (issue 15): random Qwen3, vocab 4096, hidden 256, 4 layers, 8 heads x 32, 4 KV heads,
 fp32, tied embeddings; 'dense' FFN 768, 'moe' 8 experts top-2, expert FFN 256, every layer MoE.
@@ -34,6 +36,11 @@ transformers, so the name / layout mapping is the project's and transformers' ow
 rounds alternate the order (rl_jax, torch / torch, rl_jax), with a --settle pause before each
 timed call; medians of the per-round times (and the best round, and process CPU seconds);
 tokens/s counts all B * (P + T) tokens the step processes. Ratios > 1: rl_jax faster.
+
+On one H200 (2026-12-04, `--torch-device cuda --size gpu --threads 1 --rounds 5 --batch 32 --prompt 64
+--response 448`, jax 0.11.2 against torch 2.11 + transformers 5.17 on CUDA, float32 without TF32 on
+both sides): dense update 0.305 s against 0.345 s (1.13x), losses equal to 1.9e-7, gradients to 9.1e-6;
+the lease's time limit cut the MoE model and the p_old rows.
 
 Measured on the idle 2-core box (2026-12-02, `--rounds 5`, torch's 2-thread team the best peer, both
 engines in this process under tcmalloc, which the script preloads when installed, see
@@ -86,6 +93,14 @@ BASE = dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, h
 MODELS = {
     "dense": dict(BASE, d_ff=768),
     "moe": dict(BASE, d_ff=768, n_experts=8, n_experts_per_tok=2, moe_d_ff=256,
+                norm_topk_prob=True),
+}
+# --size gpu: models big enough that a GPU step is not launch overhead (~170M / ~250M params).
+GPU_BASE = dict(vocab_size=32768, d_model=1024, n_layers=8, n_heads=16, n_kv_heads=8, head_dim=64,
+                dtype="float32", param_dtype="float32", tie_embeddings=True)
+GPU_MODELS = {
+    "dense": dict(GPU_BASE, d_ff=3072),
+    "moe": dict(GPU_BASE, d_ff=3072, n_experts=16, n_experts_per_tok=2, moe_d_ff=768,
                 norm_topk_prob=True),
 }
 LOSS = LossConfig(method="pg", score_centering="none", aggregation="batch_tokens")
@@ -157,23 +172,25 @@ class Ours:
 # --- HF transformers + torch ----------------------------------------------------------------
 
 class Theirs:
-  def __init__(self, path, data, p, threads, attn, experts):
+  def __init__(self, path, data, p, threads, attn, experts, device="cpu"):
     import torch  # pylint: disable=g-import-not-at-top
     import transformers  # pylint: disable=g-import-not-at-top
     self.torch = torch
+    self.device = device
     torch.set_num_threads(threads)
     transformers.utils.logging.disable_progress_bar()
     kw = dict(attn_implementation=attn)
     if experts:
       kw["experts_implementation"] = experts
     self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    self.model.to(device)
     self.model.train()  # no dropout in Qwen3; train() as a trainer would
     self.opt = torch.optim.AdamW(self.model.parameters(), lr=OPTIM.lr, betas=(OPTIM.b1, OPTIM.b2),
                                  eps=OPTIM.eps, weight_decay=OPTIM.weight_decay, foreach=True)
-    self.tokens = torch.from_numpy(data["tokens"].astype(np.int64))
+    self.tokens = torch.from_numpy(data["tokens"].astype(np.int64)).to(device)
     self.attn_mask = torch.ones_like(self.tokens)
-    self.mask = torch.from_numpy(data["mask"].astype(np.float32))
-    self.adv = torch.from_numpy(data["adv"])
+    self.mask = torch.from_numpy(data["mask"].astype(np.float32)).to(device)
+    self.adv = torch.from_numpy(data["adv"]).to(device)
     self.p = p
     self.t = self.tokens.shape[1] - p
 
@@ -191,7 +208,10 @@ class Theirs:
 
   def p_old(self):
     with self.torch.no_grad():
-      return self._logp()
+      logp = self._logp()
+    if self.device != "cpu":
+      self.torch.cuda.synchronize()  # the timers read the host clock
+    return logp.cpu()
 
   def step(self):
     loss = self.loss()
@@ -203,7 +223,7 @@ class Theirs:
   def loss_grads(self):
     loss = self.loss()
     loss.backward()
-    grads = {n: q.grad.detach().numpy().copy() for n, q in self.model.named_parameters()}
+    grads = {n: q.grad.detach().cpu().numpy().copy() for n, q in self.model.named_parameters()}
     self.opt.zero_grad(set_to_none=True)
     return float(loss.detach()), grads
 
@@ -263,7 +283,8 @@ def bench(name, cfg, data, p, args, root):
   ours = Ours(cfg, data, p, remat=args.remat)
   path = os.path.join(root, name)
   hf.save_hf_checkpoint(ours.model(), path)
-  theirs = Theirs(path, data, p, args.threads[0], args.hf_attn, args.hf_experts if cfg.n_experts else None)
+  theirs = Theirs(path, data, p, args.threads[0], args.hf_attn, args.hf_experts if cfg.n_experts else None,
+                  device=args.torch_device)
   check_like_for_like(name, ours, theirs, root, not args.no_grad_check)
   import torch  # pylint: disable=g-import-not-at-top
 
@@ -333,7 +354,7 @@ def main_attention(args):
   print(f"\n{'model':6} {'S':>5} {'attention':9} {'update s':>9} {'x first':>8} {'p_old s':>8} "
         f"{'x first':>8} {'update temp MiB':>16} {'p_old temp MiB':>15}")
   for name in args.models.split(","):
-    cfg = ModelConfig(**MODELS[name])
+    cfg = ModelConfig(**(GPU_MODELS if args.size == "gpu" else MODELS)[name])
     for t_len in args.response_lengths:
       data = make_batch(b, p, t_len, cfg.vocab_size)
       res = bench_attention_impls(name, cfg, data, p, args)
@@ -379,9 +400,18 @@ def main():
   ap.add_argument("--remat", type=int, choices=(0, 1), default=None,
                   help="override model.remat (default: the ModelConfig default)")
   ap.add_argument("--no-grad-check", action="store_true")
+  ap.add_argument("--torch-device", default="cpu", choices=("cpu", "cuda"),
+                  help="where torch runs (rl_jax runs on jax's default backend); with cuda both run "
+                       "float32 matmuls in full float32 (torch's default; jax is set to 'highest')")
+  ap.add_argument("--size", default="issue15", choices=("issue15", "gpu"),
+                  help="model sizes: issue 15's small models, or ~170M / ~250M-parameter ones for a GPU")
   ap.add_argument("--attention", default=None,
                   help="compare model.attention implementations (e.g. xla,flash) in rl_jax alone; no HF peer")
   args = ap.parse_args()
+  if args.torch_device == "cuda" or jax.default_backend() == "gpu":
+    # Like for like with torch's float32 matmuls (no TF32): jax's GPU default would use TF32.
+    jax.config.update("jax_default_matmul_precision", "highest")
+  models = GPU_MODELS if args.size == "gpu" else MODELS
   args.threads = [int(n) for n in str(args.threads).split(",")]
   args.response_lengths = [int(n) for n in str(args.response).split(",")]
   args.response = args.response_lengths[0]
@@ -395,13 +425,13 @@ def main():
   b, p, t = args.batch, args.prompt, args.response
   s = p + t
   print(f"train step: {b} x ({p} + {t}) tokens, PG over the response tokens, AdamW; "
-        f"jax {jax.__version__} {jax.devices()[0].platform}; torch threads {args.threads}, "
+        f"jax {jax.__version__} {jax.devices()[0].device_kind}; torch on {args.torch_device}, threads {args.threads}, "
         f"HF attn={args.hf_attn}, experts={args.hf_experts}; {args.rounds} interleaved rounds; "
         f"host allocator {host_memory.describe()}")
   rows = []
   with tempfile.TemporaryDirectory(prefix="bench_train_peers_") as root:
     for name in args.models.split(","):
-      cfg = ModelConfig(**MODELS[name])
+      cfg = ModelConfig(**models[name])
       data = make_batch(b, p, t, cfg.vocab_size)
       med, cpu, best, raw = bench(name, cfg, data, p, args, root)
       fl = flops_per_token(cfg, s, t)

@@ -543,8 +543,8 @@ def expert_matmul_note(model_cfg, device: str) -> str:
   if model_cfg.batch_invariant:
     target = moe.resolve_expert_matmul("slab")
   else:
-    target = moe.resolve_expert_matmul(model_cfg.expert_matmul, platform)
-  compiled = moe.resolve_expert_matmul(model_cfg.expert_matmul, "cpu")
+    target = moe.resolve_expert_matmul(model_cfg.expert_matmul, platform, model_cfg.dtype)
+  compiled = moe.resolve_expert_matmul(model_cfg.expert_matmul, "cpu", model_cfg.dtype)
   note = f"expert matmul {target} on {device} (model.expert_matmul={model_cfg.expert_matmul})"
   if compiled != target:
     # The Pallas kernel has no XLA:CPU lowering worth costing (interpret mode), and XLA:CPU expands

@@ -94,6 +94,20 @@ def _adversarial(fmt):
   return np.concatenate([pts, -pts])
 
 
+def test_round_half_even_equals_rint_bitwise():
+  """The Triton-lowerable rounding equals numpy's rint on every kind of float32: ties (odd and
+  even), one ulp either side of them, signed zeros, the 2**23 boundary, infinities, NaN."""
+  rng = np.random.default_rng(1)
+  ties = np.arange(-40, 40, dtype=np.float32) + np.float32(0.5)
+  near = np.concatenate([np.nextafter(ties, np.float32(np.inf)), np.nextafter(ties, -np.float32(np.inf))])
+  big = np.float32(2.0**23) + np.array([-1.5, -0.5, 0, 1, 2], np.float32)
+  y = np.concatenate([
+      rng.standard_normal(20000).astype(np.float32) * np.exp(rng.uniform(-20, 30, 20000)).astype(np.float32),
+      ties, near, big, -big, [0.0, -0.0, 0.3, -0.3, 0.5, -0.5, np.inf, -np.inf, np.nan]]).astype(np.float32)
+  got = np.asarray(jax.jit(F.round_half_even)(jnp.asarray(y)))
+  np.testing.assert_array_equal(_bits(got), _bits(np.rint(y)))
+
+
 @pytest.mark.parametrize("name", QFORMATS)
 def test_rounding_matches_ml_dtypes(name):
   """Round-to-nearest-even with saturation equals ml_dtypes' cast of the clipped value, bit for bit.

@@ -48,11 +48,13 @@ def route(router_logits_NE: jax.Array, k: int, norm_topk_prob: bool,
 CAPACITY_TIERS = (1.25, 2.0)
 
 
-def resolve_expert_matmul(choice: str, backend: str | None = None) -> str:
+def resolve_expert_matmul(choice: str, backend: str | None = None, dtype: str = "bfloat16") -> str:
   """`model.expert_matmul` -> "slab", "ragged_dot" or "grouped"; "auto" by `backend` (default
-  jax.default_backend(), read at trace time): grouped on GPU (no dense expansion, where XLA:GPU's
-  ragged_dot has one), ragged_dot on TPU (lowered natively), slab elsewhere and in the zero-mismatch
-  mode (its fixed-order products are the slab's)."""
+  jax.default_backend(), read at trace time) and the compute `dtype` (model.dtype): grouped on GPU
+  for 16-bit compute (no dense expansion, where XLA:GPU's ragged_dot has one), ragged_dot on TPU
+  (lowered natively), slab elsewhere, in the zero-mismatch mode (its fixed-order products are the
+  slab's) and for float32 compute on GPU, where the kernel's exact float32 products (HIGHEST; XLA
+  takes TF32 there by default) ran 15x slower than the slab on an H200 (device_check's MoE row)."""
   if choice not in EXPERT_MATMULS:
     raise ConfigError(f"config key 'model.expert_matmul': {choice!r} is not one of {list(EXPERT_MATMULS)}")
   if choice != "auto":
@@ -60,7 +62,9 @@ def resolve_expert_matmul(choice: str, backend: str | None = None) -> str:
   if invariant.active():
     return "slab"
   backend = backend or jax.default_backend()
-  return {"gpu": "grouped", "cuda": "grouped", "rocm": "grouped", "tpu": "ragged_dot"}.get(backend, "slab")
+  if backend in ("gpu", "cuda", "rocm"):
+    return "grouped" if jnp.dtype(dtype).itemsize == 2 else "slab"
+  return "ragged_dot" if backend == "tpu" else "slab"
 
 
 # `_ragged_rows`' grouped-product impl (quant.ops.ragged_linear) per resolved expert matmul; the
@@ -420,7 +424,7 @@ class MoE(nnx.Module):
     x_ND, ids_NK, gates_NK = x_BSD.reshape(b * s, d), ids_BSK.reshape(b * s, -1), gates_BSK.reshape(b * s, -1)
     # Same math every way; the shard_map dispatches make the expert-parallel communication explicit.
     overflow = jnp.zeros((), jnp.float32)
-    matmul = resolve_expert_matmul(cfg.expert_matmul)
+    matmul = resolve_expert_matmul(cfg.expert_matmul, dtype=cfg.dtype)
     # Keyword-only and only when not the slab, so the slab's calls keep their signatures.
     mm = {} if matmul == "slab" else dict(expert_matmul=matmul)
     if cfg.moe_dispatch == "shard_map":

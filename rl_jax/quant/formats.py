@@ -81,6 +81,36 @@ def _exponent(a_f32: jax.Array) -> jax.Array:
   return (bits >> 23).astype(jnp.int32) - 127
 
 
+def with_sign(mag_f32: jax.Array, negative: jax.Array) -> jax.Array:
+  """`mag` (>= 0, float32) with its sign bit set where `negative`, from the bits.
+
+  Not `-mag` / `jnp.copysign`: Pallas' Triton lowering negates as `0 - x`, which turns -0.0
+  into +0.0, so a kernel would store a negative zero's code as +0 where the reference (and
+  ml_dtypes) keeps -0 (seen on an H200: ~6% of fp4 codes, the ones that round to zero).
+  """
+  sign = negative.astype(jnp.uint32) << 31
+  return lax.bitcast_convert_type(lax.bitcast_convert_type(mag_f32, jnp.uint32) | sign, jnp.float32)
+
+
+def _is_negative(y_f32: jax.Array) -> jax.Array:
+  return (lax.bitcast_convert_type(y_f32, jnp.uint32) >> 31) == 1
+
+
+def round_half_even(y_f32: jax.Array) -> jax.Array:
+  """`jnp.round` (to nearest, ties to even) for float32, from floor and exact float32 steps.
+
+  Pallas' Triton lowering has no `round` primitive; `floor`, compares and selects lower
+  everywhere. Bit-identical to `jnp.round` for every float32, signed zeros included:
+  `y - floor(y)` is exact, and |y| >= 2**23 (integers, infinities) and NaN pass unchanged.
+  """
+  f = jnp.floor(y_f32)
+  d = y_f32 - f
+  odd = (f - 2.0 * jnp.floor(f * 0.5)) != 0.0
+  r = jnp.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+  r = jnp.where(r == 0.0, y_f32 * 0.0, r)  # a zero keeps y's sign (-0.3 -> -0.0), as round's
+  return jnp.where(jnp.abs(y_f32) < 2.0**23, r, y_f32)
+
+
 def round_to_grid(y: jax.Array, fmt: Format) -> jax.Array:
   """Rounds float32 `y` (already divided by its scale) onto `fmt`'s grid, as float32.
 
@@ -92,7 +122,7 @@ def round_to_grid(y: jax.Array, fmt: Format) -> jax.Array:
   """
   y = y.astype(jnp.float32)
   if fmt.kind == "int":
-    return jnp.clip(jnp.round(y), -fmt.max, fmt.max)
+    return jnp.clip(round_half_even(y), -fmt.max, fmt.max)
   if fmt.kind == "none":
     return y
   m = fmt.mantissa_bits
@@ -100,8 +130,8 @@ def round_to_grid(y: jax.Array, fmt: Format) -> jax.Array:
   # Spacing of the grid around a: 2**(e - m) in the normal range, 2**(emin - m)
   # in the subnormal range; multiplying by a power of two is exact here.
   e = jnp.maximum(_exponent(a), fmt.emin)
-  r = jnp.round(a * _pow2(m - e)) * _pow2(e - m)
-  return jnp.copysign(r, y)
+  r = round_half_even(a * _pow2(m - e)) * _pow2(e - m)
+  return with_sign(r, _is_negative(y))
 
 
 def encode(r: jax.Array, fmt: Format) -> jax.Array:
@@ -142,26 +172,30 @@ def decode(codes: jax.Array, fmt: Format) -> jax.Array:
     normal = (1.0 + mf * 2.0**-m) * _pow2(ef - 1 + fmt.emin)
     subnormal = mf * 2.0**(fmt.emin - m)
     v = jnp.where(ef == 0, subnormal, normal)
-    return jnp.where((c >> 3) & 1 == 1, -v, v)
+    return with_sign(v, (c >> 3) & 1 == 1)
   return codes.astype(jnp.float32)
 
 
 def pack_nibbles(n: jax.Array, axis: int) -> jax.Array:
   """Packs 4-bit codes in uint8 pairwise along `axis`: element 2i low nibble, 2i+1 high."""
   axis = axis % n.ndim
-  shape = n.shape
-  pairs = n.reshape(shape[:axis] + (shape[axis] // 2, 2) + shape[axis + 1:])
-  lo = lax.index_in_dim(pairs, 0, axis + 1, keepdims=False)
-  hi = lax.index_in_dim(pairs, 1, axis + 1, keepdims=False)
-  return (lo | (hi << 4)).astype(jnp.uint8)
+  if axis != n.ndim - 1:
+    return jnp.moveaxis(pack_nibbles(jnp.moveaxis(n, axis, -1), -1), -1, axis)
+  # lo + 16 hi as a weighted sum over the pair axis: Pallas' Triton lowering has no `slice`
+  # to take the pair apart (a Pallas kernel cannot capture a constant array either: iota).
+  pairs = n.reshape(n.shape[:-1] + (n.shape[-1] // 2, 2)).astype(jnp.int32)
+  shift = 4 * lax.broadcasted_iota(jnp.int32, pairs.shape, pairs.ndim - 1)
+  return jnp.sum(pairs << shift, axis=-1).astype(jnp.uint8)
 
 
 def unpack_nibbles(p: jax.Array, axis: int) -> jax.Array:
   """Inverse of `pack_nibbles`: uint8 [..., L/2, ...] -> 4-bit codes in uint8 [..., L, ...]."""
   axis = axis % p.ndim
-  shape = p.shape
-  both = jnp.stack([p & 0xF, p >> 4], axis=axis + 1)
-  return both.reshape(shape[:axis] + (shape[axis] * 2,) + shape[axis + 1:])
+  if axis != p.ndim - 1:
+    # Interleave along the last axis only (all Pallas' Triton lowering can stack along).
+    return jnp.moveaxis(unpack_nibbles(jnp.moveaxis(p, axis, -1), -1), -1, axis)
+  both = jnp.stack([p & 0xF, p >> 4], axis=-1)
+  return both.reshape(p.shape[:-1] + (p.shape[-1] * 2,))
 
 
 def compute_scale(amax: jax.Array, fmt: Format, scale_dtype: str) -> tuple[jax.Array, jax.Array]:

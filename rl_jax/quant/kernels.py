@@ -53,6 +53,19 @@ def _reduced_len(k: int, fmt: Format, block: int | None, pow2: bool) -> int:
   return kp
 
 
+def _compiler_params(interpret: bool, pow2: bool):
+  """Triton's params for the GPU layout (`pow2`), else None (interpret mode, TPU's Mosaic).
+
+  They pin the Triton backend: jax 0.10 lowers a `pallas_call` without them to Mosaic GPU
+  (`jax_pallas_use_mosaic_gpu` defaulted to True), which these kernels do not target; jax 0.11
+  picks Triton by default, so there they only restate it.
+  """
+  if interpret or not pow2:
+    return None
+  from jax.experimental.pallas import triton as pl_triton
+  return pl_triton.CompilerParams(num_warps=4, num_stages=2)
+
+
 def _quant_kernel(x_ref, c_ref, s_ref, *, fmt, axis, block, scale_dtype):
   codes, raw = F.quantize_core(x_ref[...], fmt, axis, block, scale_dtype)
   c_ref[...] = codes
@@ -86,6 +99,7 @@ def quantize_rows(x_MK: jax.Array, fmt: Format, block: int | None, scale_dtype: 
       in_specs=[pl.BlockSpec((tm, kp), lambda i: (i, 0))],
       out_specs=(pl.BlockSpec((tm, kc), lambda i: (i, 0)),
                  pl.BlockSpec((tm, nb), lambda i: (i, 0))),
+      compiler_params=_compiler_params(interpret, pow2),
       interpret=interpret, name="quantize_rows")(x)
   return codes[:m, :F.stored_length(k, fmt, block)], raw[:m, :F.n_blocks(k, block)]
 
@@ -108,6 +122,7 @@ def dequantize_rows(codes_MKc: jax.Array, scales_MB: jax.Array, fmt: Format, blo
       grid=(mp // tm,),
       in_specs=[pl.BlockSpec((tm, kc), lambda i: (i, 0)), pl.BlockSpec((tm, nb), lambda i: (i, 0))],
       out_specs=pl.BlockSpec((tm, kp), lambda i: (i, 0)),
+      compiler_params=_compiler_params(interpret, pow2),
       interpret=interpret, name="dequantize_rows")(codes, raw)
   return out[:m, :k]
 
@@ -136,6 +151,7 @@ def quantize_cols(w_GKN: jax.Array, fmt: Format, block: int | None, scale_dtype:
       in_specs=[pl.BlockSpec((None, kp, tn), lambda e, j: (e, 0, j))],
       out_specs=(pl.BlockSpec((None, kc, tn), lambda e, j: (e, 0, j)),
                  pl.BlockSpec((None, nb, tn), lambda e, j: (e, 0, j))),
+      compiler_params=_compiler_params(interpret, pow2),
       interpret=interpret, name="quantize_cols")(w)
   return codes[:, :F.stored_length(k, fmt, block), :n], raw[:, :F.n_blocks(k, block), :n]
 
@@ -160,6 +176,7 @@ def dequantize_cols(codes_GKN: jax.Array, scales_GBN: jax.Array, fmt: Format, bl
       in_specs=[pl.BlockSpec((None, kc, tn), lambda e, j: (e, 0, j)),
                 pl.BlockSpec((None, nb, tn), lambda e, j: (e, 0, j))],
       out_specs=pl.BlockSpec((None, kp, tn), lambda e, j: (e, 0, j)),
+      compiler_params=_compiler_params(interpret, pow2),
       interpret=interpret, name="dequantize_cols")(codes, raw)
   return out[:, :k, :n]
 
@@ -173,42 +190,54 @@ def _exact_in_bf16(fmt: Format | None, block: int | None, dtype) -> bool:
   return block is None and fmt.bits <= 8
 
 
-def _qmm_kernel(*refs, w_fmt, w_block, w_sd, a_fmt, a_block, a_sd, op_dtype):
+# The deepest K step of a float32-operand qmatmul tile on a GPU (see qmatmul).
+_F32_TK = 128
+
+
+def _qmm_kernel(*refs, w_fmt, w_block, w_sd, a_fmt, a_block, a_sd, op_dtype, tk, nk):
+  """One (tm, tn) output tile, summed over K in `nk` steps of `tk` inside the program.
+
+  Each program owns its output tile and loops over K itself: Triton runs the grid's programs
+  in parallel, so a K grid axis accumulating into the output (`o_ref[...] +=`, sequential on
+  TPU and in interpret mode) would race on a GPU.
+  """
   if a_fmt is None:
     x_ref, w_ref, ws_ref, o_ref = refs
+    xs_ref = None
   else:
     x_ref, xs_ref, w_ref, ws_ref, o_ref = refs
+  tkw = tk // 2 if w_fmt.packed else tk
+  tkx = tk // 2 if (a_fmt is not None and a_fmt.packed) else tk
 
-  @pl.when(pl.program_id(2) == 0)
-  def _init():
-    o_ref[...] = jnp.zeros_like(o_ref)
-
-  # Per-row / per-column scales factor out of the K sum: the dot runs on raw
-  # codes (what int8 / fp8 tensor cores consume) and scales apply to the product.
+  # Per-row / per-column scales factor out of the K sum: the dot runs on raw codes (what
+  # int8 / fp8 tensor cores consume) and those scales apply once to the summed product.
   # Block scales vary along K, so those tiles are dequantized first.
-  col_scale = row_scale = None
+  def k_body(kk, acc):
+    if w_block is None:
+      wc = w_ref[pl.ds(pl.multiple_of(kk * tkw, tkw), tkw), :]
+      w = F.decode(F.unpack_nibbles(wc, 0) if w_fmt.packed else wc, w_fmt)
+    else:
+      nb = tk // w_block
+      w = F.dequantize_core(w_ref[pl.ds(pl.multiple_of(kk * tkw, tkw), tkw), :],
+                            ws_ref[pl.ds(pl.multiple_of(kk * nb, nb), nb), :], w_fmt, 0, w_sd)
+    xk = x_ref[:, pl.ds(pl.multiple_of(kk * tkx, tkx), tkx)]
+    if a_fmt is None:
+      x = xk
+    elif a_block is None:
+      x = F.decode(F.unpack_nibbles(xk, 1) if a_fmt.packed else xk, a_fmt)
+    else:
+      nb = tk // a_block
+      x = F.dequantize_core(xk, xs_ref[:, pl.ds(pl.multiple_of(kk * nb, nb), nb)], a_fmt, 1, a_sd)
+    precision = jax.lax.Precision.HIGHEST if op_dtype == jnp.float32 else None
+    return acc + jnp.dot(x.astype(op_dtype), w.astype(op_dtype),
+                         preferred_element_type=jnp.float32, precision=precision)
+
+  acc = jax.lax.fori_loop(0, nk, k_body, jnp.zeros(o_ref.shape, jnp.float32))
+  if a_fmt is not None and a_block is None:
+    acc = acc * F.decode_scale(xs_ref[...], a_sd)
   if w_block is None:
-    wc = w_ref[...]
-    w = F.decode(F.unpack_nibbles(wc, 0) if w_fmt.packed else wc, w_fmt)
-    col_scale = F.decode_scale(ws_ref[...], w_sd)
-  else:
-    w = F.dequantize_core(w_ref[...], ws_ref[...], w_fmt, 0, w_sd)
-  if a_fmt is None:
-    x = x_ref[...]
-  elif a_block is None:
-    xc = x_ref[...]
-    x = F.decode(F.unpack_nibbles(xc, 1) if a_fmt.packed else xc, a_fmt)
-    row_scale = F.decode_scale(xs_ref[...], a_sd)
-  else:
-    x = F.dequantize_core(x_ref[...], xs_ref[...], a_fmt, 1, a_sd)
-  precision = jax.lax.Precision.HIGHEST if op_dtype == jnp.float32 else None
-  acc = jnp.dot(x.astype(op_dtype), w.astype(op_dtype), preferred_element_type=jnp.float32,
-                precision=precision)
-  if row_scale is not None:
-    acc = acc * row_scale
-  if col_scale is not None:
-    acc = acc * col_scale
-  o_ref[...] += acc
+    acc = acc * F.decode_scale(ws_ref[...], w_sd)
+  o_ref[...] = acc
 
 
 def qmatmul(x_MK: jax.Array, w_codes: jax.Array, w_scales: jax.Array, *, k: int, w_fmt: Format,
@@ -224,6 +253,13 @@ def qmatmul(x_MK: jax.Array, w_codes: jax.Array, w_scales: jax.Array, *, k: int,
   """
   m = x_MK.shape[0]
   n = w_codes.shape[1]
+  x_dtype = None if a_fmt is not None else x_MK.dtype
+  op_dtype = (jnp.bfloat16 if _exact_in_bf16(a_fmt, a_block, x_dtype)
+              and _exact_in_bf16(w_fmt, w_block, None) else jnp.float32)
+  if pow2 and op_dtype == jnp.float32:
+    # Triton stages float32 dot operands in shared memory: at 128 x 256 x 128 tiles the H200
+    # asked for 276-290 KiB (W4A16 int4/32, W4A4 fp4) of its 227 KiB; a 128-deep K step halves it.
+    tk = min(tk, _F32_TK)
   unit = math.lcm(w_block or 1, a_block or 1,
                   2 if (w_fmt.packed or (a_fmt is not None and a_fmt.packed)) else 1)
   # Triton's dot needs every tile dimension >= 16.
@@ -248,28 +284,25 @@ def qmatmul(x_MK: jax.Array, w_codes: jax.Array, w_scales: jax.Array, *, k: int,
 
   w = pad_codes(w_codes, 0, w_fmt.packed, np_)
   ws = pad_scales(w_scales, 0, w_block, np_)
-  tkw = tk // 2 if w_fmt.packed else tk
-  w_specs = [pl.BlockSpec((tkw, tn), lambda i, j, kk: (kk, j)),
-             (pl.BlockSpec((1, tn), lambda i, j, kk: (0, j)) if w_block is None
-              else pl.BlockSpec((tk // w_block, tn), lambda i, j, kk: (kk, j)))]
+  # Blocks hold the whole (padded) K of a row / column tile; the kernel walks it in tk steps.
+  kpw = kp // 2 if w_fmt.packed else kp
+  w_specs = [pl.BlockSpec((kpw, tn), lambda i, j: (0, j)),
+             pl.BlockSpec((1 if w_block is None else kp // w_block, tn), lambda i, j: (0, j))]
   if a_fmt is None:
     xs = [jnp.pad(x_MK, ((0, mp - m), (0, kp - x_MK.shape[1])))]
-    x_specs = [pl.BlockSpec((tm, tk), lambda i, j, kk: (i, kk))]
+    x_specs = [pl.BlockSpec((tm, kp), lambda i, j: (i, 0))]
   else:
-    tkx = tk // 2 if a_fmt.packed else tk
+    kpx = kp // 2 if a_fmt.packed else kp
     xs = [pad_codes(x_MK, 1, a_fmt.packed, mp), pad_scales(x_scales, 1, a_block, mp)]
-    x_specs = [pl.BlockSpec((tm, tkx), lambda i, j, kk: (i, kk)),
-               (pl.BlockSpec((tm, 1), lambda i, j, kk: (i, 0)) if a_block is None
-                else pl.BlockSpec((tm, tk // a_block), lambda i, j, kk: (i, kk)))]
-  x_dtype = None if a_fmt is not None else x_MK.dtype
-  op_dtype = (jnp.bfloat16 if _exact_in_bf16(a_fmt, a_block, x_dtype)
-              and _exact_in_bf16(w_fmt, w_block, None) else jnp.float32)
+    x_specs = [pl.BlockSpec((tm, kpx), lambda i, j: (i, 0)),
+               pl.BlockSpec((tm, 1 if a_block is None else kp // a_block), lambda i, j: (i, 0))]
   out = pl.pallas_call(
       functools.partial(_qmm_kernel, w_fmt=w_fmt, w_block=w_block, w_sd=w_sd, a_fmt=a_fmt,
-                        a_block=a_block, a_sd=a_sd, op_dtype=op_dtype),
+                        a_block=a_block, a_sd=a_sd, op_dtype=op_dtype, tk=tk, nk=kp // tk),
       out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
-      grid=(mp // tm, np_ // tn, kp // tk),
+      grid=(mp // tm, np_ // tn),
       in_specs=x_specs + w_specs,
-      out_specs=pl.BlockSpec((tm, tn), lambda i, j, kk: (i, j)),
+      out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
+      compiler_params=_compiler_params(interpret, pow2),
       interpret=interpret, name="qmatmul")(*xs, w, ws)
   return out[:m, :n]

@@ -13,10 +13,18 @@ from rl_jax.quant.qtensor import QTensor
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def resolve_backend(backend: str) -> str:
-  """'auto' -> 'pallas' on GPU/TPU, 'xla' on CPU (Pallas on CPU is an emulator, and slow)."""
+def resolve_backend(backend: str, op: str = "codec") -> str:
+  """'auto' -> 'pallas' for the quantized matmul on GPU/TPU, else 'xla'.
+
+  On CPU Pallas is an emulator, and slow. The codecs (quantize / dequantize alone) take XLA's
+  fusions everywhere: on an H200 every codec kernel ran 1.06-5.65x slower than the same jnp
+  code compiled by XLA (benchmarks/device_check.py, docs/performance.md), while the W8A8
+  qmatmul kernel ran 1.7-1.9x faster than XLA's dequantize-then-matmul.
+  """
+  if op not in ("codec", "matmul"):
+    raise ValueError(f"op must be 'codec' or 'matmul', got {op!r}")
   if backend == "auto":
-    return "xla" if jax.default_backend() == "cpu" else "pallas"
+    return "pallas" if op == "matmul" and jax.default_backend() != "cpu" else "xla"
   if backend in ("pallas", "xla"):
     return backend
   raise ConfigError(f"key 'backend': {backend!r} is not one of ['auto', 'pallas', 'xla']")
@@ -133,7 +141,7 @@ def qmatmul(x_sK: jax.Array, qt: QTensor) -> jax.Array:
   _check_k(x_sK, k, qt)
   lead = x_sK.shape[:-1]
   x = x_sK.reshape(-1, k)
-  if resolve_backend(qt.backend) == "pallas":
+  if resolve_backend(qt.backend, "matmul") == "pallas":
     opts = _kernel_opts()
     common = dict(k=k, w_fmt=qt.fmt, w_block=qt.block_size, w_sd=qt.scale_dtype, **opts)
     if qt.act_format is None:
