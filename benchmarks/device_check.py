@@ -1,6 +1,8 @@
 """The prepared accelerator check: every Pallas kernel compiled for the device vs its jnp reference, attention, zero mismatch, 10 RL steps."""
 # Usage:
-#   python benchmarks/device_check.py [--out DIR]       # on one GPU: <= 5 minutes
+#   python benchmarks/device_check.py [--out DIR]       # on one H200: 327 s before the sampler
+#                                                       # section existed (2026-12-04; that one is
+#                                                       # ~6 compiles more, not yet timed on a GPU)
 #   python benchmarks/device_check.py --small           # small sizes (seconds of work on CPU)
 #   python benchmarks/device_check.py --small --sections quant,gmm,attention
 #
@@ -17,6 +19,10 @@
 #   attention  rl_jax.models.attention.attention(impl=flash / cudnn / splash) vs impl="xla"
 #              (errors vs xla on float32 inputs at HIGHEST precision, times vs xla on the same
 #              bf16 inputs); skipped with the module's reason where an impl cannot run;
+#   sampler    the quantized sampler's decode loop, Pallas kernels (backend="pallas": qmatmul for
+#              weights x activations, codecs for the KV cache) vs the same preset through XLA
+#              (backend="xla"), greedy, one MoE model: tokens equal, log q equal to float32
+#              summation order on each row's common prefix, generate time ratio;
 #   rl         configs/countdown_tiny.py:test from random init: the fp32 sampler's log q vs the
 #              trainer's p_old forward on the same tokens, then RLTrainer.run() for 10 steps.
 # Matmul errors are elementwise relative to the product of absolute values (|x| @ |w| for
@@ -51,7 +57,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-SECTIONS = ("lower", "quant", "gmm", "attention", "rl")
+SECTIONS = ("lower", "quant", "gmm", "attention", "sampler", "rl")
 _U32 = 2.0**-24
 _UBF16 = 2.0**-8
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -417,6 +423,69 @@ def _attention_rows(sz: Sizes, runs: int):
     yield f"attention {impl} fwd+bwd {shape}", bwd_row
 
 
+# --- the quantized sampler: Pallas kernels in the decode loop ------------------------------
+
+SAMPLER_PRESETS = ("int8_wa_int4_kv", "fp8_wa_fp8_kv", "int4_w")
+
+
+def _sampler_rows(small: bool, runs: int):
+  """Per preset: greedy generation with backend "pallas" against backend "xla" on the same
+  weights and prompts. The two compute the same quantized function in a different summation
+  order, so tokens agree (a near-tie may flip one; the rest of that row then differs) and, on each
+  row's common prefix, log q agrees to float32 rounding of a K-term sum (tolerance 1e-3 nats)."""
+  from flax import nnx
+  from rl_jax.models.config import ModelConfig
+  from rl_jax.models.transformer import Transformer
+  from rl_jax.quant.config import QuantConfig
+  from rl_jax.sampler import generate as gen
+  from rl_jax.sampler import weights as W
+  from rl_jax.sampler.config import SamplerConfig
+  if small:
+    mcfg = ModelConfig(vocab_size=128, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
+                       d_ff=128, n_experts=4, n_experts_per_tok=2, moe_d_ff=128, mlp_only_layers=(0,),
+                       init_std=0.1, tie_embeddings=False)
+    b, p, t = 4, 4, 6
+  else:  # layer 0 dense, the rest MoE: both quantized matmul paths; K = 1024 / 512 / 128 divide every block
+    mcfg = ModelConfig(vocab_size=8192, d_model=1024, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=128,
+                       d_ff=2048, n_experts=16, n_experts_per_tok=2, moe_d_ff=512, mlp_only_layers=(0,),
+                       init_std=0.05, tie_embeddings=False)
+    b, p, t = 64, 32, 64
+  state = {}
+
+  def setup():
+    if not state:
+      graphdef, params = nnx.split(Transformer(mcfg, rngs=nnx.Rngs(0)))
+      rng = np.random.default_rng(4)
+      state.update(params=params, prompts=jnp.asarray(rng.integers(3, mcfg.vocab_size, (b, p)), jnp.int32),
+                   valid=jnp.ones((b, p), bool))
+    return state
+
+  def row(preset):
+    st = setup()
+    out, times = {}, {}
+    for backend in ("pallas", "xla"):
+      cfg = SamplerConfig(max_prompt_len=p, max_new_tokens=t, greedy=True, record_topk=0, eos_id=1,
+                          quant=QuantConfig.preset(preset, backend=backend))
+      sstate = W.sync_weights(st["params"], None, cfg.quant, cfg.dtype)
+      graphdef = W.sampler_graphdef(mcfg, cfg.dtype)
+      fn = lambda sstate=sstate, graphdef=graphdef, cfg=cfg: gen.generate(
+          graphdef, sstate, st["prompts"], st["valid"], jax.random.key(0), cfg)
+      out[backend] = jax.block_until_ready(fn())
+      times[backend] = _timed(fn, runs=runs)
+    tok = {k: np.asarray(v.response_BT) for k, v in out.items()}
+    logq = {k: np.asarray(v.logq_BT, np.float64) for k, v in out.items()}
+    same = np.cumprod(tok["pallas"] == tok["xla"], axis=1).astype(bool)  # each row's common prefix
+    if not same[:, 0].all():
+      raise AssertionError(f"{int((~same[:, 0]).sum())} rows differ at their first token")
+    err = float(np.abs(logq["pallas"] - logq["xla"])[same].max())
+    return dict(err=err, tol=1e-3, time_s=times["pallas"], ref_s=times["xla"],
+                note=f"{same.all(axis=1).mean():.0%} of {b} rows identical; {int(same.sum())} tokens compared")
+
+  shape = f"V={mcfg.vocab_size} D={mcfg.d_model} L={mcfg.n_layers} E={mcfg.n_experts} B={b} P={p} T={t}"
+  for preset in SAMPLER_PRESETS:
+    yield f"sampler {preset} pallas vs xla, greedy, {shape}", functools.partial(row, preset)
+
+
 # --- RL: zero mismatch and 10 steps ---------------------------------------------------------
 
 
@@ -598,6 +667,7 @@ def run_checks(sections, sz: Sizes, runs: int, log=print, on_row=None) -> list[R
   builders = {"quant": lambda: [*_codec_rows(sz, runs), *_qmatmul_rows(sz, runs)],
               "gmm": lambda: _gmm_rows(sz, runs),
               "attention": lambda: _attention_rows(sz, runs),
+              "sampler": lambda: _sampler_rows(sz is SMALL, runs),
               "rl": lambda: _rl_rows(sz, runs),
               "lower": lambda: _lower_rows()}
   rows = []
@@ -607,6 +677,8 @@ def run_checks(sections, sz: Sizes, runs: int, log=print, on_row=None) -> list[R
     except Exception as exc:  # building a section's inputs failed: one FAIL row for it
       rows.append(Row(section, status="FAIL", note=f"{type(exc).__name__}: {exc}"))
       log(f"[device_check] {section}: FAIL building inputs: {exc}")
+      if on_row is not None:
+        on_row(rows)
       continue
     for name, fn in checks:
       row = Row(name)

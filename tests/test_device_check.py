@@ -41,8 +41,9 @@ def _run(tmp_path, sections, timeout):
 
 
 def test_cpu_small_kernels_and_attention(tmp_path):
-  """The kernel sections (<= ~40 s here): every quant kernel, the grouped matmul, attention."""
-  rows = _run(tmp_path, "quant,gmm,attention", timeout=240)
+  """The kernel sections (<= ~50 s here): every quant kernel, the grouped matmul, attention, and the
+  quantized sampler with the kernels against XLA."""
+  rows = _run(tmp_path, "quant,gmm,attention,sampler", timeout=300)
   names = [r["name"] for r in rows]
   for op in ("quantize_rows", "dequantize_rows", "quantize_cols", "dequantize_cols", "qmatmul"):
     assert any(f"quant {op} " in n for n in names), op
@@ -54,6 +55,8 @@ def test_cpu_small_kernels_and_attention(tmp_path):
   assert all("GPU" in r["status"] for r in by_impl["cudnn"])
   assert all("TPU" in r["status"] for r in by_impl["splash"])
   assert all(r["status"] == "ok" for r in rows if r["name"].startswith(("quant", "gmm")))
+  sampler = [r for r in rows if r["name"].startswith("sampler ")]
+  assert len(sampler) == 3 and all(r["status"] == "ok" and r["err"] <= r["tol"] for r in sampler), sampler
 
 
 @pytest.mark.slow
@@ -82,7 +85,10 @@ def test_a_failing_row_does_not_stop_the_others(monkeypatch):
     raise ValueError("no inputs")
 
   monkeypatch.setattr(dc, "_attention_rows", no_inputs)
-  rows = dc.run_checks(["gmm", "attention"], dc.SMALL, 1, log=lambda *_: None)
+  seen = []  # main writes the table after every row: a run cut short keeps what it finished
+  rows = dc.run_checks(["gmm", "attention"], dc.SMALL, 1, log=lambda *_: None,
+                       on_row=lambda so_far: seen.append(len(so_far)))
+  assert seen == [1, 2, 3, 4, 5]
   assert [(r.name, r.status) for r in rows] == [
       ("a", "FAIL"), ("b", "skipped: not here"), ("c", "FAIL"), ("d", "ok"), ("attention", "FAIL")]
   assert "boom" in rows[0].note and "no inputs" in rows[4].note
