@@ -9,7 +9,7 @@ Usage:
       # step time as a ratio to the first implementation, and the compiled programs' XLA memory
       # stats (temporaries), which show the [S, S] score buffers blocked attention never holds
   PYTHONPATH=. python benchmarks/bench_train_peers.py --torch-device cuda --size gpu --threads 1
-      # on a GPU: torch on CUDA against rl_jax on jax's GPU backend, ~170M / ~250M-param models
+      # on a GPU: torch on CUDA against rl_jax on jax's GPU backend, 134M / 361M-param models
 
 Models (issue 15): random Qwen3, vocab 4096, hidden 256, 4 layers, 8 heads x 32, 4 KV heads,
 fp32, tied embeddings; 'dense' FFN 768, 'moe' 8 experts top-2, expert FFN 256, every layer MoE.
@@ -90,19 +90,20 @@ GRAD_RTOL = 1e-4   # per tensor, of its max |g|: measured ~1e-6 (sums over 5k to
 
 BASE = dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32,
             dtype="float32", param_dtype="float32", tie_embeddings=True)
-MODELS = {
-    "dense": dict(BASE, d_ff=768),
-    "moe": dict(BASE, d_ff=768, n_experts=8, n_experts_per_tok=2, moe_d_ff=256,
-                norm_topk_prob=True),
-}
-# --size gpu: models big enough that a GPU step is not launch overhead (~170M / ~250M params).
+
+
+def _models(base: dict, d_ff: int, n_experts: int, moe_d_ff: int) -> dict:
+  """The dense model and its MoE twin (top-2, every layer MoE) on one base."""
+  return {"dense": dict(base, d_ff=d_ff),
+          "moe": dict(base, d_ff=d_ff, n_experts=n_experts, n_experts_per_tok=2, moe_d_ff=moe_d_ff,
+                      norm_topk_prob=True)}
+
+
+MODELS = _models(BASE, d_ff=768, n_experts=8, moe_d_ff=256)
+# --size gpu: models big enough that a GPU step is not launch overhead (134M / 361M params, the MoE ~100M active).
 GPU_BASE = dict(vocab_size=32768, d_model=1024, n_layers=8, n_heads=16, n_kv_heads=8, head_dim=64,
                 dtype="float32", param_dtype="float32", tie_embeddings=True)
-GPU_MODELS = {
-    "dense": dict(GPU_BASE, d_ff=3072),
-    "moe": dict(GPU_BASE, d_ff=3072, n_experts=16, n_experts_per_tok=2, moe_d_ff=768,
-                norm_topk_prob=True),
-}
+GPU_MODELS = _models(GPU_BASE, d_ff=3072, n_experts=16, moe_d_ff=768)
 LOSS = LossConfig(method="pg", score_centering="none", aggregation="batch_tokens")
 OPTIM = OptimConfig(name="adamw", lr=1e-5, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
 
@@ -404,7 +405,7 @@ def main():
                   help="where torch runs (rl_jax runs on jax's default backend); with cuda both run "
                        "float32 matmuls in full float32 (torch's default; jax is set to 'highest')")
   ap.add_argument("--size", default="issue15", choices=("issue15", "gpu"),
-                  help="model sizes: issue 15's small models, or ~170M / ~250M-parameter ones for a GPU")
+                  help="model sizes: issue 15's small models, or 134M / 361M-parameter ones for a GPU")
   ap.add_argument("--attention", default=None,
                   help="compare model.attention implementations (e.g. xla,flash) in rl_jax alone; no HF peer")
   args = ap.parse_args()
