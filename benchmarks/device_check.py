@@ -445,7 +445,7 @@ def _sampler_rows(small: bool, runs: int):
                        d_ff=128, n_experts=4, n_experts_per_tok=2, moe_d_ff=128, mlp_only_layers=(0,),
                        init_std=0.1, tie_embeddings=False)
     b, p, t = 4, 4, 6
-  else:  # layer 0 dense, the rest MoE: both quantized matmul paths; K = 1024 / 512 / 128 divide every block
+  else:  # layer 0 dense, the rest MoE: both quantized matmul paths; K 1024 / 512 / 128 divide every block
     mcfg = ModelConfig(vocab_size=8192, d_model=1024, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=128,
                        d_ff=2048, n_experts=16, n_experts_per_tok=2, moe_d_ff=512, mlp_only_layers=(0,),
                        init_std=0.05, tie_embeddings=False)
@@ -456,8 +456,8 @@ def _sampler_rows(small: bool, runs: int):
     if not state:
       graphdef, params = nnx.split(Transformer(mcfg, rngs=nnx.Rngs(0)))
       rng = np.random.default_rng(4)
-      state.update(params=params, prompts=jnp.asarray(rng.integers(3, mcfg.vocab_size, (b, p)), jnp.int32),
-                   valid=jnp.ones((b, p), bool))
+      prompts = jnp.asarray(rng.integers(3, mcfg.vocab_size, (b, p)), jnp.int32)
+      state.update(params=params, prompts=prompts, valid=jnp.ones((b, p), bool))
     return state
 
   def row(preset):
@@ -479,7 +479,8 @@ def _sampler_rows(small: bool, runs: int):
       raise AssertionError(f"{int((~same[:, 0]).sum())} rows differ at their first token")
     err = float(np.abs(logq["pallas"] - logq["xla"])[same].max())
     return dict(err=err, tol=1e-3, time_s=times["pallas"], ref_s=times["xla"],
-                note=f"{same.all(axis=1).mean():.0%} of {b} rows identical; {int(same.sum())} tokens compared")
+                note=(f"{same.all(axis=1).mean():.0%} of {b} rows identical; "
+                      f"{int(same.sum())} tokens compared"))
 
   shape = f"V={mcfg.vocab_size} D={mcfg.d_model} L={mcfg.n_layers} E={mcfg.n_experts} B={b} P={p} T={t}"
   for preset in SAMPLER_PRESETS:

@@ -56,7 +56,8 @@ class ModelConfig:
   # matmul of expert-sorted rows, models/grouped_matmul.py, with its own VJP; interpreted on CPU),
   # "ragged_dot" (lax.ragged_dot, the reference: native on TPU, dense [rows, E * F] on XLA:CPU/GPU),
   # or "auto" (grouped on GPU for bf16 / f16 compute, ragged_dot on TPU, slab on CPU, for float32
-  # on GPU and in the zero-mismatch mode, from jax.default_backend() at trace time). Quantized sampler experts take ragged_dot unless "grouped".
+  # on GPU and in the zero-mismatch mode, from jax.default_backend() at trace time). Quantized
+  # sampler experts take ragged_dot unless "grouped".
   expert_matmul: Literal["auto", "slab", "ragged_dot", "grouped"] = "auto"
   # Sequence positions per MoE dispatch chunk (0: the whole sequence at once). The experts run per
   # token, so chunking is exact; it bounds the dispatch's buffers (all-to-all, capacity slab, the
