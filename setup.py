@@ -48,9 +48,11 @@ setup(
         "notebooks": ["jupyterlab>=4", "nbclient>=0.10", "ipykernel>=6.29", "nbformat>=5.10"],
         # torch pinned to the CPU wheel on disk: a looser range pulls a multi-GB CUDA build.
         "hf": ["torch==2.13.0", "transformers>=4.51"],
-        # Accelerators: jax's own extras (the CUDA 12 plugin and NVIDIA wheels; libtpu), in the
-        # same version range as the core pin. `pip install -e ".[cuda12]"` on a GPU host.
+        # Accelerators: jax's own extras (the CUDA 12 / 13 plugin and NVIDIA wheels; libtpu), in the
+        # same version range as the core pin. `pip install -e ".[cuda12]"` on a GPU host; the H200 run
+        # in docs/performance.md used jax 0.11.2's CUDA 13 plugin (driver 580).
         "cuda12": ["jax[cuda12]>=0.10.0,<0.13"],
+        "cuda13": ["jax[cuda13]>=0.10.0,<0.13"],
         "tpu": ["jax[tpu]>=0.10.0,<0.13"],
     },
 )
