@@ -28,6 +28,31 @@ def test_paired_t_matches_the_closed_form():
   assert t.p_wilcoxon == pytest.approx(4 / 32)
 
 
+def test_wilcoxon_exact_with_ties_and_a_zero_by_hand():
+  # |d| = 0.01, 0.3, 0.3 (one of them 0.1 + 0.2 = 0.30000000000000004: a tie in float noise), 0.4, 0.5
+  # and a zero (dropped) -> midranks 1, 2.5, 2.5, 4, 5; only 0.4 is negative: W- = 4. Of the 2^5 = 32
+  # equally likely sign vectors, the subsets of {1, 2.5, 2.5, 4, 5} summing to <= 4 are {}, {1},
+  # {2.5}, {2.5'}, {1, 2.5}, {1, 2.5'}, {4}: P(W- <= 4) = 7 / 32, two-sided p = 14 / 32.
+  d = [0.01, 0.3, 0.1 + 0.2, -0.4, 0.5, 0.0]
+  assert stats.wilcoxon_p(d) == pytest.approx(14 / 32, abs=1e-15)
+  assert stats.wilcoxon_p([-x for x in d]) == pytest.approx(14 / 32, abs=1e-15)   # symmetric
+  # One sign vector of 2^3 reaches the extreme on each side: p = 2 / 8.
+  assert stats.wilcoxon_p([1.0, 2.0, 2.0]) == pytest.approx(2 / 8, abs=1e-15)
+  assert stats.wilcoxon_p([0.0, 0.0]) == 1.0
+
+
+def test_wilcoxon_exact_matches_enumerating_every_sign_flip_beyond_13_pairs():
+  # n = 14 with ties (where SciPy's method='auto' switches to the normal approximation): the p-value
+  # is the share of the 2^14 sign flips whose W+ is at least as extreme, counted directly.
+  d = np.array([3, -1, 4, 1, -5, 9, 2, -6, 5, 3, 5, -8, 9, 7], np.float64) / 3072
+  ranks = sps.rankdata(np.abs(d))
+  signs = np.array(list(__import__("itertools").product((0, 1), repeat=d.size)), np.float64)
+  w_all = np.round(2 * signs @ ranks).astype(int)
+  w = int(round(2 * ranks[d > 0].sum()))
+  want = min(1.0, 2 * min(np.mean(w_all <= w), np.mean(w_all >= w)))
+  assert stats.wilcoxon_p(d) == pytest.approx(want, abs=1e-12)
+
+
 def test_paired_test_edge_cases():
   with pytest.raises(ValueError, match=">= 2 seeds"):
     stats.paired_test({0: 1.0}, {0: 0.5, 1: 0.2})

@@ -77,7 +77,7 @@ def power_of(protocol: Protocol, n: int) -> tuple[float | None, float | None]:
 
 
 def analyze(study: Any, scores: list[RunScore], unscored: list[str], allow_mixed: bool = False) -> Analysis:
-  """Contrasts (paired t + Wilcoxon, Holm over the study's contrasts) and the selection rule."""
+  """Contrasts (paired t + exact Wilcoxon signed-rank, Holm over the study's contrasts) and the selection rule."""
   proto: Protocol = study.protocol
   digest = proto.digest(protocol_lib.study_definition(study))
   scored = [s for s in scores if s.primary is not None]
@@ -156,14 +156,14 @@ def markdown(analysis: Analysis) -> str:
          f"{p.collapse_margin:g}), collapsed (learned, then ended below the warm start), learned. "
          f"Extra seeds: {p.extra_seeds}.", ""]
   if p.contrasts:
-    out += [f"Contrasts: paired over seeds, two-sided paired t-test and Wilcoxon signed-rank test, "
+    out += [f"Contrasts: paired over seeds, two-sided paired t-test and {stats.WILCOXON_METHOD}, "
             f"{100 * (1 - p.alpha):.0f}% t interval of the mean paired difference, Holm correction over the "
             f"{len(p.contrasts)} contrasts at alpha = {p.alpha:g}; a verdict is a direction when the "
             "Holm-corrected t-test p < alpha, else a null."]
     if p.planning:
       out += ["", f"Power: from a paired s.d. of {p.planning.sd_diff:.3f} ({p.planning.source}); effect of "
               f"interest {p.planning.delta:.3f}."]
-    out += ["", "## Contrasts", "", "| contrast | question | n | mean diff | 95% CI | p (t) | p (Wilcoxon) | "
+    out += ["", "## Contrasts", "", "| contrast | question | n | mean diff | 95% CI | p (t) | p (exact Wilcoxon) | "
             "Holm p (t) | Holm p (W) | power at the planned effect | 80%-power detectable diff | verdict |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in analysis.contrasts:

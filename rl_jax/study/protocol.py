@@ -56,7 +56,7 @@ class Planning:
 class Protocol:
   """The pre-registered analysis of one study (module docstring).
 
-  A study has `contrasts` (each tested with a paired t-test and a Wilcoxon signed-rank test,
+  A study has `contrasts` (each tested with a paired t-test and an exact Wilcoxon signed-rank test,
   Holm-corrected over the study's contrasts at `alpha`), or a selection `rule` (a calibration:
   a name in `rl_jax.study.rules.RULES`, read mechanically off the per-seed table), or both.
   `extra_seeds` states the only way seeds may be added after the runs: 'none' (the count is

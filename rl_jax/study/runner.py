@@ -246,7 +246,7 @@ def protocol_text(p: Plan) -> str:
   proto = p.study.protocol
   n = len({launch.seed for launch in p.launches})
   lines = [f"protocol {p.protocol}: primary metric = mean {proto.metric} over the last {proto.last_k} "
-           f"evaluations (eval set >= {proto.min_eval_size}); {n} paired seeds; paired t + Wilcoxon, "
+           f"evaluations (eval set >= {proto.min_eval_size}); {n} paired seeds; paired t + exact Wilcoxon signed-rank, "
            f"Holm over {len(proto.contrasts)} contrast(s), alpha {proto.alpha:g}; extra seeds: {proto.extra_seeds}"]
   power, mde = analyze_lib.power_of(proto, n)
   for c in proto.contrasts:
