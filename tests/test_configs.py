@@ -42,6 +42,7 @@ ALL_SWEEP_ARGS = [f"{s}/{name}" for s, fn in sweeps.SWEEPS.items() for name, _ i
 # configs/ must be listed here, and an arg its docstring shows must be too.
 CONFIG_ARGS = {
     "countdown_tiny.py": [None, "test"],
+    "countdown_tiny_sharp.py": [None, "test"],
     "sft_countdown_tiny.py": [None, "test"],
     "qwen3_0p6b_countdown.py": [None, "/ckpt/Qwen3-0.6B", "long", "long:/ckpt/Qwen3-0.6B"],
     "qwen3_30b_a3b_minirl.py": [None] + [f"n{n}" for n in qwen3_30b_a3b_minirl.N_CHOICES] + ["n4_32k"],
