@@ -207,3 +207,69 @@ def test_protocol_studies_are_declared_with_their_rules():
       assert o["advantage.reward_mode"] == "pm1" and o["advantage.mode"] == "group_centered"
       assert o["rl.eval_size"] >= s.protocol.min_eval_size
   assert "clean" in dict(studies.get("calibrate").panels)
+
+
+def test_dose_response_study_is_declared_before_its_runs():
+  s = studies.get("dose_response")
+  assert s.protocol is not None and s.protocol.rule == "dose_response" and s.protocol.rule in rules.RULES
+  assert s.base == studies.DOSE_BASE and s.seeds == 3 and s.steps == studies.RECIPE_STEPS
+  panels = dict(s.panels)
+  assert set(panels) == {"clean", "async_2", "async_4", "async_6", "async_8", "noise_0.15", "noise_0.2",
+                         "noise_0.3", "bf16_fp8", "bf16_fp4kv", "stale_16", "stale_32"}
+  assert [k for k, _ in s.lines] == ["pg", "sc"]
+  by = {r.name: r.overrides for r in s.runs()}
+  assert len(by) == 24
+  for name, o in by.items():
+    assert o["optim.name"] == "sgd" and o["optim.lr"] == studies.RECIPE_LR and o["rl.n_minibatches"] == 1
+    assert o["advantage.reward_mode"] == "pm1" and o["rl.eval_size"] >= s.protocol.min_eval_size
+    assert o["rl.steps"] == (studies.DOSE_CLEAN_STEPS if name.startswith("clean/") else studies.RECIPE_STEPS)
+  assert by["async_6/sc"]["rl.mode"] == "async" and by["async_6/sc"]["rl.max_staleness"] == 6
+  assert by["async_6/sc"]["sampler.quant"] == "none" and by["stale_16/pg"]["rl.staleness"] == 16
+  assert by["noise_0.3/pg"]["sampler.noise_sigma"] == 0.3
+  fp4kv = by["bf16_fp4kv/pg"]
+  assert fp4kv["model.dtype"] == "bfloat16" and fp4kv["sampler.quant"]["kv"]["format"] == "fp4"
+  assert by["clean/pg"]["loss.score_centering"] == "none"
+  assert by["clean/sc"]["loss.score_centering"] == "topk" and by["clean/sc"]["loss.topk"] == 16
+
+
+def _dose_score(panel, line, seed, evals, start=0.3, first=0.3, kl=0.01):
+  return RunScore(panel=panel, line=line, seed=seed, primary=None, start=start, peak=max(v for _, v in evals),
+                  outcome=None, aborted_step=None, first_train_accuracy=first, mean_kl=kl,
+                  mean_routing_agreement=None, evals=tuple(evals), commit="c", protocol="d")
+
+
+def test_rule_dose_response_picks_the_mildest_regime_where_pg_learns_then_fails():
+  steps = (0, 20, 40, 60, 80, 100)
+  rising = [(k, 0.3 + k / 1000) for k in steps]                       # clean: +0.09 over the window
+  flat = [(k, 0.31) for k in steps]
+  rise_then_zero = [(0, 0.3), (20, 0.36), (40, 0.2), (60, 0.0), (80, 0.1), (100, 0.2)]
+  scores = []
+  for seed in range(3):
+    scores += [_dose_score("clean", "pg", seed, rising + [(200, 0.5)]), _dose_score("clean", "sc", seed, rising)]
+    # noise_0.2 fails on 1 of 3 seeds (qualifies), KL 0.2; async_4 on 2 of 3, KL 0.05; stale_16 never.
+    scores += [_dose_score("noise_0.2", "pg", seed, rise_then_zero if seed == 0 else flat, kl=0.2),
+               _dose_score("async_4", "pg", seed, rise_then_zero if seed < 2 else flat, kl=0.05),
+               _dose_score("stale_16", "pg", seed, flat, kl=0.01),
+               # broken at step 0: fails on every seed but earns < 0.8 of the clean first-step accuracy
+               _dose_score("noise_0.3", "pg", seed, rise_then_zero, first=0.1, kl=0.001)]
+    for p in ("noise_0.2", "async_4", "stale_16", "noise_0.3"):
+      scores.append(_dose_score(p, "sc", seed, rising))
+  table, text, d = rules.dose_response(scores)
+  assert d["window"] == [60, 80, 100] and d["clean_gain_clear"]
+  assert d["qualifying"] == ["async_4", "noise_0.2"] and d["regime"] == "async_4"
+  assert d["per_source"] == {"async": "async_4", "noise": "noise_0.2"}
+  assert "broken at step 0" in table and "**async_4**" in text
+  assert d["paired_sd_sc_pg"] > 0
+  assert d["plateau"]["clean/pg"] == {"step": 200, "still_rising": True}
+  # A flat curve plateaus at its first trailing mean (3 evaluations in); one that keeps rising does
+  # so within its last 3 evaluations.
+  assert rules.plateau_step([_dose_score("x", "pg", 0, [(k, 0.31) for k in range(0, 201, 20)])]) == (60, False)
+  assert rules.plateau_step([_dose_score("x", "pg", 0, [(k, 0.31) for k in range(0, 101, 20)])]) == (60, True)
+  # Without a clear clean gain nothing qualifies.
+  dull = [s if s.panel != "clean" else dataclasses_replace(s, evals=tuple(flat)) for s in scores]
+  assert rules.dose_response(dull)[2]["regime"] is None
+
+
+def dataclasses_replace(s, **kw):
+  import dataclasses
+  return dataclasses.replace(s, **kw)

@@ -122,7 +122,151 @@ def bites(scores: Sequence[RunScore]) -> tuple[str, str, dict]:
   return table, text, {"regime": chosen, "routing_flip": flip, "biting": sorted(biting)}
 
 
-RULES: dict[str, Rule] = {"best_lr": best_lr, "bites": bites}
+# -- `dose_response` (issue 37 step 3, fixed before the calibration's runs) -------------------------
+# Panels `clean` and `<source>_<dose>` (async_4, noise_0.2, bf16_fp8, stale_16, ...), lines `pg` and
+# `sc`. Every quantity is read at the ladder's own last 3 evaluations (the clean arm runs longer, to
+# show where learning plateaus, but is compared over the same window as the others).
+DOSE_PG, DOSE_SC = "pg", "sc"
+# (a) The clean arm gains clearly: clean PG's mean gain over the warm start >= this, on every seed > 0.
+CLEAR_GAIN = 0.05
+# (b) PG under the mismatch first learns (peak >= warm start + LEARN_MARGIN) and then fails (an
+# evaluation after the peak at or below COLLAPSE_FLOOR, an abort, or a window mean below the warm
+# start) on at least FAIL_SHARE of its seeds.
+LEARN_MARGIN = 0.05
+COLLAPSE_FLOOR = 0.005
+FAIL_SHARE = 1 / 3
+# (c) The sampler is not broken at step 0: PG's mean first-step train accuracy (the reward's
+# success rate) >= this share of clean PG's.
+DOSE_FIRST_STEP_SHARE = 0.8
+# Plateau: the first evaluation whose trailing mean of 3 evaluations (mean curve over seeds) comes
+# within PLATEAU_TOL of that curve's maximum; reached in the last 3 evaluations = still rising.
+PLATEAU_TOL = 0.01
+
+
+def _evals(s: RunScore) -> dict[int, float]:
+  return dict(s.evals)
+
+
+def _ladder_window(scores: Sequence[RunScore]) -> list[int]:
+  """The last 3 evaluation steps of the ladder (every panel but the clean one)."""
+  last = [max(_evals(s)) for s in scores if s.panel != CLEAN and s.evals]
+  if not last:
+    raise ValueError("rule 'dose_response': no ladder run has evaluations")
+  end = min(last)
+  steps = sorted({st for s in scores if s.panel != CLEAN for st in _evals(s) if st <= end})
+  return steps[-3:]
+
+
+def _window_mean(s: RunScore, window: Sequence[int]) -> float | None:
+  ev = _evals(s)
+  if s.aborted_step is not None:
+    return _mean([ev.get(w, 0.0) if w < s.aborted_step else 0.0 for w in window])
+  if not all(w in ev for w in window):
+    return None
+  return sum(ev[w] for w in window) / len(window)
+
+
+def learned_then_failed(s: RunScore, window: Sequence[int]) -> bool:
+  """(b) for one run: its peak evaluation (after step 0, up to the window's end) reached warm start +
+  LEARN_MARGIN, and afterwards it aborted, fell to <= COLLAPSE_FLOOR, or ended below the warm start."""
+  ev = {k: v for k, v in _evals(s).items() if 0 < k <= window[-1]}
+  if s.start is None or not ev:
+    return False
+  peak_step = max(ev, key=lambda k: (ev[k], -k))
+  if ev[peak_step] < s.start + LEARN_MARGIN:
+    return False
+  after = [v for k, v in ev.items() if k > peak_step]
+  end = _window_mean(s, window)
+  return (s.aborted_step is not None or any(v <= COLLAPSE_FLOOR for v in after)
+          or (end is not None and end < s.start))
+
+
+def plateau_step(runs: Sequence[RunScore]) -> tuple[int | None, bool]:
+  """(plateau step, still rising?) of the runs' mean held-out curve (PLATEAU_TOL; module comment)."""
+  common = sorted(set.intersection(*(set(_evals(s)) for s in runs))) if runs else []
+  common = [k for k in common if k > 0]
+  if len(common) < 3:
+    return None, True
+  curve = [sum(_evals(s)[k] for s in runs) / len(runs) for k in common]
+  trail = [sum(curve[i - 2:i + 1]) / 3 for i in range(2, len(curve))]
+  top = max(trail)
+  i = next(i for i, v in enumerate(trail) if v >= top - PLATEAU_TOL)
+  return common[i + 2], i + 2 >= len(common) - 3
+
+
+def dose_response(scores: Sequence[RunScore]) -> tuple[str, str, dict]:
+  """The regime(s) for issue 37's contrasts, read off the dose-response ladder (module comments).
+
+  A regime qualifies when (a) the clean arm gains clearly, (b) PG learns then fails on >= FAIL_SHARE
+  of its seeds and (c) its sampler is not broken at step 0. Only PG and the clean arm decide; SC's
+  runs give the paired s.d. and the plateau. Chosen: the qualifying regime with the smallest mean
+  KL k1 (the mildest mismatch that does it); also named, per source, its smallest qualifying dose."""
+  panels: dict[str, dict[str, dict[int, RunScore]]] = {}
+  for s in scores:
+    panels.setdefault(s.panel, {}).setdefault(s.line, {})[s.seed] = s
+  if CLEAN not in panels or DOSE_PG not in panels[CLEAN]:
+    raise ValueError(f"rule 'dose_response' needs a '{CLEAN}' panel with a '{DOSE_PG}' line; panels: {sorted(panels)}")
+  window = _ladder_window(scores)
+  clean = panels[CLEAN][DOSE_PG]
+  clean_gain = {k: (_window_mean(s, window) or 0.0) - s.start for k, s in clean.items() if s.start is not None}
+  gains_ok = bool(clean_gain) and _mean(clean_gain.values()) >= CLEAR_GAIN and all(g > 0 for g in clean_gain.values())
+  clean_first = _mean(s.first_train_accuracy for s in clean.values())
+  rows, qualifying = [], {}
+  for panel, lines in panels.items():
+    pg = lines.get(DOSE_PG, {})
+    cells = []
+    for line in (DOSE_PG, DOSE_SC):
+      runs = lines.get(line, {})
+      wm = _mean(_window_mean(s, window) for s in runs.values())
+      fails = sum(learned_then_failed(s, window) for s in runs.values())
+      zero = sum(any(v <= COLLAPSE_FLOOR for k, v in _evals(s).items() if k > 0) for s in runs.values())
+      cells.append(f"{_f(wm)} ({fails}/{len(runs)}, {zero}/{len(runs)})")
+    fail_pg = sum(learned_then_failed(s, window) for s in pg.values())
+    first = _mean(s.first_train_accuracy for s in pg.values())
+    first_share = first / clean_first if first is not None and clean_first else None
+    kl = _mean(s.mean_kl for s in pg.values())
+    ok_b = bool(pg) and fail_pg >= FAIL_SHARE * len(pg) - 1e-9
+    ok_c = first_share is not None and first_share >= DOSE_FIRST_STEP_SHARE
+    ok = panel != CLEAN and gains_ok and ok_b and ok_c
+    if ok:
+      qualifying[panel] = kl if kl is not None else math.inf
+    verdict = "reference" if panel == CLEAN else ("**qualifies**" if ok else "no" + (
+        "" if ok_c else " (broken at step 0)"))
+    rows.append(f"| {panel} | {cells[0]} | {cells[1]} | {_f(first)} ({_f(first_share, 2)}) | {_g(kl)} | {verdict} |")
+  table = "\n".join([
+      f"Window: evaluations at steps {', '.join(map(str, window))}. Clean PG gain per seed: "
+      + ", ".join(f"{g:+.3f}" for _, g in sorted(clean_gain.items()))
+      + f" ({'clear' if gains_ok else 'NOT clear'}: mean >= {CLEAR_GAIN:g}, every seed > 0).", "",
+      "| regime | PG window mean (learned then failed, any eval <= floor) | SC likewise | PG first-step train acc "
+      "(share of clean) | PG mean KL k1 | qualifies? |", "|---|---|---|---|---|---|", *rows]) + "\n"
+  chosen = min(qualifying, key=qualifying.get) if qualifying else None
+  per_source: dict[str, str] = {}
+  for panel in sorted(qualifying, key=qualifying.get):
+    per_source.setdefault(panel.rsplit("_", 1)[0], panel)
+  decision: dict = {"regime": chosen, "qualifying": sorted(qualifying), "per_source": per_source,
+                    "clean_gain_clear": gains_ok, "window": window}
+  text = (f"Qualifying regimes: {', '.join(sorted(qualifying)) or 'none'}. Chosen: **{chosen or 'none'}**"
+          + ("" if chosen else " (no regime where PG learns and then fails: the next step is a larger model or "
+             "longer answers, not the contrasts)") + ".")
+  if chosen:
+    runs = panels[chosen]
+    d = [_window_mean(runs[DOSE_SC][k], window) - _window_mean(runs[DOSE_PG][k], window)
+         for k in sorted(set(runs.get(DOSE_SC, {})) & set(runs.get(DOSE_PG, {})))
+         if _window_mean(runs[DOSE_SC][k], window) is not None and _window_mean(runs[DOSE_PG][k], window) is not None]
+    if len(d) >= 2:
+      m = sum(d) / len(d)
+      decision["paired_sd_sc_pg"] = math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1))
+      text += f" Paired s.d. of SC - PG there: {decision['paired_sd_sc_pg']:.3f} ({len(d)} seeds)."
+    for name, runs_ in ((f"{chosen}/sc", runs.get(DOSE_SC, {})), (f"{chosen}/pg", runs.get(DOSE_PG, {})),
+                        ("clean/pg", clean)):
+      step, rising = plateau_step(list(runs_.values()))
+      decision.setdefault("plateau", {})[name] = {"step": step, "still_rising": rising}
+      text += (f" Plateau {name}: " + ("-" if step is None else f"step {step}")
+               + (" (still rising)" if rising else "") + ".")
+  return table, text, decision
+
+
+RULES: dict[str, Rule] = {"best_lr": best_lr, "bites": bites, "dose_response": dose_response}
 
 
 def planning_from(scores: Sequence[RunScore]) -> dict:
