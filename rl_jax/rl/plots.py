@@ -51,27 +51,33 @@ def _expand(keys, rows: list[dict]) -> list[str]:
   return out
 
 
+def _points(rows: list[dict], key: str) -> list[tuple]:
+  """(step, value) of every finite number logged under `key`."""
+  return [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+
+
 def plot_run(rows: list[dict], path: str | os.PathLike) -> str | os.PathLike:
   """Writes a PNG of the metrics in `rows` (one dict per logged step, one panel per PANELS entry).
 
   `path` is a str or an `etils.epath.Path` (a gs:// workdir included): written through
-  `epath.Path(path).open("wb")`. Panels of metrics the run did not log stay empty.
+  `epath.Path(path).open("wb")`. Only panels with at least one logged point are drawn (a run
+  without the meters, attribution or score centering gets no empty axes for them).
   """
-  n_rows = math.ceil(len(PANELS) / COLS)
-  fig, axes = plt.subplots(n_rows, COLS, figsize=(5 * COLS, 3.5 * n_rows))
-  for ax in axes.ravel()[len(PANELS):]:
+  panels = [(title, series) for title, keys in PANELS
+            if (series := [(key, pts) for key in _expand(keys, rows) if (pts := _points(rows, key))])]
+  panels = panels or [(PANELS[0][0], [])]  # nothing logged yet: one empty axis, still a valid PNG
+  n_rows = math.ceil(len(panels) / COLS)
+  fig, axes = plt.subplots(n_rows, COLS, figsize=(5 * COLS, 3.5 * n_rows), squeeze=False)
+  for ax in axes.ravel()[len(panels):]:
     ax.axis("off")
-  for ax, (title, keys) in zip(axes.ravel(), PANELS):
-    for key in _expand(keys, rows):
-      pts = [(r["step"], r[key]) for r in rows
-             if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-      if pts:
-        xs, ys = zip(*pts)
-        dense = len(pts) >= 30
-        ax.plot(xs, ys, marker=None if dense else "o", ms=3, label=key, alpha=0.4 if dense else 1.0)
-        if dense:  # per-step figures are noisy: overlay a centered moving average (as [SC] plots)
-          ax.plot(xs, moving_average(ys, SMOOTH), color=ax.lines[-1].get_color(),
-                  label=f"{key} (avg {SMOOTH})")
+  for ax, (title, series) in zip(axes.ravel(), panels):
+    for key, pts in series:
+      xs, ys = zip(*pts)
+      dense = len(pts) >= 30
+      ax.plot(xs, ys, marker=None if dense else "o", ms=3, label=key, alpha=0.4 if dense else 1.0)
+      if dense:  # per-step figures are noisy: overlay a centered moving average (as [SC] plots)
+        ax.plot(xs, moving_average(ys, SMOOTH), color=ax.lines[-1].get_color(),
+                label=f"{key} (avg {SMOOTH})")
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
