@@ -4,7 +4,7 @@ Usage:
   PYTHONPATH=. python benchmarks/bench_train_peers.py            # issue 15's models and batch
   PYTHONPATH=. python benchmarks/bench_train_peers.py --small    # quick check (smaller batch, 3 rounds)
   PYTHONPATH=. python benchmarks/bench_train_peers.py --models dense --rounds 9
-  PYTHONPATH=. python benchmarks/bench_train_peers.py --attention xla,flash --response 128,992
+  PYTHONPATH=. python benchmarks/bench_train_peers.py --attention xla,blocked --response 128,992
       # rl_jax against itself, one row per attention implementation (model.attention) and length:
       # step time as a ratio to the first implementation, and the compiled programs' XLA memory
       # stats (temporaries), which show the [S, S] score buffers blocked attention never holds
@@ -407,7 +407,8 @@ def main():
   ap.add_argument("--size", default="issue15", choices=("issue15", "gpu"),
                   help="model sizes: issue 15's small models, or 134M / 361M-parameter ones for a GPU")
   ap.add_argument("--attention", default=None,
-                  help="compare model.attention implementations (e.g. xla,flash) in rl_jax alone; no HF peer")
+                  help="compare model.attention implementations (e.g. xla,blocked) in rl_jax alone; no HF peer")
+  ap.add_argument("--json", default="", help="also write the table's rows here (benchmarks/device_check.py reads it)")
   args = ap.parse_args()
   if args.torch_device == "cuda" or jax.default_backend() == "gpu":
     # Like for like with torch's float32 matmuls (no TF32): jax's GPU default would use TF32.
@@ -450,6 +451,14 @@ def main():
       print(f"{name:6} {phase:7} {med[ko]:9.4f} {med[kt]:8.4f} {n_tok / med[ko]:13.0f} "
             f"{n_tok / med[kt]:10.0f} {med[kt] / med[ko]:6.2f} {best[kt] / best[ko]:13.2f} "
             f"{cpu[kt] / cpu[ko]:12.2f} {gflops:15.1f}")
+  if args.json:
+    import json  # pylint: disable=g-import-not-at-top
+    with open(args.json, "w") as fh:
+      json.dump({"device": jax.devices()[0].device_kind, "torch_device": args.torch_device, "tokens": n_tok,
+                 "rows": [{"model": name, "phase": phase, "rl_jax_s": med[ko], "hf_s": med[kt]}
+                          for name, med, *_ in rows
+                          for phase, ko, kt in (("update", "ours_upd", "theirs_upd"), ("p_old", "ours_old", "theirs_old"))]},
+                fh, indent=1)
   print("ratio = HF wall time / rl_jax wall time, medians (> 1: rl_jax faster; target for the "
         "update >= 1.5); best-of: of the fastest round each (the least disturbed by other load); CPU-s ratio: the same with each process's CPU seconds (all threads), "
         "steadier than wall time on a shared machine. GFLOP/s: useful matmul FLOPs (forward per "

@@ -152,6 +152,12 @@ def attention(q_BSGRD: jax.Array, k: jax.Array, v: jax.Array, kv_valid_BC: jax.A
     raise ValueError(f"attention: q_offset {q_offset} < 0")
   if kv_valid_BC is not None and kv_valid_BC.shape != (b, c):
     raise ValueError(f"attention: kv_valid_BC {kv_valid_BC.shape} != {(b, c)}")
+  backend = jax.default_backend()
+  if backend == "cpu" and kv_layout == "cache":
+    # Scores from float32 operands: XLA:CPU has no bf16 x bf16 -> f32 dot for the cache's layout,
+    # and a bf16 product is exact in float32, so the scores are the same. Elsewhere q / k keep
+    # the compute dtype (a bf16 prefill at the static offset 0 reaches cuDNN on GPU).
+    q_BSGRD, k = q_BSGRD.astype(jnp.float32), k.astype(jnp.float32)
   args = (q_BSGRD, k, v, kv_valid_BC, q_offset, causal, kv_layout)
   if invariant:
     impl_log.record("attention", "blocked (batch-invariant)")
@@ -160,7 +166,6 @@ def attention(q_BSGRD: jax.Array, k: jax.Array, v: jax.Array, kv_valid_BC: jax.A
     _warn_deprecated_flash()
     impl = "blocked"
   blocked = lambda *a: _blocked_attention(*a, block_q=block_q, block_k=block_k)
-  backend = jax.default_backend()
   if impl == "auto":
     dtypes = {jnp.dtype(x.dtype) for x in (q_BSGRD, k, v)}
     impl = auto_impl(backend, dtypes.pop() if len(dtypes) == 1 else jnp.float32, b, s, c, q_BSGRD.shape[2] * q_BSGRD.shape[3],

@@ -139,12 +139,8 @@ class Attention(nnx.Module):
         mask_BC = (jnp.arange(c)[None] <= cache_index) & kv_valid_BC
         out_B1X = _decode_attention(q_BSGRD[:, 0], kT_BGDC, v_BGCD, mask_BC)
         return linear(out_B1X, self.wo.get_value()), cache
-      # On CPU, scores from float32 operands: XLA:CPU has no bf16 x bf16 -> f32 dot for this
-      # layout, and a bf16 product is exact in float32, so the scores are the same. Elsewhere
-      # q / k stay in the compute dtype: a bf16 prefill at the static offset 0 (the sampler's)
-      # then reaches cuDNN on GPU (attention.auto_impl).
-      if jax.default_backend() == "cpu":
-        q_BSGRD, kT_BGDC = q_BSGRD.astype(jnp.float32), kT_BGDC.astype(jnp.float32)
+      # q / k in the compute dtype: a bf16 prefill at the static offset 0 (the sampler's) reaches
+      # cuDNN on GPU (attention.auto_impl); on CPU attention() takes float32 scores itself.
       out_BSGRD = attention(q_BSGRD, kT_BGDC, v_BGCD, kv_valid_BC, q_offset=cache_index,
                             kv_layout="cache", impl=cfg.attention, invariant=inv)
     out_BSX = einops.rearrange(out_BSGRD, "b s g r d -> b s (g r d)")  # X = H * head dim
