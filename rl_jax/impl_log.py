@@ -34,3 +34,17 @@ def recording():
   finally:
     with _LOCK:
       _LOGS.remove(log)
+
+
+def describe(**fields) -> str:
+  """A hashable record of a call's inputs, `key=value` pairs in order (`parse` reads it back)."""
+  return " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def parse(text: str) -> dict:
+  """`describe`'s fields: ints and booleans as such, the rest strings."""
+  out = {}
+  for item in text.split(" "):
+    key, _, val = item.partition("=")
+    out[key] = {"True": True, "False": False}.get(val, int(val) if val.lstrip("-").isdigit() else val)
+  return out

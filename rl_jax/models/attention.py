@@ -153,6 +153,12 @@ def attention(q_BSGRD: jax.Array, k: jax.Array, v: jax.Array, kv_valid_BC: jax.A
   if kv_valid_BC is not None and kv_valid_BC.shape != (b, c):
     raise ValueError(f"attention: kv_valid_BC {kv_valid_BC.shape} != {(b, c)}")
   backend = jax.default_backend()
+  # What auto_impl reads, as the caller passed it (before the CPU cast below): tests re-resolve
+  # these for another backend ("would this call reach cuDNN on a GPU?").
+  impl_log.record("attention_call", impl_log.describe(
+      dtype=jnp.result_type(q_BSGRD.dtype, k.dtype, v.dtype).name, layout=kv_layout, b=b, s=s, c=c,
+      heads=q_BSGRD.shape[2] * q_BSGRD.shape[3], head_dim=d, static_zero_offset=_is_static_zero(q_offset),
+      static_offset=isinstance(q_offset, int), causal=causal))
   if backend == "cpu" and kv_layout == "cache":
     # Scores from float32 operands: XLA:CPU has no bf16 x bf16 -> f32 dot for the cache's layout,
     # and a bf16 product is exact in float32, so the scores are the same. Elsewhere q / k keep
