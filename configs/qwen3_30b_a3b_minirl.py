@@ -108,8 +108,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cfg.task = ml_collections.ConfigDict(dict(name="countdown", overrides={}))
   # scan_layers: one lax.scan over the 48 MoE layers: the full model compiles in seconds.
   # moe_dispatch=shard_map: each device sends its (token, slot) rows to the expert shard that
-  # owns them (all-to-all) instead of GSPMD gathering weights; attention "auto": cuDNN on GPU,
-  # flash (no [S, S] scores) where cuDNN cannot take the mask; expert_matmul "auto": on these GPUs
+  # owns them (all-to-all) instead of GSPMD gathering weights; attention "auto": cuDNN on GPU (bf16
+  # at the static offset 0: the update, p_old and the sampler's prefill), else xla, the blocked
+  # lax-loop attention only where xla's f32 scores would pass 4 GiB; expert_matmul "auto": on these GPUs
   # the local experts (and the FP8 sampler's dequantized ones) run the Pallas grouped matmul (no
   # dense [rows, E * F] ragged_dot); the planner's XLA:CPU compile takes the slab in its place.
   cfg.model = small.model_section("qwen3-30b-a3b", dtype="bfloat16", param_dtype="float32", remat=True,
