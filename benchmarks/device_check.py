@@ -639,6 +639,11 @@ def _moe_bf16_rows(sz: Sizes, runs: int):
 # --- peers and the planner: subprocesses / the planner's own code -----------------------------
 
 
+def _paid_or_full(state: dict, full: float) -> float:
+  """A shared-result row's cost: ~0 once its section's result (or error) exists, else `full`."""
+  return PAID_ROW_COST_S if state else full
+
+
 def _subprocess_json(cmd: list[str], out_dir: str, stem: str, timeout: float) -> dict:
   """Runs a benchmark script (cwd: the repo) with `--json`, its log kept as out_dir/stem.log."""
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -696,9 +701,9 @@ def _sampler_peer_rows(small: bool, out_dir: str, left):
       note += "; greedy agreement " + ", ".join(f"{k} {v:.3f}" for k, v in r["agreement"].items())
     return dict(time_s=1.0 / tok_s["off"], ref_s=1.0 / peers[best], note=note)
 
-  for i, (model, mode) in enumerate((m, k) for m in ("dense", "moe") for k in ("greedy", "T=1")):
+  for model, mode in ((m, k) for m in ("dense", "moe") for k in ("greedy", "T=1")):
     name = f"sampler_peer {model} {mode} rl_jax vs HF generate (cuda), s/token"
-    yield name, functools.partial(row, model, mode), row_cost(name) if i == 0 else PAID_ROW_COST_S
+    yield name, functools.partial(row, model, mode), functools.partial(_paid_or_full, state, row_cost(name))
 
 
 def _train_peer_rows(small: bool, out_dir: str, left):
@@ -730,9 +735,9 @@ def _train_peer_rows(small: bool, out_dir: str, left):
                 note=f"HF / rl_jax x{r['hf_s'] / r['rl_jax_s']:.2f} (> 1: rl_jax faster); f32, no TF32; losses "
                      "and gradients checked equal first (train_peers.log)")
 
-  for i, phase in enumerate(("update", "p_old")):
+  for phase in ("update", "p_old"):
     name = f"train_peer moe {phase} rl_jax vs HF + torch (cuda), s"
-    yield name, functools.partial(row, phase), row_cost(name) if i == 0 else PAID_ROW_COST_S
+    yield name, functools.partial(row, phase), functools.partial(_paid_or_full, state, row_cost(name))
 
 
 CALIBRATION_CONFIG = "configs/countdown_tiny.py:test"
@@ -783,9 +788,9 @@ def _calibration_rows(out_dir: str):
                 note=(f"GiB temporaries device/cpu {gib(dev.temp):.4f}/{gib(cpu.temp):.4f}; arguments "
                       f"{gib(dev.argument):.4f}/{gib(cpu.argument):.4f}; outputs {gib(dev.output):.4f}/{gib(cpu.output):.4f}"))
 
-  for i, name in enumerate(CALIBRATION_PROGRAMS):
+  for name in CALIBRATION_PROGRAMS:
     label = f"calibration plan {CALIBRATION_CONFIG} {name}: device vs CPU compile (GiB, not s)"
-    yield label, functools.partial(row, name), row_cost(label) if i == 0 else PAID_ROW_COST_S
+    yield label, functools.partial(row, name), functools.partial(_paid_or_full, state, row_cost(label))
 
 
 # --- RL: zero mismatch and 10 steps ---------------------------------------------------------
@@ -1003,7 +1008,11 @@ def run_checks(sections, sz: Sizes, runs: int, log=print, on_row=None, budget_s:
       continue
     for name, fn, *est_given in checks:
       row = Row(name)
-      est, remaining = (float(est_given[0]) if est_given else cost(name)), left()
+      # A row may carry its own estimate: a number, or a callable (a section's later rows that
+      # read a result its first row computed cost ~0 once it exists, the full cost before).
+      given = est_given[0] if est_given else None
+      est = float(given() if callable(given) else given) if given is not None else cost(name)
+      remaining = left()
       if est > remaining:
         row.status = f"skipped: budget (estimate {est:.0f} s > {max(remaining, 0):.0f} s left)"
         log(f"[device_check] {name}: {row.status}")

@@ -86,14 +86,19 @@ def test_budget_skips_rows_that_would_pass_it_and_runs_later_cheaper_ones(monkey
       return dict(time_s=seconds)
     return fn
 
-  monkeypatch.setattr(dc, "_gmm_rows", lambda sz, runs: [("a", row(40)), ("b", row(50)), ("c", row(5)),
-                                                         ("d", row(5), 1.0)])
+  shared = {}  # a section's later rows read what its first computed: full cost until it exists
+  monkeypatch.setattr(dc, "_gmm_rows", lambda sz, runs: [
+      ("a", row(40)), ("b", row(50)), ("c", row(5)), ("d", row(5), 1.0),
+      ("e", row(30), lambda: dc._paid_or_full(shared, 30))])
   costs = {"a": 40, "b": 50, "c": 5}
   seen = []
   rows = dc.run_checks(["gmm"], dc.SMALL, 1, log=lambda *_: None, on_row=lambda so_far: seen.append(len(so_far)),
                        budget_s=60, cost=costs.get, clock=lambda: now[0])
-  assert [r.status for r in rows] == ["ok", "skipped: budget (estimate 50 s > 20 s left)", "ok", "ok"]
-  assert seen == [1, 2, 3, 4]  # the table is written after every row, skipped ones included
+  assert [r.status for r in rows] == ["ok", "skipped: budget (estimate 50 s > 20 s left)", "ok", "ok",
+                                      "skipped: budget (estimate 30 s > 10 s left)"]
+  assert seen == [1, 2, 3, 4, 5]  # the table is written after every row, skipped ones included
+  shared["rows"] = []
+  assert dc._paid_or_full(shared, 30) == dc.PAID_ROW_COST_S
   assert dc.row_cost("quant quantize_cols fp4/32 e8m0") == dc.ROW_COST_S["quant quantize_cols"]
   assert dc.row_cost("attention blocked fwd+bwd train") == dc.ROW_COST_S["attention blocked fwd+bwd"]
   assert dc.row_cost("nothing known") == dc.DEFAULT_ROW_COST_S
