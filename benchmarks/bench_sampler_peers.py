@@ -201,7 +201,8 @@ def main():
   if args.torch_device == "cuda" or jax.default_backend() == "gpu":
     # Like for like with torch's float32 matmuls (no TF32): jax's GPU default would use TF32.
     jax.config.update("jax_default_matmul_precision", "highest")
-  caches = tuple(c for c in (args.hf_cache or ("dynamic,static" if args.torch_device == "cuda" else "dynamic")).split(",") if c)
+  default_caches = "dynamic,static" if args.torch_device == "cuda" else "dynamic"
+  caches = tuple(c for c in (args.hf_cache or default_caches).split(",") if c)
   if set(caches) - {"dynamic", "static"}:
     parser.error(f"--hf-cache: {caches} not within dynamic,static")
   reps = args.reps or (5 if args.small else 3)

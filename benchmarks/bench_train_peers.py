@@ -457,7 +457,8 @@ def main():
       json.dump({"device": jax.devices()[0].device_kind, "torch_device": args.torch_device, "tokens": n_tok,
                  "rows": [{"model": name, "phase": phase, "rl_jax_s": med[ko], "hf_s": med[kt]}
                           for name, med, *_ in rows
-                          for phase, ko, kt in (("update", "ours_upd", "theirs_upd"), ("p_old", "ours_old", "theirs_old"))]},
+                          for phase, ko, kt in (("update", "ours_upd", "theirs_upd"),
+                                                ("p_old", "ours_old", "theirs_old"))]},
                 fh, indent=1)
   print("ratio = HF wall time / rl_jax wall time, medians (> 1: rl_jax faster; target for the "
         "update >= 1.5); best-of: of the fastest round each (the least disturbed by other load); CPU-s ratio: the same with each process's CPU seconds (all threads), "

@@ -786,7 +786,8 @@ def _calibration_rows(out_dir: str):
     gib = lambda n: n / 2**30
     return dict(time_s=gib(dev.temp), ref_s=gib(cpu.temp) or None,
                 note=(f"GiB temporaries device/cpu {gib(dev.temp):.4f}/{gib(cpu.temp):.4f}; arguments "
-                      f"{gib(dev.argument):.4f}/{gib(cpu.argument):.4f}; outputs {gib(dev.output):.4f}/{gib(cpu.output):.4f}"))
+                      f"{gib(dev.argument):.4f}/{gib(cpu.argument):.4f}; outputs "
+                      f"{gib(dev.output):.4f}/{gib(cpu.output):.4f}"))
 
   for name in CALIBRATION_PROGRAMS:
     label = f"calibration plan {CALIBRATION_CONFIG} {name}: device vs CPU compile (GiB, not s)"

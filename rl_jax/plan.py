@@ -567,8 +567,9 @@ def _target_attention(call: dict, choice: str, platform: str, invariant: bool) -
     return attn.auto_impl(platform, dtype, call["b"], call["s"], call["c"], call["heads"], call["head_dim"],
                           **offsets, capability=(9, 0))
   if choice == "cudnn":
-    ok = platform == "gpu" and attn._cudnn_reason(dtype, call["head_dim"], call["static_zero_offset"],  # pylint: disable=protected-access
-                                                  call["causal"], (9, 0)) is None
+    reason = attn._cudnn_reason(dtype, call["head_dim"], call["static_zero_offset"],  # pylint: disable=protected-access
+                                call["causal"], (9, 0))
+    ok = platform == "gpu" and reason is None
     return "cudnn" if ok else "blocked"
   if choice == "splash":
     return "splash" if platform == "tpu" and (call["static_offset"] or not call["causal"]) else "blocked"
