@@ -175,8 +175,8 @@ def attention(q_BSGRD: jax.Array, k: jax.Array, v: jax.Array, kv_valid_BC: jax.A
   if impl == "auto":
     dtypes = {jnp.dtype(x.dtype) for x in (q_BSGRD, k, v)}
     impl = auto_impl(backend, dtypes.pop() if len(dtypes) == 1 else jnp.float32, b, s, c,
-                     q_BSGRD.shape[2] * q_BSGRD.shape[3], d, static_zero_offset=_is_static_zero(q_offset), static_offset=isinstance(q_offset, int),
-                     causal=causal, capability=_capability())
+                     q_BSGRD.shape[2] * q_BSGRD.shape[3], d, static_zero_offset=_is_static_zero(q_offset),
+                     static_offset=isinstance(q_offset, int), causal=causal, capability=_capability())
   if impl == "cudnn":
     reason = _cudnn_unsupported(*args)
     if reason is None:
