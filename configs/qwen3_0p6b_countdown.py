@@ -109,7 +109,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cfg.rl = ml_collections.ConfigDict(dict(
       steps=1200, prompts_per_step=64, group_size=8, n_minibatches=1, staleness=1,
       routing_replay="none", eval_every=50, eval_size=512, eval_temperature=1.0,
-      checkpoint_every=50, max_to_keep=2, plot=True))
+      checkpoint_every=50, max_to_keep=2, plot=True,
+      # The sampled evaluation's 512 x eval_samples rows in waves of 512 (memory only: each wave
+      # equals the one-shot program): all at once, their float32 KV cache alone is 48 GiB per
+      # device and the program needs 86.7 GiB, past an H100 (docs/plans/, the planner's exit 1).
+      eval_rows_in_flight=512))
   if long:
     cfg.sampler.update(LONG_SAMPLER)
     cfg.rl.update(LONG_RL)
