@@ -652,7 +652,7 @@ def _subprocess_json(cmd: list[str], out_dir: str, stem: str, timeout: float) ->
   env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
   try:
     proc = subprocess.run([sys.executable, *cmd, "--json", path], cwd=repo, env=env, capture_output=True,
-                          text=True, timeout=max(1.0, timeout))
+                          text=True, timeout=max(1.0, timeout) if math.isfinite(timeout) else None)
   except subprocess.TimeoutExpired as exc:
     raise RuntimeError(f"{stem}: over its {timeout:.0f} s (the budget left)") from exc
   with open(os.path.join(out_dir or tmp, f"{stem}.log"), "w") as fh:
