@@ -21,7 +21,10 @@
 #   calibration   the planner (rl_jax/plan.py) compiling the same programs of one config on this
 #                 device and on its CPU backend: XLA's memory figures side by side;
 #   train_peer    benchmarks/bench_train_peers.py --torch-device cuda --size gpu --models moe: the
-#                 MoE update and p_old rows the first run's time limit cut.
+#                 MoE update and p_old rows the first run's time limit cut;
+#   train_peer_bf16  the same, dense and MoE, at bf16 compute on f32 master weights (torch autocast):
+#                 the update against the issue's target (>= 1.5x HF + torch); last, so a tight budget
+#                 skips it first.
 # And the first run's sections (in --sections all, after the above): lower, quant (the rows not in
 # `fixed`), gmm, rl.
 #
@@ -87,7 +90,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 # Issue 39's order: what a short lease must cover first comes first.
-PRIORITY = ("fixed", "sampler", "sampler_peer", "moe_bf16", "attention", "calibration", "train_peer")
+PRIORITY = ("fixed", "sampler", "sampler_peer", "moe_bf16", "attention", "calibration", "train_peer",
+            "train_peer_bf16")
 SECTIONS = PRIORITY + ("lower", "quant", "gmm", "rl")
 
 # The six rows that failed on the H200 (2026-12-04), fixed on CPU since.
@@ -104,11 +108,12 @@ ROW_COST_S = {
     "quant quantize_rows": 6, "quant dequantize_rows": 8, "quant quantize_cols": 13,
     "quant dequantize_cols": 9, "quant qmatmul": 12,
     "sampler ": 30, "sampler_peer": 120, "moe_bf16": 15, "attention": 8,
-    "attention blocked fwd+bwd": 20, "attention cudnn fwd+bwd": 11, "calibration": 30, "train_peer": 90,
+    "attention blocked fwd+bwd": 20, "attention cudnn fwd+bwd": 11, "calibration": 30, "train_peer": 90, "train_peer_bf16": 150,
     "lower": 1, "gmm": 35, "rl ": 25,
 }
-# The default sections add up to ~480 s: fixed 60, sampler 90, sampler_peer 120, moe_bf16 45,
-# attention ~95 (splash skips at once), calibration 30, train_peer 90; rows after a section's
+# The issue's sections add up to ~480 s: fixed 60, sampler 90, sampler_peer 120, moe_bf16 45,
+# attention ~95 (splash skips at once), calibration 30, train_peer 90; train_peer_bf16 (150) runs
+# after them only if the budget still holds it; rows after a section's
 # first that only read a result already computed (peers, calibration) cost ~0 (PAID_ROW_COST_S).
 PAID_ROW_COST_S = 1.0
 DEFAULT_ROW_COST_S = 30.0
@@ -645,10 +650,11 @@ def _paid_or_full(state: dict, full: float) -> float:
 
 
 def _subprocess_json(cmd: list[str], out_dir: str, stem: str, timeout: float) -> dict:
-  """Runs a benchmark script (cwd: the repo) with `--json`, its log kept as out_dir/stem.log."""
+  """Runs a benchmark script (cwd: the repo) with `--json` (read back from a temporary file: the
+  table holds its figures), its log kept as out_dir/stem.log (a lease returns few files)."""
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   tmp = tempfile.mkdtemp(prefix="device_check_")
-  path = os.path.join(out_dir or tmp, f"{stem}.json")
+  path = os.path.join(tmp, f"{stem}.json")
   env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
   try:
     proc = subprocess.run([sys.executable, *cmd, "--json", path], cwd=repo, env=env, capture_output=True,
@@ -706,9 +712,13 @@ def _sampler_peer_rows(small: bool, out_dir: str, left):
     yield name, functools.partial(row, model, mode), functools.partial(_paid_or_full, state, row_cost(name))
 
 
-def _train_peer_rows(small: bool, out_dir: str, left):
-  """The MoE rows the first run's time limit cut: update and p_old against HF + torch on CUDA."""
+def _train_peer_rows(small: bool, out_dir: str, left, dtype: str = "float32"):
+  """f32: the MoE rows the first run's time limit cut, update and p_old against HF + torch on CUDA;
+  bf16: dense and MoE updates at bf16 compute (f32 master weights) on both sides."""
   state = {}
+  bf16 = dtype == "bfloat16"
+  models = ("dense", "moe") if bf16 else ("moe",)
+  tag = "train_peer_bf16" if bf16 else "train_peer"
 
   def result():
     if jax.default_backend() != "gpu":
@@ -716,28 +726,29 @@ def _train_peer_rows(small: bool, out_dir: str, left):
     if "error" in state:
       raise RuntimeError(state["error"])
     if "rows" not in state:
-      cmd = ["benchmarks/bench_train_peers.py", "--torch-device", "cuda", "--threads", "1", "--models", "moe",
-             "--settle", "0.2"]
+      cmd = ["benchmarks/bench_train_peers.py", "--torch-device", "cuda", "--threads", "1", "--models",
+             ",".join(models), "--settle", "0.2", "--dtype", dtype]
       cmd += ["--small"] if small else ["--size", "gpu", "--rounds", "3", "--batch", "32", "--prompt", "64",
                                         "--response", "448"]
       try:
-        state["rows"] = _subprocess_json(cmd, out_dir, "train_peers", left())["rows"]
+        state["rows"] = _subprocess_json(cmd, out_dir, tag.replace("train_peer", "train_peers"), left())["rows"]
       except Exception as exc:
         state["error"] = f"{type(exc).__name__}: {exc}"
         raise
     return state["rows"]
 
-  def row(phase):
-    r = next((r for r in result() if r["model"] == "moe" and r["phase"] == phase), None)
+  def row(model, phase):
+    r = next((r for r in result() if r["model"] == model and r["phase"] == phase), None)
     if r is None:
-      raise AssertionError(f"no moe {phase} row in the peer's output")
+      raise AssertionError(f"no {model} {phase} row in the peer's output")
+    how = ("bf16 autocast on f32 masters; losses checked equal to 2**-6 first" if bf16 else
+           "f32, no TF32; losses and gradients checked equal first")
     return dict(time_s=r["rl_jax_s"], ref_s=r["hf_s"],
-                note=f"HF / rl_jax x{r['hf_s'] / r['rl_jax_s']:.2f} (> 1: rl_jax faster); f32, no TF32; losses "
-                     "and gradients checked equal first (train_peers.log)")
+                note=f"HF / rl_jax x{r['hf_s'] / r['rl_jax_s']:.2f} (> 1: rl_jax faster); {how} ({tag}s.log)")
 
-  for phase in ("update", "p_old"):
-    name = f"train_peer moe {phase} rl_jax vs HF + torch (cuda), s"
-    yield name, functools.partial(row, phase), functools.partial(_paid_or_full, state, row_cost(name))
+  for model, phase in ((m, ph) for m in models for ph in (("update",) if bf16 else ("update", "p_old"))):
+    name = f"{tag} {model} {phase} rl_jax vs HF + torch (cuda), s"
+    yield name, functools.partial(row, model, phase), functools.partial(_paid_or_full, state, row_cost(name))
 
 
 CALIBRATION_CONFIG = "configs/countdown_tiny.py:test"
@@ -991,6 +1002,7 @@ def run_checks(sections, sz: Sizes, runs: int, log=print, on_row=None, budget_s:
               "moe_bf16": lambda: _moe_bf16_rows(sz, runs),
               "calibration": lambda: _calibration_rows(out_dir),
               "train_peer": lambda: _train_peer_rows(small, out_dir, left),
+              "train_peer_bf16": lambda: _train_peer_rows(small, out_dir, left, "bfloat16"),
               "rl": lambda: _rl_rows(sz, runs),
               "lower": lambda: _lower_rows()}
   rows = []

@@ -68,11 +68,12 @@ def test_cpu_small_kernels_and_attention(tmp_path):
 
 def test_cpu_default_sections_within_a_tiny_budget_skip_with_the_reason(tmp_path):
   """--budget: no row whose estimate passes the time left is started; every row is still listed."""
-  rows = _run(tmp_path, "fixed,sampler,sampler_peer,moe_bf16,attention,calibration,train_peer", timeout=300,
+  rows = _run(tmp_path, ",".join(_load().PRIORITY), timeout=300,
               extra=("--budget", "1"))
   assert rows and all(r["status"].startswith("skipped: budget (estimate ") for r in rows), rows
   names = [r["name"] for r in rows]
-  for prefix in ("quant", "sampler ", "sampler_peer", "moe_bf16", "attention", "calibration", "train_peer"):
+  for prefix in ("quant", "sampler ", "sampler_peer", "moe_bf16", "attention", "calibration", "train_peer ",
+                 "train_peer_bf16 "):
     assert any(n.startswith(prefix) for n in names), prefix
 
 
