@@ -13,20 +13,23 @@ per run, with vLLM as sampler; this JAX sampler's speed at this scale is not mea
 
 Plan (`python -m rl_jax.plan --config=configs/qwen3_0p6b_countdown.py`: XLA:CPU on 8 simulated
 devices, memory-optimized scheduler, scanned layers, all 28 layers compiled; GiB per device, H100
-80 GB; compile seconds on 2 shared cores, about +-50% run to run):
+80 GB; compile seconds on 2 shared cores, about +-50% run to run; pinned with its commit in
+docs/plans/qwen3_0p6b_countdown_h100.json):
                           sync   generate   p_old forward   update
   f32 params              0.28   0.28 res.  0.28            0.28
   FP8 sampler weights     0.09   0.09       0.09 res.       0.09 res.
   FP8 KV cache                   3.05
-  other temporaries       0.00   6.69       7.09            14.66
-  peak                    0.37   10.13      7.49            15.06   (20% of 80 GB at most: fits)
+  other temporaries       0.00   6.72       3.04            11.81
+  peak                    0.37   10.17      3.44            12.21   (16% of 80 GB at most: fits)
   model TFLOP                    64.8       62.9            251.7
-  roofline s (H100)       0.000  0.516      0.064           0.254   (0.83 s per global step)
-  compile s               1.1    20.4       3.6             15.0
+  roofline s (H100)       0.000  0.522      0.065           0.259   (0.85 s for these per global step)
+  compile s               1.2    27.3       3.8             15.2
 SGD keeps no optimizer state. Generate is memory-bound (513 reads of the FP8 weights and cache);
-the update's temporaries (XLA's buffer report) are the 28 layers' remat-saved residual stream
-(f32 [28, 64, 768, 1024], 5.25 GiB), one layer's f32 [64, 16, 768, 768] attention scores (2.25 GiB
-per buffer) and the loss's f32 [64 x 64, 151936] logits chunks (2.3 GiB each). Unrolled (`--set model.scan_layers=False --layers 2`) the update needs
+the update's temporaries (XLA's buffer report, before the attention change) were the 28 layers'
+remat-saved residual stream (f32 [28, 64, 768, 1024], 5.25 GiB), one layer's f32 [64, 16, 768, 768]
+attention scores (2.25 GiB per buffer) and the loss's f32 [64 x 64, 151936] logits chunks (2.3 GiB
+each); the CPU compile now runs the blocked attention at 768 x 768 (no score buffer: 14.66 -> 11.81
+GiB), where an H100 runs cuDNN (the plan's header names the substitution). Unrolled (`--set model.scan_layers=False --layers 2`) the update needs
 199 GiB and does not fit: XLA:CPU's temporaries still grow with depth there (the earlier 539 GiB
 also had the batch replicated on every device, fixed since by the residual stream's batch
 constraint, and the concurrency-optimized scheduler hoisting the remat recomputes).
@@ -109,7 +112,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cfg.rl = ml_collections.ConfigDict(dict(
       steps=1200, prompts_per_step=64, group_size=8, n_minibatches=1, staleness=1,
       routing_replay="none", eval_every=50, eval_size=512, eval_temperature=1.0,
-      checkpoint_every=50, max_to_keep=2, plot=True))
+      checkpoint_every=50, max_to_keep=2, plot=True,
+      # The sampled evaluation's 512 x eval_samples rows in waves of 512 (memory only: each wave
+      # equals the one-shot program): all at once, their float32 KV cache alone is 48 GiB per
+      # device and the program needs 86.7 GiB, past an H100 (docs/plans/, the planner's exit 1).
+      eval_rows_in_flight=512))
   if long:
     cfg.sampler.update(LONG_SAMPLER)
     cfg.rl.update(LONG_RL)

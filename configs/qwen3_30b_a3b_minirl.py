@@ -13,17 +13,18 @@ about 1-2 days for the 1000 global steps at N=1 (N times that at N > 1). [MiniRL
 5-6 GPU-hours per step are for 32K-token math responses.
 Plan (`python -m rl_jax.plan --config=configs/qwen3_30b_a3b_minirl.py:n4 --device h200`: XLA:CPU
 on 32 simulated devices, memory-optimized scheduler, scanned layers, all 48 layers compiled; GiB per
-device against 0.9 x 141 GB usable; about 4 minutes on 2 cores):
+device against 0.9 x 141 GB usable; 6.6 minutes on 2 loaded cores; pinned with its commit and the
+substitutions it names in docs/plans/qwen3_30b_a3b_minirl_n4_h200.json):
                           sync   generate  eval greedy  eval sampled  p_old fwd  update (x4)  first-order
   f32 params / AdamW      4.8 / 9.6 in every program (AdamW's moments sharded like the params)
   FP8 KV cache                   10.2      2.5          10.0
-  temporaries                    21.6      6.2          10.0          13.5       33.1         44.8
-  peak                    15.8   47.6      29.3         40.6          29.0       48.9         60.6
+  temporaries                    21.6      6.2          10.0          13.1       33.7         45.4
+  peak                    15.8   47.6      29.3         40.6          29.0       49.5         61.2
   roofline s (H200)       0.002  20.7      3.9          12.4          19.1       14.6         24.5
 Every program fits with more than half the memory free; ~99 s of roofline per global step
 (collectives at 50 GB/s per chip, not overlapped: the MoE all-to-all dominates). What made it fit
 (peaks before -> after, shard_map dispatch; the intermediate figures from 2- and 4-layer
-compiles extrapolated, `--layers 2`): blocked (flash / cuDNN) attention, micro-batched
+compiles extrapolated, `--layers 2`): blocked / cuDNN attention, micro-batched
 p_old forward and update and the all-to-all dispatch: p_old 1,365 -> 43, update 1,229 -> 104;
 the local experts' overflow fallback as rounds of the capacity slab with its own VJP instead of
 `lax.ragged_dot` (dense on XLA:CPU and XLA:GPU) and 4 rows per device per update micro-batch:
@@ -74,7 +75,7 @@ PREFILL_ROWS = 1024
 
 # `nN_32k`: [MiniRL]'s 32,768-token responses. The smallest H200 mesh the planner fits them on is 16
 # devices (2 hosts; data=1, fsdp=2, expert=8): per device, of 0.9 x 141 GB, generate 90.0 GiB,
-# evaluation 77.3, p_old 60.7, the update 87.0, first-order 109.4 (`python -m rl_jax.plan
+# evaluation 77.3, p_old 60.8, the update 87.7, first-order 110.0 (`python -m rl_jax.plan
 # --config=configs/qwen3_30b_a3b_minirl.py:n4_32k --device h200`, all 48 layers compiled). On 8
 # (fsdp=1) the update needs 146.5 GiB and first-order 180.9: f32 params + AdamW moments (58 GiB)
 # and two gradient copies leave no room for a 33K-token row's activations. Rows per micro-batch: 1
@@ -108,8 +109,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   cfg.task = ml_collections.ConfigDict(dict(name="countdown", overrides={}))
   # scan_layers: one lax.scan over the 48 MoE layers: the full model compiles in seconds.
   # moe_dispatch=shard_map: each device sends its (token, slot) rows to the expert shard that
-  # owns them (all-to-all) instead of GSPMD gathering weights; attention "auto": cuDNN on GPU,
-  # flash (no [S, S] scores) where cuDNN cannot take the mask; expert_matmul "auto": on these GPUs
+  # owns them (all-to-all) instead of GSPMD gathering weights; attention "auto": cuDNN on GPU (bf16
+  # at the static offset 0: the update, p_old and the sampler's prefill), else xla, the blocked
+  # lax-loop attention only where xla's f32 scores would pass 4 GiB; expert_matmul "auto": on these GPUs
   # the local experts (and the FP8 sampler's dequantized ones) run the Pallas grouped matmul (no
   # dense [rows, E * F] ragged_dot); the planner's XLA:CPU compile takes the slab in its place.
   cfg.model = small.model_section("qwen3-30b-a3b", dtype="bfloat16", param_dtype="float32", remat=True,

@@ -553,9 +553,73 @@ def expert_matmul_note(model_cfg, device: str) -> str:
   return note
 
 
+def _target_attention(call: dict, choice: str, platform: str, invariant: bool) -> str:
+  """The attention implementation `platform` runs for one recorded call (impl_log "attention_call")."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from rl_jax.models import attention as attn  # pylint: disable=g-import-not-at-top
+  if invariant:
+    return "blocked (batch-invariant)"
+  choice = "blocked" if choice == "flash" else choice
+  dtype = jnp.dtype(call["dtype"])
+  offsets = dict(static_zero_offset=call["static_zero_offset"], static_offset=call["static_offset"],
+                 causal=call["causal"])
+  if choice == "auto":
+    return attn.auto_impl(platform, dtype, call["b"], call["s"], call["c"], call["heads"], call["head_dim"],
+                          **offsets, capability=(9, 0))
+  if choice == "cudnn":
+    reason = attn._cudnn_reason(dtype, call["head_dim"], call["static_zero_offset"],  # pylint: disable=protected-access
+                                call["causal"], (9, 0))
+    ok = platform == "gpu" and reason is None
+    return "cudnn" if ok else "blocked"
+  if choice == "splash":
+    return "splash" if platform == "tpu" and (call["static_offset"] or not call["causal"]) else "blocked"
+  return choice
+
+
+def substitutions(log: dict, job, device: str) -> list[str]:
+  """What XLA:CPU compiled in place of what `device` runs, from the choices the programs' traces
+  recorded (rl_jax.impl_log): attention, quantized linears, the experts (plain and quantized)."""
+  import collections  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from rl_jax import impl_log  # pylint: disable=g-import-not-at-top
+  from rl_jax.models import moe  # pylint: disable=g-import-not-at-top
+  platform = "tpu" if device.startswith("tpu") else "gpu"
+  fmt = lambda counts: ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+  out = []
+  calls = [impl_log.parse(c) for c in log.get("attention_call", {})]
+  if calls:
+    target = collections.Counter(_target_attention(c, job.model.attention, platform, job.model.batch_invariant)
+                                 for c in calls)
+    compiled = sorted(log.get("attention", {}))
+    line = (f"attention {fmt(target)} on {device} (distinct call shapes), compiled here as {', '.join(compiled)}")
+    if any(c["layout"] == "cache" and c["dtype"] != "float32" for c in calls):
+      line += "; XLA:CPU's prefill also reads float32 copies of q and the cache's keys"
+    out.append(line)
+  quant_lin = sorted(log.get("quantized_linear", {}))
+  if quant_lin:
+    backend = getattr(job.sampler.quant, "backend", "auto") if job.sampler.quant is not None else "auto"
+    target = "pallas qmatmul" if backend in ("auto", "pallas") else "xla dequantize + float32 dot"
+    out.append(f"quantized linears {target} on {device}, compiled here as {', '.join(quant_lin)}")
+  quant_exp = sorted(e for e in log.get("experts", {}) if e.startswith("quantized "))
+  if quant_exp:
+    dtype = job.sampler.dtype
+    resolved = moe.resolve_expert_matmul(job.model.expert_matmul, platform, dtype)
+    name = "grouped" if resolved == "grouped" else "ragged_dot"
+    op = dtype if jnp.dtype(dtype).itemsize == 2 else "float32"
+    out.append(f"quantized experts quantized {name} {op} on {device}, compiled here as {', '.join(quant_exp)}")
+  plain_exp = sorted(e for e in log.get("experts", {}) if not e.startswith("quantized "))
+  if plain_exp:
+    out.append(f"experts {expert_matmul_note(job.model, device)}; traced here: {', '.join(plain_exp)}")
+  return out
+
+
 def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=None, out=print,
-        programs: tuple[str, ...] = PROGRAMS, mem_fraction: float | None = None):
-  """Plans `config`'s RL step; returns (plans, fits: dict program -> error message or None)."""
+        programs: tuple[str, ...] = PROGRAMS, mem_fraction: float | None = None, notes: dict | None = None):
+  """Plans `config`'s RL step; returns (plans, fits: dict program -> error message or None).
+
+  `notes` (a dict, optional) receives "substitutions": what XLA:CPU compiled in place of what
+  `device` runs (`substitutions`), also printed under the table's header."""
+  from rl_jax import impl_log  # pylint: disable=g-import-not-at-top
   from rl_jax import plan_hw  # pylint: disable=g-import-not-at-top
   from rl_jax import sharding as sh  # pylint: disable=g-import-not-at-top
   from rl_jax.rl.job import RLJob  # pylint: disable=g-import-not-at-top
@@ -574,11 +638,15 @@ def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=No
     groups = [(mesh, programs)]
   plans, note = [], ""
   mem_fraction = plan_hw.MEM_FRACTION if mem_fraction is None else mem_fraction
+  log = {}
   for group_mesh, group in groups:
     if not group:
       continue
-    group_plans, note = _plan_layers(job, group_mesh, group, layers,
-                                     ("sampler" if group_mesh is sampler_mesh else "trainer") if split else "")
+    with impl_log.recording() as group_log:
+      group_plans, note = _plan_layers(job, group_mesh, group, layers,
+                                       ("sampler" if group_mesh is sampler_mesh else "trainer") if split else "")
+    for point, counts in group_log.items():
+      log.setdefault(point, {}).update(counts)
     for p in group_plans:
       # Collectives: the HLO's (loop bodies once) or the analytic MoE dispatch, whichever is larger.
       p.time_s = plan_hw.roofline_s(max(p.flops_xla, p.flops_model), max(p.bytes_xla, p.bytes_model), acc,
@@ -600,9 +668,13 @@ def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=No
     model_desc += f", model.moe_dispatch={job.model.moe_dispatch}, {expert_matmul_note(job.model, device)}"
   sched = ("memory-optimized" if "concurrency_optimized_scheduler=false" in os.environ.get("XLA_FLAGS", "")
            else "default (concurrency-optimized)")
+  subs = substitutions(log, job, device)
+  if notes is not None:
+    notes["substitutions"] = subs
   title = (HEADER.format(n=mesh.size, sched=sched) + f"\nmesh {mesh_desc}; {model_desc}; {note}; "
            f"step = {job.rl.prompts_per_step} prompts x {job.rl.group_size}, {job.rl.n_minibatches} "
-           f"mini-batch update(s), S = {job.sampler.max_prompt_len} + {job.sampler.max_new_tokens}")
+           f"mini-batch update(s), S = {job.sampler.max_prompt_len} + {job.sampler.max_new_tokens}"
+           + "".join(f"\nsubstitution: {line}" for line in subs))
   out(render(plans, acc, title))
   rl = job.rl
   # Per global step: N updates; the meter every `meter_every` steps and the evaluations every
@@ -675,6 +747,19 @@ def set_key(config, item: str) -> None:
   node[leaf] = value
 
 
+def _commit() -> str:
+  """The repository's HEAD commit (with "+dirty" for uncommitted changes), or "" outside a checkout."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True,
+                           text=True, timeout=10)
+  except (OSError, subprocess.SubprocessError):
+    return ""
+  return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else ""
+
+
 def _first_devices(n: int):
   import jax  # pylint: disable=g-import-not-at-top
   have = jax.devices()
@@ -729,15 +814,17 @@ def main(argv: list[str] | None = None) -> int:
   for d in dispatches:
     if d is not None:
       config.model.moe_dispatch = d
+    notes = {}
     plans, d_fits = run(config, args.device, args.devices, args.layers, programs=programs,
-                        mem_fraction=args.mem_fraction)
+                        mem_fraction=args.mem_fraction, notes=notes)
     results.append(dict(dispatch=config.model.get("moe_dispatch", "gspmd"),
-                        programs=[dict(dataclasses.asdict(p), peak=p.peak) for p in plans], fits=d_fits))
+                        programs=[dict(dataclasses.asdict(p), peak=p.peak) for p in plans], fits=d_fits,
+                        substitutions=notes["substitutions"]))
     fits.update({(f"{p} [{d}]" if d else p): m for p, m in d_fits.items()})
     print()
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"config": args.config, "device": args.device, "layers": args.layers,
+      json.dump({"config": args.config, "device": args.device, "layers": args.layers, "commit": _commit(),
                  **(results[0] if len(results) == 1 else {"by_dispatch": results})}, f, indent=1)
   bad = [m for m in fits.values() if m]
   for m in bad:

@@ -311,7 +311,7 @@ def test_expert_matmul_is_in_every_config_and_survives_hf_loading():
 _EXECUTION_CHOICES = (
     dict(dtype="bfloat16", param_dtype="bfloat16", remat=True, router_aux_loss_coef=1e-3,
          scan_layers=True, moe_dispatch="shard_map", moe_a2a="ragged", expert_matmul="grouped",
-         moe_seq_chunk=8, attention="flash"),
+         moe_seq_chunk=8, attention="blocked"),
     dict(batch_invariant=True, expert_matmul="slab", attention="xla"),
 )
 

@@ -1,4 +1,4 @@
-"""rl_jax.models.attention: xla is today's attention bit for bit; flash, cudnn's wiring and splash equal it."""
+"""rl_jax.models.attention: xla is today's attention bit for bit; blocked (ex-"flash"), cudnn's wiring and splash equal it."""
 # The tests reach the implementations behind `attention` (cudnn's wiring, splash, the loop bounds).
 # pylint: disable=protected-access
 import functools
@@ -105,7 +105,7 @@ def test_flash_equals_xla(name):
   kw = dict(causal=causal, kv_layout=kv_layout)
   # q_offset traced (a cache index under jit) for flash, a Python int for the reference.
   off = jnp.int32(q_offset)
-  flash = lambda q, k, v: attn.attention(q, k, v, valid, q_offset=off, impl="flash", block_q=bq, block_k=bk, **kw)
+  flash = lambda q, k, v: attn.attention(q, k, v, valid, q_offset=off, impl="blocked", block_q=bq, block_k=bk, **kw)
   xla = lambda q, k, v: attn.attention(q, k, v, valid, q_offset=q_offset, impl="xla", **kw)
   _check(flash, xla, q, k, v, seen_BS)
 
@@ -118,7 +118,7 @@ def test_flash_queries_that_see_no_key_pass_no_gradient_to_q_or_k():
   seen_BS = _seen(valid, 37, 0, True)
   loss = lambda impl: lambda q, k, v: jnp.sum(jnp.sin(attn.attention(q, k, v, valid, impl=impl, block_q=16,
                                                                        block_k=8)))
-  dq, dk, _ = jax.jit(jax.grad(loss("flash"), argnums=(0, 1, 2)))(q, k, v)
+  dq, dk, _ = jax.jit(jax.grad(loss("blocked"), argnums=(0, 1, 2)))(q, k, v)
   dq_x, dk_x, _ = jax.jit(jax.grad(loss("xla"), argnums=(0, 1, 2)))(q, k, v)
   assert (~seen_BS).sum() == 7 + 34 and not np.asarray(dq)[~seen_BS].any()
   for a, b in ((dq, dq_x), (dk, dk_x)):
@@ -141,7 +141,7 @@ def test_flash_bf16_is_as_accurate_as_todays_bf16_path():
     grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     return [np.asarray(x, np.float32) for x in (out, *grads)], [x.dtype for x in (out, *grads)]
 
-  (flash, dtypes), (xla, _), (ref, _) = run("flash", jnp.bfloat16), run("xla", jnp.bfloat16), run("xla", jnp.float32)
+  (flash, dtypes), (xla, _), (ref, _) = run("blocked", jnp.bfloat16), run("xla", jnp.bfloat16), run("xla", jnp.float32)
   assert dtypes == [jnp.bfloat16] * 4
   for i, (a, b, c) in enumerate(zip(flash, xla, ref)):
     rows = seen_BS if i == 0 else slice(None)  # the output of queries that see a key; every gradient
@@ -185,7 +185,7 @@ def test_flash_program_does_not_grow_with_the_number_of_blocks():
     q, k, v, valid = (jax.ShapeDtypeStruct(x, t) for x, t in
                       (((1, s, 1, 1, D), jnp.float32), ((1, s, 1, D), jnp.float32),
                        ((1, s, 1, D), jnp.float32), ((1, s), jnp.bool_)))
-    f = lambda q, k, v, m: jnp.sum(attn.attention(q, k, v, m, impl="flash", block_q=16, block_k=16))
+    f = lambda q, k, v, m: jnp.sum(attn.attention(q, k, v, m, impl="blocked", block_q=16, block_k=16))
     return _count_eqns(jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, v, valid).jaxpr)
   assert n_eqns(64 * 16) == n_eqns(4 * 16)
 
@@ -205,7 +205,7 @@ def test_flash_temporaries_are_far_below_one_score_matrix():
   optimized = jax.config.read("jax_disable_most_optimizations")
   jax.config.update("jax_disable_most_optimizations", False)  # the memory a real run sees
   try:
-    xla, flash = temp_bytes("xla"), temp_bytes("flash")
+    xla, flash = temp_bytes("xla"), temp_bytes("blocked")
   finally:
     jax.config.update("jax_disable_most_optimizations", optimized)
   assert xla >= scores, xla
@@ -214,7 +214,7 @@ def test_flash_temporaries_are_far_below_one_score_matrix():
 
 def test_auto_on_cpu_is_xla_when_short_and_flash_when_long():
   assert jax.default_backend() == "cpu"
-  for s, want in ((40, "xla"), (512, "flash")):
+  for s, want in ((40, "xla"), (512, "blocked")):
     q, k, v, valid = _inputs(1, s, s, 1, "full")
     got = jax.jit(lambda q, k, v: attn.attention(q, k, v, valid))(q, k, v)
     np.testing.assert_array_equal(got, jax.jit(lambda q, k, v: attn.attention(q, k, v, valid, impl=want))(q, k, v))
@@ -224,7 +224,7 @@ def test_auto_on_cpu_is_xla_when_short_and_flash_when_long():
 def test_gpu_and_tpu_kernels_fall_back_to_flash_on_cpu_warning_once(impl):
   q, k, v, valid = _inputs(3, 37, 37, 2, "left")
   attn._WARNED.difference_update({x for x in attn._WARNED if x.startswith(impl)})
-  want = jax.jit(lambda q, k, v: attn.attention(q, k, v, valid, impl="flash"))(q, k, v)
+  want = jax.jit(lambda q, k, v: attn.attention(q, k, v, valid, impl="blocked"))(q, k, v)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     for _ in range(2):  # two traces: the second must not warn again
@@ -232,7 +232,7 @@ def test_gpu_and_tpu_kernels_fall_back_to_flash_on_cpu_warning_once(impl):
       np.testing.assert_array_equal(got, want)
   ours = [w for w in caught if issubclass(w.category, RuntimeWarning) and f"impl={impl!r}" in str(w.message)]
   assert len(ours) == 1, [str(w.message) for w in caught]
-  assert "falls back to 'flash'" in str(ours[0].message) and "backend is 'cpu'" in str(ours[0].message)
+  assert "falls back to 'blocked'" in str(ours[0].message) and "backend is 'cpu'" in str(ours[0].message)
 
 
 @pytest.mark.parametrize("kind,c,kv_layout", [("ragged", 37, "bcgd"), ("left", 50, "cache")])
@@ -243,16 +243,16 @@ def test_cudnn_wiring_equals_flash(kind, c, kv_layout):
   q, k, v, valid = _inputs(4, 37, c, 2, kind, kv_layout)
   _, _, ok = attn._contiguous_runs(valid)
   assert bool(ok) == (kind != "ragged")
-  flash = functools.partial(attn._flash_attention, block_q=16, block_k=16)
+  flash = functools.partial(attn._blocked_attention, block_q=16, block_k=16)
   if kind == "ragged":
     # The holes take the flash branch: the same numbers as flash itself.
-    got = jax.jit(lambda q, k, v: attn._cudnn_attention(q, k, v, valid, 0, True, kv_layout, flash=flash,
+    got = jax.jit(lambda q, k, v: attn._cudnn_attention(q, k, v, valid, 0, True, kv_layout, fallback=flash,
                                                         sdpa_impl="xla"))(q, k, v)
     np.testing.assert_array_equal(got, jax.jit(lambda q, k, v: flash(q, k, v, valid, 0, True, kv_layout))(q, k, v))
     # Without row 3's holes, left, right and both-sides padded rows run the cuDNN branch.
     valid = valid.at[3].set(True)
     assert bool(attn._contiguous_runs(valid)[2])
-  cudnn = lambda q, k, v: attn._cudnn_attention(q, k, v, valid, 0, True, kv_layout, flash=flash, sdpa_impl="xla")
+  cudnn = lambda q, k, v: attn._cudnn_attention(q, k, v, valid, 0, True, kv_layout, fallback=flash, sdpa_impl="xla")
   want = lambda q, k, v: attn.attention(q, k, v, valid, impl="xla", kv_layout=kv_layout)
   _check(cudnn, want, q, k, v, _seen(valid, 37, 0, True))
 
@@ -265,3 +265,76 @@ def test_splash_kernel_in_interpret_mode_equals_xla(s, c, q_offset, kind):
   splash = lambda q, k, v: attn._splash_attention(q, k, v, valid, q_offset, True, "bcgd", interpret=True)
   xla = lambda q, k, v: attn.attention(q, k, v, valid, q_offset=q_offset, impl="xla")
   _check(splash, xla, q, k, v, _seen(valid, s, q_offset, True))
+
+
+def test_flash_is_a_deprecated_alias_of_blocked():
+  q, k, v, valid = _inputs(3, 40, 40, 2, "left")
+  attn._WARNED.discard("flash")
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    got = attn.attention(q, k, v, valid, impl="flash")
+  assert any(issubclass(w.category, DeprecationWarning) and "'blocked'" in str(w.message) for w in caught)
+  np.testing.assert_array_equal(got, attn.attention(q, k, v, valid, impl="blocked"))
+
+
+# auto_impl is a pure function of (backend, dtype, shapes, offset): what each program runs per
+# backend. (backend, dtype, B, S, C, static zero offset, static offset, head dim) -> impl.
+_AUTO_CASES = [
+    # GPU, 16-bit, static offset 0: cuDNN (training S x S, and the sampler's prefill S < C).
+    ("gpu", "bfloat16", 8, 2048, 2048, True, True, 128, "cudnn"),
+    ("gpu", "float16", 32, 1023, 2048, True, True, 128, "cudnn"),
+    # GPU, float32 (the tiny configs) or a traced offset: xla (blocked ran 1.8-2x slower on an
+    # H200), unless xla's f32 scores would pass _AUTO_MAX_SCORE_BYTES: blocked.
+    ("gpu", "float32", 8, 2048, 2048, True, True, 128, "xla"),
+    ("gpu", "bfloat16", 8, 64, 2048, False, False, 128, "xla"),
+    ("gpu", "float32", 8, 32768, 32768, True, True, 128, "blocked"),
+    ("gpu", "bfloat16", 1, 2048, 2048, True, True, 100, "xla"),  # head dim not a multiple of 8
+    ("gpu", "bfloat16", 1, 2048, 2048, True, True, 512, "xla"),  # head dim past cuDNN's 256
+    # TPU: splash wherever the offset is static; a traced one: xla / blocked by memory.
+    ("tpu", "bfloat16", 8, 2048, 2048, True, True, 128, "splash"),
+    ("tpu", "float32", 8, 40, 2048, False, True, 128, "splash"),
+    ("tpu", "bfloat16", 8, 40, 2048, False, False, 128, "xla"),
+    # CPU: xla below 512 x 512 scores, blocked from there (the bench_attention measurements).
+    ("cpu", "bfloat16", 8, 40, 40, True, True, 128, "xla"),
+    ("cpu", "float32", 1, 512, 512, True, True, 16, "blocked"),
+    ("cpu", "float32", 1, 511, 512, True, True, 16, "xla"),
+]
+
+
+@pytest.mark.parametrize("backend,dtype,b,s,c,zero,static,d,want", _AUTO_CASES)
+def test_auto_impl_per_backend_dtype_and_shape(backend, dtype, b, s, c, zero, static, d, want):
+  got = attn.auto_impl(backend, jnp.dtype(dtype), b, s, c, 32, d, static_zero_offset=zero, static_offset=static)
+  assert got == want
+
+
+def test_auto_impl_memory_rule_is_the_f32_score_buffer():
+  """GPU, float32: xla up to _AUTO_MAX_SCORE_BYTES of [B, H, S, C] f32 scores, blocked past it."""
+  h, s = 32, 4096
+  b_fit = attn._AUTO_MAX_SCORE_BYTES // (4 * h * s * s)
+  auto = lambda b: attn.auto_impl("gpu", jnp.dtype("float32"), b, s, s, h, 128, static_zero_offset=True,
+                                  static_offset=True)
+  assert auto(b_fit) == "xla" and auto(b_fit + 1) == "blocked"
+
+
+def test_the_chosen_implementation_is_recorded_at_trace_time():
+  from rl_jax import impl_log
+  q, k, v, valid = _inputs(3, 40, 40, 2, "left")
+  with impl_log.recording() as log:
+    jax.jit(lambda q, k, v: attn.attention(q, k, v, valid))(q, k, v)
+    jax.jit(lambda q, k, v: attn.attention(q, k, v, valid, impl="blocked"))(q, k, v)
+  assert log["attention"] == {"xla": 1, "blocked": 1}
+
+
+def test_splash_kernel_lowers_for_tpu_from_this_host():
+  """The splash path lowered for TPU (Mosaic) on a CPU host: the real kernel, not the interpreter.
+  Skipped only where this jax cannot lower for a TPU without one (named in the skip)."""
+  q = jax.ShapeDtypeStruct((2, 256, 2, 2, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 256, 2, 128), jnp.bfloat16)
+  valid = jax.ShapeDtypeStruct((2, 256), jnp.bool_)
+  f = lambda q, k, v, valid: attn._splash_attention(q, k, v, valid, 0, True, "bcgd")
+  try:
+    text = jax.jit(f).trace(q, kv, kv, valid).lower(lowering_platforms=("tpu",)).as_text()
+  except Exception as exc:  # pylint: disable=broad-except
+    pytest.skip(f"jax {jax.__version__} does not lower a Pallas TPU kernel on a CPU host: "
+                f"{type(exc).__name__}: {str(exc)[:200]}")
+  assert "tpu_custom_call" in text, text[:2000]

@@ -169,3 +169,32 @@ def test_async_split_plans_each_group_on_its_own_devices(fast_compile):
   assert "sampler weights" not in by["update"].resident and "params" in by["update"].args
   text = "\n".join(lines)
   assert "sampler (sync, generate) data=1, fsdp=4" in text and "max(sampler" in text, text
+
+
+def test_substitutions_name_what_a_gpu_runs_in_place_of_the_cpu_compile():
+  """From the choices the traces recorded (rl_jax.impl_log): attention per call shape re-resolved
+  for the device, quantized linears and experts, each with what XLA:CPU compiled instead."""
+  from rl_jax import impl_log  # pylint: disable=g-import-not-at-top
+  config = countdown_tiny.get_config("test")
+  config.model.dtype = "bfloat16"
+  config.sampler.dtype = "bfloat16"
+  config.sampler.quant = "fp8_wa_fp8_kv"
+  job = RLJob.from_config(config)
+  train = impl_log.describe(dtype="bfloat16", layout="bcgd", b=8, s=36, c=36, heads=2, head_dim=32,
+                            static_zero_offset=True, static_offset=True, causal=True)
+  prefill = impl_log.describe(dtype="bfloat16", layout="cache", b=8, s=23, c=36, heads=2, head_dim=32,
+                              static_zero_offset=True, static_offset=True, causal=True)
+  log = {"attention_call": {train: 2, prefill: 1}, "attention": {"xla": 3},
+         "quantized_linear": {"xla dequantize + float32 dot": 5},
+         "experts": {"quantized ragged_dot float32": 3, "slab bfloat16": 2}}
+  subs = plan.substitutions(log, job, "h200")
+  assert subs[0].startswith("attention cudnn x2 on h200 (distinct call shapes), compiled here as xla")
+  assert "float32 copies" in subs[0]
+  assert subs[1] == "quantized linears pallas qmatmul on h200, compiled here as xla dequantize + float32 dot"
+  assert subs[2] == ("quantized experts quantized grouped bfloat16 on h200, compiled here as "
+                     "quantized ragged_dot float32")
+  assert subs[3].startswith("experts expert matmul grouped on h200") and "slab bfloat16" in subs[3]
+  # On a TPU: splash for both call shapes (static offsets), and ragged_dot for the experts.
+  tpu = plan.substitutions(log, job, "tpu_v5p")
+  assert tpu[0].startswith("attention splash x2 on tpu_v5p")
+  assert "quantized ragged_dot bfloat16 on tpu_v5p" in tpu[2]

@@ -341,3 +341,38 @@ def test_qtensor_does_not_import_ops():
   code = ("import sys, rl_jax.quant.qtensor, rl_jax.quant; "
           "assert 'rl_jax.quant.ops' not in sys.modules, sorted(sys.modules)")
   subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
+
+
+@pytest.mark.parametrize("fmt,aspec", [("fp8", None), ("int8", None), ("fp8", ActivationSpec("fp8"))])
+def test_ragged_qmatmul_runs_the_grouped_kernel_at_16_bits_for_bf16_rows(fmt, aspec):
+  """bf16 rows and FP8 / INT8 experts under the grouped kernel (impl "pallas"): weights dequantized
+  to bf16 (not float32 at HIGHEST), products accumulated in float32, output bf16. Against the
+  float64 product of the same bf16 operands: one rounding of the output to bf16 (2**-8 of |y|)
+  plus a float32 sum of K terms (2 K 2**-24 of |x| @ |w|), elementwise."""
+  from rl_jax import impl_log  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(6)
+  w = jnp.asarray(rng.standard_normal((3, D, 8)).astype(np.float32))
+  x = jnp.asarray(rng.standard_normal((7, D)).astype(np.float32), jnp.bfloat16)
+  sizes = jnp.array([2, 0, 5], jnp.int32)
+
+  @jax.jit
+  def run(x, w):
+    qt = ops.quantize_weight(w, WeightSpec(fmt), act=aspec, backend="xla")
+    return (ops.ragged_linear(x, qt, sizes, impl="pallas"), ops.fake_quantize_activations(x, qt).astype(jnp.bfloat16),
+            ops.dequantize_weight(qt, jnp.bfloat16))
+
+  with impl_log.recording() as log:
+    out, xd, wd = run(x, w)
+  assert out.dtype == jnp.bfloat16 and wd.dtype == jnp.bfloat16
+  assert dict(log["experts"]) == {"quantized grouped bfloat16": 1}
+  xd, wd = np.asarray(xd, np.float64), np.asarray(wd, np.float64)
+  per_expert = lambda a, b: np.concatenate([a[:2] @ b[0], a[2:] @ b[2]])
+  ref, scale = per_expert(xd, wd), per_expert(np.abs(xd), np.abs(wd))
+  err = np.abs(np.asarray(out, np.float64) - ref)
+  assert np.all(err <= 2.0**-8 * np.abs(ref) + 2 * D * 2.0**-24 * scale), err.max()
+  # float32 rows keep float32 operands at HIGHEST (and XLA:CPU's ragged_dot keeps them for bf16).
+  with impl_log.recording() as log:
+    jax.jit(lambda x, w: ops.ragged_linear(x, ops.quantize_weight(w, WeightSpec(fmt), backend="xla"), sizes,
+                                           impl="pallas"))(x.astype(jnp.float32), w)
+    jax.jit(lambda x, w: ops.ragged_linear(x, ops.quantize_weight(w, WeightSpec(fmt), backend="xla"), sizes))(x, w)
+  assert dict(log["experts"]) == {"quantized grouped float32": 1, "quantized ragged_dot float32": 1}

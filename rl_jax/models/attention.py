@@ -1,4 +1,4 @@
-"""GQA attention under a causal + per-slot key mask, without a dense mask: xla, flash, cudnn, splash."""
+"""GQA attention under a causal + per-slot key mask, without a dense mask: xla, blocked, cudnn, splash."""
 # One entry point, `attention`. The mask is structured, never a dense [B, S, C] array: query i
 # sits at slot `q_offset + i` and reads key slot c iff (not causal or c <= q_offset + i) and
 # kv_valid_BC[b, c]. Query head h = g * R + r reads kv head g (transformers' repeat_kv order).
@@ -17,10 +17,12 @@
 #   xla     today's computation: one masked softmax per query block (`_causal_attention`, the
 #           trainer's S x S case) or over all C keys (`_attend`, anything else), f32 scores
 #           [B, G, R, S, C] (the model's attention before this module, moved here unchanged).
-#   flash   blocked online softmax in jnp/lax (query blocks x key blocks, f32 running max and
-#           sum), custom VJP that recomputes the blocks; key blocks above the causal diagonal
-#           are skipped by dynamic loop bounds. O(S * D + block^2) temporaries. The portable
-#           reference for long sequences (CPU, GPU, TPU).
+#   blocked blocked online softmax written in jnp/lax loops (query blocks x key blocks, f32
+#           running max and sum), custom VJP that recomputes the blocks; key blocks above the
+#           causal diagonal are skipped by dynamic loop bounds. O(S * D + block^2) temporaries.
+#           Not a fused kernel: XLA compiles each block's dots and softmax separately (on one
+#           H200 it ran 1.8-2x slower than `xla`, docs/performance.md); it is the portable answer
+#           to memory at long sequences. `flash` is its old name, kept as a deprecated alias.
 #   cudnn   jax.nn.dot_product_attention(implementation="cudnn") on GPU. That API expresses
 #           padding only as per-row lengths (keys [0, len), "right padding"; a `mask` becomes a
 #           dense [B, N, T, S] bias), and its causal mask is top-left aligned. So: q_offset must
@@ -28,19 +30,24 @@
 #           Hopper on); a row whose valid keys are one contiguous run [start, end) (left and/or
 #           right padding: every layout the project builds) is rotated left by `start` so its
 #           run begins at slot 0, and the output rotated back. Rows that are not one run (or have
-#           no valid key) send the whole batch to flash through a lax.cond (data-dependent, so
-#           no warning is possible there). Anything else falls back to flash with a one-time
+#           no valid key) send the whole batch to blocked through a lax.cond (data-dependent, so
+#           no warning is possible there). Anything else falls back to blocked with a one-time
 #           warning.
 #   splash  the TPU Pallas splash kernel: CausalMask(offset=q_offset) (q_offset a static int)
 #           and segment ids (valid key 0, padding key 1, every query 0) for the key mask;
-#           S and C are padded to a multiple of 128. Elsewhere, or with a traced q_offset, flash
+#           S and C are padded to a multiple of 128. Elsewhere, or with a traced q_offset, blocked
 #           with a one-time warning.
-#   auto    cudnn on GPU where expressible, splash on TPU, else (CPU, or not expressible) xla
-#           for S * C below _AUTO_FLASH_MIN_SC and flash above.
+#   auto    `auto_impl`, a pure function of (backend, dtype, shapes, offset): cudnn on GPU where
+#           expressible, splash on TPU where expressible; otherwise xla, or blocked where it wins
+#           (CPU from S * C >= _AUTO_BLOCKED_MIN_SC) or where xla's f32 score buffer would pass
+#           _AUTO_MAX_SCORE_BYTES (memory forces it; GPU / TPU).
+#
+# Every resolved choice is recorded at trace time (`rl_jax.paths`), so a test or a benchmark can
+# say which implementation a compiled program holds.
 #
 # A query that sees no key at all (left padding before the first real token) gets a finite
 # value nothing reads: with the finite mask value -1e30 its weights are uniform over the keys
-# the implementation visited (xla: its query block's keys, flash: the key blocks up to its
+# the implementation visited (xla: its query block's keys, blocked: the key blocks up to its
 # causal limit, splash likewise; cudnn: 0). Never NaN, in the forward or in any gradient.
 from __future__ import annotations
 
@@ -52,15 +59,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from rl_jax import impl_log
 from rl_jax.batch_invariant import ordered_sum
 
-IMPLEMENTATIONS = ("auto", "xla", "flash", "cudnn", "splash")
+# "flash": the deprecated name of "blocked" (a warning, then blocked).
+IMPLEMENTATIONS = ("auto", "xla", "blocked", "cudnn", "splash", "flash")
 KV_LAYOUTS = ("bcgd", "cache")  # k_BCGD, v_BCGD | the KV cache's kT_BGDC, v_BGCD (kv_cache.LayerKV)
 
 # Finite "minus infinity": a fully masked row (padding query) stays NaN-free.
 MASK_VALUE = -1e30
 
-# Flash block sizes (queries x keys per block; a block's f32 scores are [B, G, block_q * R,
+# Blocked attention's block sizes (queries x keys per block; a block's f32 scores are [B, G, block_q * R,
 # block_k]). fwd+bwd on XLA:CPU, issue 15's heads (8 x 32, 4 KV heads), 5120 tokens, blocks
 # 128 / 256 / 512: S = 160 (B 32) 0.143 / 0.071 / 0.066 s, S = 1024 (B 5) 0.186 / 0.180 /
 # 0.278 s, S = 2048 (B 2) 0.268 / 0.219 / 0.334 s (xla: 0.056-0.062, 0.318-0.350, 0.626-0.792 s).
@@ -70,14 +79,42 @@ INVARIANT_BLOCK_K = 64
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 256
 
-# auto on CPU (or where cudnn / splash cannot express the inputs): flash from S * C >= this.
+# auto on CPU (or where cudnn / splash cannot express the inputs): blocked from S * C >= this.
 # `python benchmarks/bench_attention.py --S 160 256 384 512 768 1024 2048 --heads 4 --kv-heads 2
 # --head-dim 16` (the tiny model's heads, B = 5120 // S, left-padded rows, 2 shared cores, load
-# ~1-3), fwd+bwd wall median flash / xla: S = 160 0.90x (one block either way), 256 1.01x,
+# ~1-3), fwd+bwd wall median blocked / xla: S = 160 0.90x (one block either way), 256 1.01x,
 # 384 1.08x, 512 0.77x, 768 0.55x, 1024 0.43x, 2048 0.26x; issue 15's heads (8 x 32): 256
 # 1.34x, 384 1.44x, 512 0.95x, 768 0.76x, 1024 0.57x, 2048 0.35x. Below 512 x 512 the two are
 # within noise or xla wins, and xla is today's code bit for bit (the tiny configs' S = 36 keep it).
-_AUTO_FLASH_MIN_SC = 512 * 512
+_AUTO_BLOCKED_MIN_SC = 512 * 512
+_AUTO_FLASH_MIN_SC = _AUTO_BLOCKED_MIN_SC  # the old name
+
+# auto on GPU / TPU where the fused kernel cannot take the inputs (float32 q / k / v, a traced
+# offset): xla, unless its float32 scores [B, G, R, S, C] (and, under a gradient, the
+# probabilities it keeps: about twice that) would pass this many bytes; then blocked. On one
+# H200 (B=4 S=2048 G=4 R=4 D=128 bf16, docs/performance.md) blocked ran 1.97x / 1.77x the time
+# of xla (fwd / fwd+bwd): it wins nowhere there, so only memory sends a program to it. 4 GiB of
+# one layer's scores is ~3% of an H200 and the size at which the 30B config's planned programs
+# (docs/plans/) start to feel it; it is a memory rule, not a speed measurement.
+_AUTO_MAX_SCORE_BYTES = 4 * 2**30
+
+
+def auto_impl(backend: str, dtype, b: int, s: int, c: int, heads: int, head_dim: int, *,
+              static_zero_offset: bool, static_offset: bool, causal: bool = True,
+              capability: tuple[int, int] = (9, 0)) -> str:
+  """What `impl="auto"` runs, as a pure function of the backend, q / k / v dtype and shapes.
+
+  `static_zero_offset`: q_offset is the Python int 0; `static_offset`: it is a Python int;
+  `capability`: the GPU's compute capability (cuDNN's head-dim limit). The measured basis is in
+  the comments above (_AUTO_BLOCKED_MIN_SC, _AUTO_MAX_SCORE_BYTES).
+  """
+  if backend == "gpu" and _cudnn_reason(jnp.dtype(dtype), head_dim, static_zero_offset, causal, capability) is None:
+    return "cudnn"
+  if backend == "tpu" and (static_offset or not causal):
+    return "splash"
+  if backend in ("gpu", "tpu"):
+    return "blocked" if 4 * b * heads * s * c > _AUTO_MAX_SCORE_BYTES else "xla"
+  return "blocked" if s * c >= _AUTO_BLOCKED_MIN_SC else "xla"
 
 
 def attention(q_BSGRD: jax.Array, k: jax.Array, v: jax.Array, kv_valid_BC: jax.Array | None = None, *,
@@ -93,10 +130,10 @@ def attention(q_BSGRD: jax.Array, k: jax.Array, v: jax.Array, kv_valid_BC: jax.A
     kv_valid_BC: bool, which key slots hold real tokens (any per-row pattern); None = all.
     q_offset: slot of query 0, >= 0 (int, or an int scalar array under jit: the cache index).
     causal: query at slot q reads key slots c <= q only.
-    impl: one of IMPLEMENTATIONS (module comment); cudnn / splash fall back to flash (one
+    impl: one of IMPLEMENTATIONS (module comment); cudnn / splash fall back to blocked (one
       warning per reason) where they cannot run the inputs, auto silently.
-    block_q / block_k: flash block sizes (clipped to S / C).
-    invariant: the batch-invariant mode (`ModelConfig.batch_invariant`): flash whatever `impl`,
+    block_q / block_k: blocked's block sizes (clipped to S / C).
+    invariant: the batch-invariant mode (`ModelConfig.batch_invariant`): blocked whatever `impl`,
       one query slot per block and key blocks of INVARIANT_BLOCK_K slots from slot 0, never
       clipped, so a query's output is the same sequence of operations whatever the forward
       holds (its S, C, q_offset and other rows): the blocks past its slot or of padding leave
@@ -115,32 +152,62 @@ def attention(q_BSGRD: jax.Array, k: jax.Array, v: jax.Array, kv_valid_BC: jax.A
     raise ValueError(f"attention: q_offset {q_offset} < 0")
   if kv_valid_BC is not None and kv_valid_BC.shape != (b, c):
     raise ValueError(f"attention: kv_valid_BC {kv_valid_BC.shape} != {(b, c)}")
+  backend = jax.default_backend()
+  # What auto_impl reads, as the caller passed it (before the CPU cast below): tests re-resolve
+  # these for another backend ("would this call reach cuDNN on a GPU?").
+  impl_log.record("attention_call", impl_log.describe(
+      dtype=jnp.result_type(q_BSGRD.dtype, k.dtype, v.dtype).name, layout=kv_layout, b=b, s=s, c=c,
+      heads=q_BSGRD.shape[2] * q_BSGRD.shape[3], head_dim=d, static_zero_offset=_is_static_zero(q_offset),
+      static_offset=isinstance(q_offset, int), causal=causal))
+  if backend == "cpu" and kv_layout == "cache":
+    # Scores from float32 operands: XLA:CPU has no bf16 x bf16 -> f32 dot for the cache's layout,
+    # and a bf16 product is exact in float32, so the scores are the same. Elsewhere q / k keep
+    # the compute dtype (a bf16 prefill at the static offset 0 reaches cuDNN on GPU).
+    q_BSGRD, k = q_BSGRD.astype(jnp.float32), k.astype(jnp.float32)
   args = (q_BSGRD, k, v, kv_valid_BC, q_offset, causal, kv_layout)
   if invariant:
-    return _flash_attention(*args, block_q=1, block_k=INVARIANT_BLOCK_K, clip=False, ordered=True)
-  flash = lambda *a: _flash_attention(*a, block_q=block_q, block_k=block_k)
-  backend = jax.default_backend()
+    impl_log.record("attention", "blocked (batch-invariant)")
+    return _blocked_attention(*args, block_q=1, block_k=INVARIANT_BLOCK_K, clip=False, ordered=True)
+  if impl == "flash":
+    _warn_deprecated_flash()
+    impl = "blocked"
+  blocked = lambda *a: _blocked_attention(*a, block_q=block_q, block_k=block_k)
   if impl == "auto":
-    if backend == "gpu" and _cudnn_unsupported(*args) is None:
-      return _cudnn_attention(*args, flash=flash)
-    if backend == "tpu" and _splash_unsupported(*args) is None:
-      return _splash_attention(*args)
-    impl = "flash" if s * c >= _AUTO_FLASH_MIN_SC else "xla"
+    dtypes = {jnp.dtype(x.dtype) for x in (q_BSGRD, k, v)}
+    impl = auto_impl(backend, dtypes.pop() if len(dtypes) == 1 else jnp.float32, b, s, c,
+                     q_BSGRD.shape[2] * q_BSGRD.shape[3], d, static_zero_offset=_is_static_zero(q_offset),
+                     static_offset=isinstance(q_offset, int), causal=causal, capability=_capability())
   if impl == "cudnn":
     reason = _cudnn_unsupported(*args)
     if reason is None:
-      return _cudnn_attention(*args, flash=flash)
+      impl_log.record("attention", "cudnn")
+      return _cudnn_attention(*args, fallback=blocked)
     _warn_once("cudnn", reason)
-    impl = "flash"
+    impl = "blocked"
   if impl == "splash":
     reason = _splash_unsupported(*args)
     if reason is None:
+      impl_log.record("attention", "splash")
       return _splash_attention(*args)
     _warn_once("splash", reason)
-    impl = "flash"
+    impl = "blocked"
+  impl_log.record("attention", impl)
   if impl == "xla":
     return _xla_attention(*args)
-  return flash(*args)
+  return blocked(*args)
+
+
+def _warn_deprecated_flash() -> None:
+  if "flash" not in _WARNED:
+    _WARNED.add("flash")
+    warnings.warn("attention impl 'flash' is deprecated: it is the blocked lax-loop attention, now named "
+                  "'blocked' (not a fused flash kernel)", DeprecationWarning, stacklevel=3)
+
+
+def _capability() -> tuple[int, int]:
+  """The first device's CUDA compute capability ((0, 0) where it has none)."""
+  capability = getattr(jax.devices()[0], "compute_capability", "0.0")
+  return tuple(int(x) for x in str(capability).split(".")[:2])
 
 
 _WARNED: set[str] = set()
@@ -152,7 +219,7 @@ def _warn_once(impl: str, reason: str) -> None:
   if key in _WARNED:
     return
   _WARNED.add(key)
-  warnings.warn(f"attention impl={impl!r} falls back to 'flash': {reason}", RuntimeWarning, stacklevel=3)
+  warnings.warn(f"attention impl={impl!r} falls back to 'blocked': {reason}", RuntimeWarning, stacklevel=3)
 
 
 def _is_static_zero(q_offset) -> bool:
@@ -160,7 +227,7 @@ def _is_static_zero(q_offset) -> bool:
 
 
 def _to_bgcd(k, v, kv_layout: str):
-  """Keys and values as [B, G, C, D] (flash's and splash's layout)."""
+  """Keys and values as [B, G, C, D] (blocked's and splash's layout)."""
   if kv_layout == "bcgd":
     return jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
   return jnp.swapaxes(k, 2, 3), v
@@ -229,7 +296,7 @@ def _xla_attention(q_BSGRD, k, v, kv_valid_BC, q_offset, causal, kv_layout):
 
 
 # ---------------------------------------------------------------------------------------------
-# flash: blocked online softmax, backward recomputes the blocks.
+# blocked: online softmax over query x key blocks in lax loops, backward recomputes the blocks.
 #
 # Internal layout: queries as rows of [B, G, Q, D], Q = S_pad * R, row = s * R + r (the R heads
 # of one kv group share every key block they read); keys / values [B, G, C_pad, D]; S and C
@@ -289,7 +356,7 @@ def _block_scores(q_BGQD, k_BGKD, valid_BK, i, j, q_offset, spec: _Blocks):
   return jnp.where(mask_B1QK, s_BGQK, MASK_VALUE), mask_B1QK
 
 
-def _flash_forward(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, spec: _Blocks):
+def _blocked_forward(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, spec: _Blocks):
   """(out_BGQD in v's dtype, running max m_BGQ, running sum l_BGQ), f32 statistics."""
   f32 = jnp.float32
   b, g = q_BGQD.shape[:2]
@@ -324,7 +391,7 @@ def _flash_forward(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, spec: _Blocks):
   return join(out_nBGQD), join(m_nBGQ), join(l_nBGQ)
 
 
-def _flash_backward(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, out_BGQD, m_BGQ, l_BGQ, dout_BGQD,
+def _blocked_backward(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, out_BGQD, m_BGQ, l_BGQ, dout_BGQD,
                     spec: _Blocks):
   """(dq, dk, dv) in the inputs' dtypes: outer loop over key blocks (dk, dv of block j in the
   carry), inner over the query blocks that read it (dq accumulated in place), all in f32."""
@@ -370,29 +437,29 @@ def _flash_backward(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, out_BGQD, m_BGQ,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash_core(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, spec: _Blocks):
-  return _flash_forward(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, spec)[0]
+def _blocked_core(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, spec: _Blocks):
+  return _blocked_forward(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, spec)[0]
 
 
-def _flash_core_fwd(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, spec: _Blocks):
+def _blocked_core_fwd(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, spec: _Blocks):
   # Residuals: the inputs, the output and two f32 numbers per query row: O(S * D), never S x C.
-  out_BGQD, m_BGQ, l_BGQ = _flash_forward(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, spec)
+  out_BGQD, m_BGQ, l_BGQ = _blocked_forward(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, spec)
   return out_BGQD, (q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, out_BGQD, m_BGQ, l_BGQ)
 
 
-def _flash_core_bwd(spec: _Blocks, res, dout_BGQD):
+def _blocked_core_bwd(spec: _Blocks, res, dout_BGQD):
   q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, out_BGQD, m_BGQ, l_BGQ = res
-  dq, dk, dv = _flash_backward(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, out_BGQD, m_BGQ, l_BGQ,
+  dq, dk, dv = _blocked_backward(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, out_BGQD, m_BGQ, l_BGQ,
                                dout_BGQD, spec)
   return dq, dk, dv, None, None  # no cotangent for the mask and the offset (integers)
 
 
-_flash_core.defvjp(_flash_core_fwd, _flash_core_bwd)
+_blocked_core.defvjp(_blocked_core_fwd, _blocked_core_bwd)
 
 
-def _flash_attention(q_BSGRD, k, v, kv_valid_BC, q_offset, causal, kv_layout, *, block_q: int, block_k: int,
+def _blocked_attention(q_BSGRD, k, v, kv_valid_BC, q_offset, causal, kv_layout, *, block_q: int, block_k: int,
                      clip: bool = True, ordered: bool = False):
-  """Pads S and C to whole blocks, lays the operands out as _flash_core reads them, and back.
+  """Pads S and C to whole blocks, lays the operands out as _blocked_core reads them, and back.
   `clip=False` keeps the block sizes as given where S or C is smaller, and `ordered` computes the
   forward's products as fixed-order loops (both: the batch-invariant mode)."""
   b, s, g, r, d = q_BSGRD.shape
@@ -405,7 +472,7 @@ def _flash_attention(q_BSGRD, k, v, kv_valid_BC, q_offset, causal, kv_layout, *,
   pad_c = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, c_pad), (0, 0)))
   valid_BC = jnp.ones((b, c), bool) if kv_valid_BC is None else kv_valid_BC.astype(bool)
   valid_BC = jnp.pad(valid_BC, ((0, 0), (0, c_pad)))  # padded key slots: never valid
-  out_BGQD = _flash_core(q_BGSRD.reshape(b, g, (s + s_pad) * r, d), pad_c(k_BGCD), pad_c(v_BGCD), valid_BC,
+  out_BGQD = _blocked_core(q_BGSRD.reshape(b, g, (s + s_pad) * r, d), pad_c(k_BGCD), pad_c(v_BGCD), valid_BC,
                          jnp.asarray(q_offset, jnp.int32), spec)
   out_BGSRD = out_BGQD.reshape(b, g, s + s_pad, r, d)[:, :, :s]
   return jnp.transpose(out_BGSRD, (0, 2, 1, 3, 4))
@@ -414,23 +481,29 @@ def _flash_attention(q_BSGRD, k, v, kv_valid_BC, q_offset, causal, kv_layout, *,
 # ---------------------------------------------------------------------------------------------
 # cudnn
 
+def _cudnn_reason(dtype, head_dim: int, static_zero_offset: bool, causal: bool,
+                  capability: tuple[int, int]) -> str | None:
+  """Why cuDNN attention cannot take q / k / v of `dtype` (one dtype for all three) on a GPU."""
+  if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"cuDNN flash attention takes bf16 / fp16 q, k, v of one dtype (got {dtype})"
+  d_max = 256 if tuple(capability) >= (9, 0) else 128
+  if head_dim % 8 or head_dim > d_max:
+    return f"cuDNN needs a head dim that is a multiple of 8 and <= {d_max} (got {head_dim})"
+  if causal and not static_zero_offset:
+    return "cuDNN's causal mask is top-left aligned: q_offset must be the static 0 (got a shifted or traced offset)"
+  return None
+
+
 def _cudnn_unsupported(q_BSGRD, k, v, kv_valid_BC, q_offset, causal, kv_layout) -> str | None:
   """Why jax.nn.dot_product_attention(implementation='cudnn') cannot run these inputs (None: it can)."""
-  del kv_valid_BC, kv_layout  # any per-row mask: contiguous rows run, the rest go to flash (lax.cond)
+  del kv_valid_BC, kv_layout  # any per-row mask: contiguous rows run, the rest go to blocked (lax.cond)
   backend = jax.default_backend()
   if backend != "gpu":
     return f"cuDNN needs a GPU backend (this backend is {backend!r})"
   dtypes = {jnp.dtype(x.dtype) for x in (q_BSGRD, k, v)}
-  if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+  if len(dtypes) != 1:
     return f"cuDNN flash attention takes bf16 / fp16 q, k, v of one dtype (got {q_BSGRD.dtype}, {k.dtype}, {v.dtype})"
-  d = q_BSGRD.shape[-1]
-  capability = getattr(jax.devices()[0], "compute_capability", "0.0")
-  d_max = 256 if tuple(int(x) for x in str(capability).split(".")[:2]) >= (9, 0) else 128
-  if d % 8 or d > d_max:
-    return f"cuDNN needs a head dim that is a multiple of 8 and <= {d_max} (got {d})"
-  if causal and not _is_static_zero(q_offset):
-    return "cuDNN's causal mask is top-left aligned: q_offset must be the static 0 (got a shifted or traced offset)"
-  return None
+  return _cudnn_reason(dtypes.pop(), q_BSGRD.shape[-1], _is_static_zero(q_offset), causal, _capability())
 
 
 def _contiguous_runs(valid_BC):
@@ -449,7 +522,7 @@ def _roll_rows(x_BS_, shift_B):
   return jnp.take_along_axis(x_BS_, idx_BS.reshape(idx_BS.shape + (1,) * (x_BS_.ndim - 2)), axis=1)
 
 
-def _cudnn_attention(q_BSGRD, k, v, kv_valid_BC, q_offset, causal, kv_layout, *, flash, sdpa_impl="cudnn"):
+def _cudnn_attention(q_BSGRD, k, v, kv_valid_BC, q_offset, causal, kv_layout, *, fallback, sdpa_impl="cudnn"):
   """cuDNN attention; `sdpa_impl="xla"` runs the same wiring through jax's XLA reference (tests, on CPU)."""
   del q_offset  # the static 0 (_cudnn_unsupported)
   b, s, g, r, d = q_BSGRD.shape
@@ -475,11 +548,11 @@ def _cudnn_attention(q_BSGRD, k, v, kv_valid_BC, q_offset, causal, kv_layout, *,
     # cuDNN's rows past q_seqlen are not guaranteed written: 0 keeps them (and their gradient) finite.
     return jnp.where(seen_BS[:, :, None, None], out_BSHD, 0).astype(v.dtype)
 
-  def run_flash(q_BSHD, k_BCGD, v_BCGD):
-    return flash(q_BSHD.reshape(b, s, g, r, d), k_BCGD, v_BCGD, kv_valid_BC, 0, causal,
+  def run_blocked(q_BSHD, k_BCGD, v_BCGD):
+    return fallback(q_BSHD.reshape(b, s, g, r, d), k_BCGD, v_BCGD, kv_valid_BC, 0, causal,
                  "bcgd").reshape(b, s, g * r, d).astype(v.dtype)
 
-  out_BSHD = lax.cond(ok, run_cudnn, run_flash, q_BSHD, k_BCGD, v_BCGD)
+  out_BSHD = lax.cond(ok, run_cudnn, run_blocked, q_BSHD, k_BCGD, v_BCGD)
   return out_BSHD.reshape(b, s, g, r, d)
 
 

@@ -135,14 +135,13 @@ class Attention(nnx.Module):
       c = kv_valid_BC.shape[1]
       chex.assert_shape(kT_BGDC, (b, cfg.n_kv_heads, hd, c))
       chex.assert_shape(v_BGCD, (b, cfg.n_kv_heads, c, hd))
-      if s == 1 and not inv:  # decode: one query token per row (the invariant mode: the flash below)
+      if s == 1 and not inv:  # decode: one query token per row (the invariant mode: the blocked attention below)
         mask_BC = (jnp.arange(c)[None] <= cache_index) & kv_valid_BC
         out_B1X = _decode_attention(q_BSGRD[:, 0], kT_BGDC, v_BGCD, mask_BC)
         return linear(out_B1X, self.wo.get_value()), cache
-      # Scores from float32 operands: XLA:CPU has no bf16 x bf16 -> f32 dot for this layout,
-      # and a bf16 product is exact in float32, so the scores are the same.
-      f32 = jnp.float32
-      out_BSGRD = attention(q_BSGRD.astype(f32), kT_BGDC.astype(f32), v_BGCD, kv_valid_BC, q_offset=cache_index,
+      # q / k in the compute dtype: a bf16 prefill at the static offset 0 (the sampler's) reaches
+      # cuDNN on GPU (attention.auto_impl); on CPU attention() takes float32 scores itself.
+      out_BSGRD = attention(q_BSGRD, kT_BGDC, v_BGCD, kv_valid_BC, q_offset=cache_index,
                             kv_layout="cache", impl=cfg.attention, invariant=inv)
     out_BSX = einops.rearrange(out_BSGRD, "b s g r d -> b s (g r d)")  # X = H * head dim
     return linear(out_BSX, self.wo.get_value()), cache

@@ -10,6 +10,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from rl_jax import batch_invariant as invariant
+from rl_jax import impl_log
 from rl_jax.config_utils import ConfigError
 from rl_jax.models import expert_parallel as ep_lib
 from rl_jax.models.config import EXPERT_MATMULS, ModelConfig
@@ -245,7 +246,8 @@ def dropless_rows(x_GnD, ids_GnK, w_gate, w_up, w_down, n_experts: int,
         x, ids, *ws_rounds[:3])
 
   if matmul != "slab" or any(isinstance(w, QTensor) for w in (w_gate, w_up, w_down)):
-    return ragged(x_GnD, ids_GnK, w_gate, w_up, w_down, None)
+    return ragged(x_GnD, ids_GnK, w_gate, w_up, w_down, None)  # quant.ops.ragged_linear records it
+  impl_log.record("experts", f"slab {jnp.dtype(x_GnD.dtype).name}")
   tiers = capacity_tiers(rows if n_assignments is None else n_assignments, n_experts, max_slots=rows)
   branches = [slab(c) for c in tiers]
   if tiers[-1] < rows:  # the last tier can overflow: the exact fallback follows it
