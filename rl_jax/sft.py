@@ -48,6 +48,7 @@ class SFTConfig:
 # `resume`: optional, "check" or "force" (rl_jax.workdir.RunDir).
 TOP_LEVEL = {"job", "seed", "task", "model", "mesh", "optim", "sft", "logging", "resume"}
 
+
 def sections() -> dict[str, type]:
   """Section name -> config dataclass of an SFT job (config_schema's source for 'sft')."""
   return {"task": ex.TaskConfig, "model": ModelConfig, "mesh": sh.MeshConfig, "optim": OptimConfig,
