@@ -123,3 +123,27 @@ def require(cond: bool, key: str, msg: str) -> None:
   """Raises ConfigError naming `key` unless `cond` holds (for __post_init__ checks)."""
   if not cond:
     raise ConfigError(f"config key '{key}': {msg}")
+
+
+# Values a `--config.a.b=v` flag can set (ml_collections overrides a key only with its type).
+SCALAR = (bool, int, float, str)
+
+
+def scalar_defaults(cls: type) -> dict[str, Any]:
+  """Field -> default of every scalar field of the config dataclass `cls` (and of the fields its
+  registry entries own, `cls.registry_fields()`, as registered now)."""
+  hints = get_type_hints(cls)
+  out = {}
+  for f in dataclasses.fields(cls):
+    if f.default is not dataclasses.MISSING and isinstance(f.default, SCALAR):
+      # A float field written with an int default (`tis_high: float = 2`) must take float flags.
+      out[f.name] = float(f.default) if hints.get(f.name) is float else f.default
+  for k, (t, default) in getattr(cls, "registry_fields", lambda: {})().items():
+    if isinstance(default, SCALAR):
+      out[k] = float(default) if t is float else default
+  return out
+
+
+def flat_defaults(sections: Mapping[str, type]) -> dict[str, Any]:
+  """Flattened `section.key` -> default of every scalar field of a job's `sections` (name -> class)."""
+  return {f"{name}.{k}": v for name, cls in sections.items() for k, v in scalar_defaults(cls).items()}

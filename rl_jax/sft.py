@@ -21,7 +21,7 @@ from rl_jax import preempt
 from rl_jax import sharding as sh
 from rl_jax import workdir as wd
 from rl_jax.checkpoint import Checkpointer
-from rl_jax.config_utils import require
+from rl_jax.config_utils import flat_defaults, require
 from rl_jax.logprobs import token_logprobs
 from rl_jax.metrics import LoggingConfig, MetricsWriter, resolve_wandb_mode
 from rl_jax.models import ModelConfig
@@ -47,6 +47,13 @@ class SFTConfig:
 
 # `resume`: optional, "check" or "force" (rl_jax.workdir.RunDir).
 TOP_LEVEL = {"job", "seed", "task", "model", "mesh", "optim", "sft", "logging", "resume"}
+
+
+def sections() -> dict[str, type]:
+  """Section name -> config dataclass of an SFT job (config_schema's source for 'sft')."""
+  return {"task": ex.TaskConfig, "model": ModelConfig, "mesh": sh.MeshConfig, "optim": OptimConfig,
+          "logging": LoggingConfig, "sft": SFTConfig}
+
 
 # How many steps' batches `check_max_len` tokenizes before any compute.
 MAX_LEN_CHECK_STEPS = 64
@@ -147,7 +154,7 @@ def _run(config: Any, workdir: Any, job, mesh, task, tok, guard: preempt.Guard) 
   logging_cfg = dataclasses.replace(job.logging, wandb_mode=resolve_wandb_mode(job.logging.wandb_mode))
   config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   run_dir = wd.RunDir.open(workdir, config_dict, resume=config.get("resume", "check"),
-                           is_writer=jax.process_index() == 0)
+                           is_writer=jax.process_index() == 0, defaults=flat_defaults(sections()))
   ckpt = writer = bar = None
   try:
     graphdef, params = ex.init_params(job.model, job.seed, mesh)

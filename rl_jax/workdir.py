@@ -295,12 +295,15 @@ class RunDir:
 
   @classmethod
   def open(cls, workdir: Any, config_dict: dict, *, resume: str = "check",
-           is_writer: bool = True, subdir: str = "checkpoints") -> "RunDir":
+           is_writer: bool = True, subdir: str = "checkpoints",
+           defaults: dict | None = None) -> "RunDir":
     """Validates, locks (writer only), and checks or records the config; call before any compute.
 
     `is_writer`: process 0 of a multi-process job (or the only process). Other processes take no
     lock and write nothing, but run the same config check on the same stored files, so every
-    process fails alike.
+    process fails alike. `defaults`: the job's flattened schema defaults (`section.key` -> value,
+    e.g. `RLJob.schema_defaults()`), so a key one config leaves out compares as its default; the
+    caller passes them, since the schema sits above this module.
     """
     if resume not in ("check", "force"):
       raise ConfigError(f"config key 'resume': {resume!r} is not one of ['check', 'force']")
@@ -317,25 +320,19 @@ class RunDir:
       except OSError as e:
         raise ConfigError(f"config key 'workdir': cannot create or write {root} ({e})") from None
     try:
-      return cls._open_locked(root, config_dict, resume, is_writer, lock, subdir)
+      return cls._open_locked(root, config_dict, resume, is_writer, lock, subdir, defaults)
     except BaseException:
       if lock is not None:
         lock.release()
       raise
 
   @classmethod
-  def _open_locked(cls, root, config_dict, resume, is_writer, lock, subdir) -> "RunDir":
+  def _open_locked(cls, root, config_dict, resume, is_writer, lock, subdir, defaults) -> "RunDir":
     run_file = root / RUN_NAME
     resuming = has_checkpoint(root, subdir)
     stored = _read_json(run_file) if run_file.exists() else {}
     new = json.loads(json.dumps(config_dict, default=str))
     if resuming and stored.get("config") is not None:
-      job = new.get("job")
-      if job in ("rl", "sft"):  # a key one config leaves out means its default (config_schema)
-        from rl_jax import config_schema  # pylint: disable=g-import-not-at-top
-        defaults = config_schema.defaults(job)
-      else:
-        defaults = None
       diff = check_config(stored["config"], new, resume, defaults)
       identity = stored.get("identity")
       if diff and is_writer:

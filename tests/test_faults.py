@@ -241,6 +241,18 @@ def test_changed_config_fails_listing_keys_safe_keys_pass_force_overrides(tmp_pa
   assert stored["config"]["seed"] == 1 and "seed" in stored["history"][-1]["changed"]
 
 
+def test_a_key_the_stored_config_lacks_compares_as_the_default_the_caller_passes(tmp_path):
+  """Issue 40: RunDir takes the job's schema defaults as an argument (it imports no schema)."""
+  wd.RunDir.open(tmp_path, _cfg()).close()
+  _fake_checkpoint(tmp_path)
+  newer = _cfg(loss__new_key=0.5)  # a key added to the schema after the run started
+  with pytest.raises(ConfigError, match=r"loss.new_key: '<absent>' -> 0.5"):
+    wd.RunDir.open(tmp_path, newer)
+  wd.RunDir.open(tmp_path, newer, defaults={"loss.new_key": 0.5}).close()
+  with pytest.raises(ConfigError, match=r"loss.new_key: 0.25 -> 0.5"):
+    wd.RunDir.open(tmp_path, newer, defaults={"loss.new_key": 0.25})
+
+
 def test_model_shape_change_is_caught_before_restore(tmp_path):
   wd.RunDir.open(tmp_path, _cfg()).close()
   _fake_checkpoint(tmp_path)

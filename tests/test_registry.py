@@ -84,3 +84,18 @@ def test_a_method_registered_after_loss_config_owns_its_fields(user_method):
   logq = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
   grad = lambda c: jax.grad(lambda z: rl_loss(z, targets, mask, adv, logq, c)[0])(logits)
   np.testing.assert_allclose(grad(cfg), grad(LossConfig()), rtol=1e-6, atol=1e-7)
+
+
+def test_builtin_method_fields_are_declared_fields_of_the_class():
+  """Issue 40: the built-in methods' thresholds are generated into LossConfig when the class is
+  created (visible to `dataclasses.fields`), not read from `registry_params`."""
+  declared = {f.name: f for f in dataclasses.fields(LossConfig)}
+  owned = {k: p for m in METHODS for k, p in methods.METHOD_REGISTRY[m].params.items()}
+  assert owned and set(owned) <= set(declared)
+  assert all(declared[k].default == p.default for k, p in owned.items())
+  cfg = LossConfig(method="tis", tis_high=3.0)
+  assert cfg.tis_high == 3.0 and cfg.registry_params == ()
+  assert dataclasses.replace(cfg, tis_high=4.0).tis_high == 4.0
+  with pytest.raises(ValueError, match="already declares"):
+    registry.registry_fields_now(methods.METHOD_REGISTRY)(
+        type("Clash", (), {"__annotations__": {"tis_high": float}}))

@@ -6,8 +6,8 @@ Two explicit dispatches (`ModelConfig.moe_dispatch`), both dropless and equal to
 - "shard_map": ALL-TO-ALL. Each device sends each expert-axis peer only the (token, slot) rows
   routed to that peer's local experts, in a per-peer buffer of `a2a_capacity` rows
   (`A2A_CAPACITY_FACTOR` x the balanced load n k / ep, rounded up to 8), the peer runs its
-  local experts on what it received (`moe.dropless_rows`: capacity slab tiers, then rounds of the last one;
-  or, by `ModelConfig.expert_matmul`, the Pallas grouped matmul or ragged_dot of the sorted rows),
+  local experts on what it received (`expert_rows.dropless_rows`: capacity slab tiers, then rounds
+  of the last one; or, by `ModelConfig.expert_matmul`, the Pallas grouped matmul or ragged_dot of the sorted rows),
   a second all-to-all brings the results back and the owner combines them with its gates (gates
   never travel). When any buffer of the expert-axis group would overflow (skewed routing), the
   whole group (a `pmax` of the flag over `expert`) takes an exact fallback under a `lax.cond`,
@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from rl_jax.config_utils import ConfigError
+from rl_jax.models import expert_rows
 from rl_jax.quant.ops import ragged_linear
 from rl_jax.quant.qtensor import QTensor
 
@@ -265,8 +266,7 @@ def _send_plan(ids_nK, n_local: int, ep: int):
 
 def _local_experts(lay: _Layout, x_RD, e_R, ws, n_assignments: int):
   """Ungated SwiGLU of received rows by local expert e_R (n_local = padding row: zero)."""
-  from rl_jax.models import moe as moe_lib  # pylint: disable=g-import-not-at-top  (moe imports this module)
-  return moe_lib.dropless_rows(x_RD[None], e_R[None, :, None], *ws, lay.n_local,
+  return expert_rows.dropless_rows(x_RD[None], e_R[None, :, None], *ws, lay.n_local,
                                n_assignments=n_assignments, matmul=lay.matmul)[0, :, 0]
 
 
@@ -369,7 +369,7 @@ def all_to_all_experts(x_ND, ids_NK, gates_NK, w_gate, w_up, w_down, n_experts: 
   (`all_gather_experts`' body: skew-independent traffic, but a `lax.cond` allocates for its
   larger branch, so the gather's ep n k rows set the layer's peak memory anyway).
   `mesh` defaults to the context mesh (`jax.set_mesh`). `expert_matmul` (resolved: slab,
-  ragged_dot, grouped) is how the local experts run on the received rows (`moe.dropless_rows`).
+  ragged_dot, grouped) is how the local experts run on the received rows (`expert_rows.dropless_rows`).
   """
   if impl not in A2A_IMPLS:
     raise ConfigError(f"config key 'model.moe_a2a': {impl!r} is not one of {list(A2A_IMPLS)}")

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 #                 lowering for CUDA; benchmarks/device_check.py runs it on a GPU.
 #   "auto"        ragged_dot on TPU and CPU, pallas on GPU.
 # The capacity-slab formulation (an [E, C, D] batched matmul, exact while no group holds
-# more than C rows) is `moe._capacity_experts`: it needs the per-tier switch and the
+# more than C rows) is `expert_rows._capacity_experts`: it needs the per-tier switch and the
 # token scatter that live there, so it is not an impl of this row-level function.
 # On TPU, jax 0.10 also ships `jax.experimental.pallas.ops.tpu.megablox.gmm` (it imports);
 # "auto" still takes ragged_dot there, which Mosaic lowers natively.

@@ -6,7 +6,8 @@ from typing import Any, Literal
 
 from rl_jax import experiment as ex
 from rl_jax import sharding as sh
-from rl_jax.config_utils import from_dict, require
+from rl_jax import sft as sft_lib
+from rl_jax.config_utils import flat_defaults, from_dict, require
 from rl_jax.metrics import LoggingConfig
 from rl_jax.models import ModelConfig
 from rl_jax.optim import OptimConfig
@@ -184,6 +185,12 @@ class RLJob:
     job.check()
     return job
 
+  @staticmethod
+  def schema_defaults() -> dict[str, Any]:
+    """Flattened `section.key` -> default of every scalar key (what a key a stored config leaves
+    out means when a run resumes: `RunDir.open(defaults=...)`)."""
+    return flat_defaults(sections())
+
   def check(self) -> None:
     """Cross-section combinations that cannot work fail here, before any compute."""
     s, l = self.sampler, self.loss
@@ -211,3 +218,11 @@ class RLJob:
     require(self.rl.group_size >= 2 or self.advantage.mode not in GROUP_RELATIVE, "rl.group_size",
             f"1 with advantage.mode={self.advantage.mode!r}: a group of one has zero advantage "
             "everywhere (nothing to learn); use group_size >= 2 or advantage.mode='raw'")
+
+
+def sections() -> dict[str, type]:
+  """Section name -> config dataclass of an RL job: the SFT job's common sections, the RL ones,
+  and its SFT warm start's `sft` / `sft_optim` (config_schema's source for 'rl')."""
+  common = {k: v for k, v in sft_lib.sections().items() if k != "sft"}
+  return {**common, "sampler": SamplerConfig, "loss": LossConfig, "advantage": AdvantageConfig,
+          "rl": RLConfig, "warm_start": WarmStartConfig, "sft": sft_lib.SFTConfig, "sft_optim": OptimConfig}

@@ -6,8 +6,9 @@ from typing import Literal
 
 from rl_jax.config_utils import ConfigError, require
 from rl_jax.rl.advantages import AdvantageConfig  # re-exported: the config sections live together
+from rl_jax.rl import methods as _builtin_methods  # noqa: F401  (fills METHOD_REGISTRY before the class)
 from rl_jax.rl.registry import (METHOD_REGISTRY, add_registry_params, check_registry_params,
-                                require_registered)
+                                registry_fields_now, require_registered)
 
 ScoreCentering = Literal["none", "full", "topk"]
 Aggregation = Literal["batch_tokens", "constant", "seq_mean"]
@@ -33,6 +34,7 @@ def sc_composable_methods() -> list[str]:
 
 @add_registry_params(METHOD_REGISTRY)
 @dataclasses.dataclass(frozen=True)
+@registry_fields_now(METHOD_REGISTRY)
 class LossConfig:
   """The RL loss: correction method, score centering, aggregation and every threshold.
 
@@ -68,10 +70,11 @@ class LossConfig:
     Method-owned fields (each method's thresholds: tis_high, cispo_low / cispo_high,
       mis_low / mis_high, ppo_*, dapo_*, gspo_*, topr_high, dppo_tv, minirl_eps_low /
       minirl_eps_high / minirl_tis_c and MiniRL's ablation switches minirl_train_infer_is /
-      minirl_clip) are declared where the method registers (methods.py, `params=`) and
-      read from the registry each time a LossConfig is built (`add_registry_params`), so a
-      method registered later, from a user's module, owns fields too; the defaults and checks
-      are those of docs/math.md#correction-methods.
+      minirl_clip) are declared where the method registers (methods.py, `params=`); those
+      registered when this class is created become its declared fields (`registry_fields_now`,
+      listed by `dataclasses.fields`), and a method registered later, from a user's module,
+      owns fields of every config built after it (`add_registry_params`, in `registry_params`);
+      the defaults and checks are those of docs/math.md#correction-methods.
   """
   method: str = "pg"
   score_centering: ScoreCentering = "none"
@@ -82,7 +85,8 @@ class LossConfig:
   temperature: float = 1.0
   chunk_size: int = 0
   sampling_mask: SamplingMask = "none"
-  # The entry-owned fields (name, value), from the registry when built (`add_registry_params`).
+  # Fields of entries registered after this class was created (name, value), from the registry
+  # when a config is built (`add_registry_params`); the built-in methods' are declared fields.
   registry_params: tuple = ()
 
   def __post_init__(self):

@@ -130,6 +130,30 @@ def register_reward_mode(name: str):
 REGISTRY_FIELD = "registry_params"
 
 
+GENERATED = "__registry_generated__"   # class attribute: the names `registry_fields_now` made fields
+
+
+def registry_fields_now(registry: dict):
+  """Class decorator (apply BELOW @dataclass, so it runs first): every Param the registry holds
+  when the class is created becomes a declared, annotated field with its default, so the class
+  shows it (`dataclasses.fields`, help(), an IDE). Entries registered after the class was created
+  are `add_registry_params`' (stored in `registry_params`)."""
+  def deco(cls):
+    notes = cls.__dict__.get("__annotations__", {})
+    clash = sorted(k for k in _params_owned(registry) if k in notes)
+    if clash:
+      raise ValueError(f"{cls.__name__} already declares registry-owned field(s) {clash}")
+    generated = []
+    for k, (_, p) in _params_owned(registry).items():
+      notes[k] = type(p.default)
+      setattr(cls, k, p.default)
+      generated.append(k)
+    cls.__annotations__ = notes
+    setattr(cls, GENERATED, frozenset(generated))
+    return cls
+  return deco
+
+
 def add_registry_params(registry: dict):
   """Class decorator (apply ABOVE @dataclass, whose class declares `registry_params: tuple = ()`):
   every registered entry's Params become keyword arguments and attributes of the config.
@@ -143,6 +167,7 @@ def add_registry_params(registry: dict):
   """
   def deco(cls):
     own = {f.name for f in dataclasses.fields(cls)}
+    generated = getattr(cls, GENERATED, frozenset())   # registry fields declared at class creation
     if REGISTRY_FIELD not in own:
       raise TypeError(f"{cls.__name__} must declare `{REGISTRY_FIELD}: tuple = ()` for add_registry_params")
     base_init = cls.__init__
@@ -154,9 +179,9 @@ def add_registry_params(registry: dict):
         if k not in owned:
           raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {k!r}")
         given[k] = kwargs.pop(k)
-      for k in owned.keys() & own:
+      for k in owned.keys() & (own - generated):
         raise ValueError(f"{owned[k][0]!r} declares field {k!r}, which {cls.__name__} already has")
-      values = tuple((k, given.get(k, p.default)) for k, (_, p) in owned.items())
+      values = tuple((k, given.get(k, p.default)) for k, (_, p) in owned.items() if k not in generated)
       base_init(self, *args, **{REGISTRY_FIELD: values}, **kwargs)
 
     def __getattr__(self, name):  # only reached when `name` is not an ordinary attribute

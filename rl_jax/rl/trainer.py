@@ -102,7 +102,7 @@ class RLTrainer:
     self.logging_cfg = dataclasses.replace(job.logging,
                                            wandb_mode=resolve_wandb_mode(job.logging.wandb_mode))
     self.run_dir = wd.RunDir.open(workdir, self.config_dict, resume=config.get("resume", "check"),
-                                  is_writer=jax.process_index() == 0)
+                                  is_writer=jax.process_index() == 0, defaults=RLJob.schema_defaults())
     self.workdir = self.run_dir.root
     self.ckpt = None
     try:
