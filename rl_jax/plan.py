@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from rl_jax import cli
+from rl_jax import impl_log  # stdlib only: light enough for the planner's start-up
 
 _ENV_DEVICES = "RL_JAX_PLAN_DEVICES"
 # XLA:CPU's default scheduler optimizes for thread concurrency: it runs independent work early,
@@ -581,7 +582,6 @@ def substitutions(log: dict, job, device: str) -> list[str]:
   recorded (rl_jax.impl_log): attention, quantized linears, the experts (plain and quantized)."""
   import collections  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from rl_jax import impl_log  # pylint: disable=g-import-not-at-top
   from rl_jax.models import moe  # pylint: disable=g-import-not-at-top
   platform = "tpu" if device.startswith("tpu") else "gpu"
   fmt = lambda counts: ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
@@ -619,7 +619,6 @@ def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=No
 
   `notes` (a dict, optional) receives "substitutions": what XLA:CPU compiled in place of what
   `device` runs (`substitutions`), also printed under the table's header."""
-  from rl_jax import impl_log  # pylint: disable=g-import-not-at-top
   from rl_jax import plan_hw  # pylint: disable=g-import-not-at-top
   from rl_jax import sharding as sh  # pylint: disable=g-import-not-at-top
   from rl_jax.rl.job import RLJob  # pylint: disable=g-import-not-at-top
