@@ -92,6 +92,7 @@ class RLTrainer:
       self.tok = HFTokenizer.from_dir(local)
     else:
       self.tok = ex.make_tokenizer(self.task, job.model)
+    ex.bind_task(self.task, self.tok, job.sampler.max_prompt_len)   # a dataset: read, render, filter
     self._check_tokens()
     self._check_prompts()
     if job.warm_start.source == "sft":
