@@ -138,6 +138,7 @@ class DatasetTask:
       files = records_lib.expand(getattr(self.config, split + "_files"), key)
       self._splits[split] = self._load(split, files, tok, max_prompt_len)
     self._bound = (id(tok), max_prompt_len)
+    self._eval_order = interleave([r.data_source for r in self._splits["eval"].records])
     self._orders = {}
     srcs = self.sources("train")
     w = order_lib.parse_weights(self.config.source_weights, srcs, "task.overrides.source_weights")
@@ -220,7 +221,7 @@ class DatasetTask:
   def record_index(self, seed: int, split: str, index: int) -> int:
     """The position in the split's kept records of the problem at `index`."""
     if split == "eval":
-      return index
+      return self._eval_order[index]
     o = self._order(seed)
     item = o.item(index)
     if not self._weights:
@@ -232,7 +233,8 @@ class DatasetTask:
 
   def make_problems(self, seed: int, split: str, start: int, count: int) -> list[Record]:
     """Train: positions start .. start + count - 1 of the epoch-wise shuffled (or weighted) order;
-    eval: the first `count` eval prompts in file order (count above their number is an error)."""
+    eval: the eval prompts with the sources interleaved (`interleave`), so any eval_size covers
+    every source; a count above their number is an error."""
     sp = self._split(split)
     if split == "eval" and start + count > len(sp.records):
       raise ConfigError(f"config key 'rl.eval_size': {start + count} exceeds the {len(sp.records)} eval "
@@ -330,6 +332,21 @@ class DatasetTask:
     if self._pool is not None:
       self._pool.close()
       self._pool = None
+
+
+def interleave(sources: Sequence[str]) -> list[int]:
+  """Record indices taking each source's next record in turn (file order within a source), until
+  all are taken: [a0, b0, a1, b1, a2, ...] for sources a, b."""
+  queues = collections.OrderedDict()
+  for i, s in enumerate(sources):
+    queues.setdefault(s, collections.deque()).append(i)
+  out = []
+  while queues:
+    for s in list(queues):
+      out.append(queues[s].popleft())
+      if not queues[s]:
+        del queues[s]
+  return out
 
 
 @register_task("dataset")
