@@ -15,10 +15,15 @@ def serve(memory_mb: int) -> None:
   sys.setrecursionlimit(10_000)
   import logging  # pylint: disable=g-import-not-at-top
   from rl_jax.tasks import verifiers  # pylint: disable=g-import-not-at-top
-  logging.getLogger('math_verify').setLevel(logging.CRITICAL)  # its timeouts are our verdicts
+  logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # its timeouts are our verdicts
+  try:  # imported before 'ready', so a call's deadline covers the call only
+    import math_verify  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    pass
   stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
   sys.stdout = sys.stderr  # a verifier's prints must not corrupt the frames
   fd = stdin.fileno()
+  write_frame(stdout, "ready")
   while True:
     try:
       (n,) = HEADER.unpack(read_exact(fd, HEADER.size))

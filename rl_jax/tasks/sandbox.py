@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any, Sequence
 
+# Seconds a new worker may take to import its verifiers (sympy, math-verify) before its first call.
+STARTUP_S = 120.0
 # Named errors of a call that did not return a verdict (besides a verifier's own codes).
 TIMEOUT, MEMORY, CRASHED, RECURSION, EXCEPTION, BAD_RESULT = (
     "timeout", "memory", "worker_crashed", "recursion", "verifier_exception", "bad_result")
@@ -53,6 +55,15 @@ class _Worker:
     self.fd = self.proc.stdout.fileno()
     self.deadline = 0.0
     self.slot = -1
+    # The worker says 'ready' once its imports are done: start-up never counts against a call.
+    ready, _, _ = select.select([self.fd], [], [], STARTUP_S)
+    try:
+      if not ready or self.recv() != "ready":
+        raise EOFError
+    except (EOFError, OSError, ValueError):
+      self.kill()
+      raise RuntimeError(f"a verifier worker did not start within {STARTUP_S} s "
+                         f"({sys.executable} -m rl_jax.tasks._verifier_worker)") from None
 
   def send(self, spec: str, args: list, deadline: float, slot: int) -> None:
     write_frame(self.proc.stdin, [spec, args])
