@@ -35,6 +35,8 @@ setup(
         # (rl_jax/tasks/verifiers.py; math-verify brings sympy and the LaTeX parser).
         "pyarrow>=14",
         "math-verify>=0.7",
+        # Chat templates render through jinja2 (rl_jax/tasks/hf_tokenizer.py), as transformers does.
+        "jinja2>=3.1",
         # rl_jax.study.stats: the paired t / Wilcoxon tests and power of the pre-registered studies.
         "scipy>=1.11",
         # A host allocator in a wheel (libmimalloc.so under site-packages/cmeel.prefix/lib) that the
