@@ -279,7 +279,11 @@ class RLTrainer:
     texts = self.completions(ro)
     if hasattr(self.task, "score_batch"):  # batched: a dataset's sandboxed verifiers run in parallel
       verdicts = self.task.score_batch(problems, texts)
-      return np.asarray([v.reward for v in verdicts], np.float32), [v.error for v in verdicts]
+      rewards = np.asarray([v.reward for v in verdicts], np.float32)
+      if jax.process_count() > 1:  # process 0's verdicts for all: a timeout on one host only must not split them
+        from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+        rewards = np.asarray(multihost_utils.broadcast_one_to_all(rewards), np.float32)
+      return rewards, [v.error for v in verdicts]
     return np.asarray([self.task.reward(p, t) for p, t in zip(problems, texts)], np.float32), []
 
   def prepare(self, ro: rollout_lib.Rollout, rewards: np.ndarray, old=None) -> tuple[TrainBatch, dict]:
