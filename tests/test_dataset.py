@@ -191,3 +191,23 @@ def test_sources_share_the_batch_by_weight(data, tok):
   assert abs(counts["arith_add"] / 800 - 0.75) < 0.05
   with pytest.raises(ConfigError, match="source_weights.*no source 'nope'"):
     _task(data, tok, source_weights="nope=1")
+
+
+def test_per_source_metrics_split_the_batch_by_source():
+  import numpy as np
+  from rl_jax.rl import source_metrics as sm
+  srcs = ["a", "a", "b", "b", "a", "open/ai"]
+  rewards = np.array([1.0, 0.0, 1.0, 1.0, 0.5, 0.0])
+  lengths = np.array([4, 8, 8, 2, 6, 8])
+  last = np.array([2, 9, 2, 2, 2, 7])   # eos id 2; rows at length 8 not ending in eos are truncated
+  trunc = sm.truncated(lengths, last, 8, eos_id=2)
+  assert trunc.tolist() == [False, True, False, False, False, True]
+  m = sm.train_metrics(srcs, rewards, ["", "wrong_value", "", "", "wrong_value", "timeout"], lengths, trunc)
+  assert m["train/a/reward"] == 0.5 and m["train/a/accuracy"] == 1 / 3 and m["train/a/response_length"] == 6
+  assert m["train/a/truncated"] == 1 / 3 and m["train/a/share"] == 0.5
+  assert m["train/b/accuracy"] == 1.0 and m["train/open_ai/truncated"] == 1.0
+  assert m["verifier/wrong_value"] == 2 / 6 and m["verifier/timeout"] == 1 / 6 and m["truncated"] == 2 / 6
+  e = sm.eval_metrics(["a", "b", "a"], np.array([1.0, 0.0, 0.0]), np.array([[1.0, 0.0], [0.0, 0.0], [0.0, 0.0]]),
+                      np.array([[3, 5], [8, 8], [1, 1]]), np.array([[False, False], [True, True], [False, False]]))
+  assert e["eval/a/accuracy"] == 0.5 and e["eval/a/avg_at_k"] == 0.25 and e["eval/a/pass_at_k"] == 0.5
+  assert e["eval/a/response_length"] == 2.5 and e["eval/b/truncated"] == 1.0 and e["eval/b/count"] == 1

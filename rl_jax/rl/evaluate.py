@@ -29,19 +29,17 @@ def evaluate(task: Any, score: Callable, completions: Callable, generate: Callab
   n = len(problems)
   ro = generate(clean_state, ids, valid, key, "greedy")
   texts = completions(ro)
-  if hasattr(task, "score_batch"):  # one batched (sandboxed) verifier pass gives rewards and errors
-    verdicts = task.score_batch(problems, texts)
-    greedy = [v.reward for v in verdicts]
-    out = {"eval_greedy_accuracy": float(np.mean(greedy))}
-    outcomes = collections.Counter(v.error or "correct" for v in verdicts)
-    out.update({f"eval_greedy_outcome/{name}": c / n for name, c in sorted(outcomes.items())})
+  if hasattr(task, "score_batch"):  # one batched (sandboxed) verifier pass: rewards and errors
+    details = task.score_batch(problems, texts)
+    greedy = [d.reward for d in details]
   else:
     greedy = [task.reward(p, t) for p, t in zip(problems, texts)]
-    out = {"eval_greedy_accuracy": float(np.mean(greedy))}
-  if hasattr(task, "reward_details") and not hasattr(task, "score_batch"):
+    details = ([task.reward_details(p, t) for p, t in zip(problems, texts)]
+               if hasattr(task, "reward_details") else None)
+  out = {"eval_greedy_accuracy": float(np.mean(greedy))}
+  if details is not None:
     # Why greedy answers fail (malformed, wrong numbers, wrong value): what RL is fixing.
-    outcomes = collections.Counter(task.reward_details(p, t).error or "correct"
-                                   for p, t in zip(problems, texts))
+    outcomes = collections.Counter(d.error or "correct" for d in details)
     out.update({f"eval_greedy_outcome/{name}": c / n for name, c in sorted(outcomes.items())})
   ids, valid = rollout_lib.repeat_prompts((ids, valid), k)
   ro = generate(clean_state, ids, valid, key, "sampled")
