@@ -1,4 +1,4 @@
-"""Dataset task: verl schema from jsonl / parquet, field mapping, errors, order and resume, filtering, chat-template parity."""
+"""Dataset task: verl schema in jsonl / parquet, field mapping, errors, order and resume, filtering, chat templates."""
 import collections
 import json
 import os

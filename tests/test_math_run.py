@@ -1,4 +1,4 @@
-"""The math path end to end: generated files (jsonl + parquet, two sources) -> RL run -> per-source metrics -> resume; the math configs."""
+"""The math path end to end (generated jsonl + parquet, two sources: RL, per-source metrics, resume); its configs."""
 import json
 import math
 

@@ -1,4 +1,4 @@
-"""Verifiers: math equivalence table (written from the math), hostile completions bounded in time and memory, registry and user functions."""
+"""Verifiers: a math equivalence table written from the math, hostile completions bounded, registry, user functions."""
 import sys
 import textwrap
 import time

@@ -1,4 +1,4 @@
-"""Prompt records read from jsonl / parquet files (local, gs://, s3:// via etils.epath) in verl's schema or a mapped one."""
+"""Prompt records from jsonl / parquet files (local, gs://, s3:// via etils.epath): verl's schema or a mapped one."""
 from __future__ import annotations
 
 import dataclasses

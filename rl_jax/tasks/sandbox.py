@@ -1,4 +1,4 @@
-"""Bounded verifier calls: persistent worker processes, a deadline per call, RLIMIT_AS; a hung or exploded call is killed.
+"""Bounded verifier calls: persistent worker processes, a deadline per call, RLIMIT_AS; a hung call's worker is killed.
 
 Model output is untrusted, and a symbolic comparison can hang inside one C-level big-integer
 operation (`9^9^9^9`) where no signal reaches Python, or allocate without bound. Each call
