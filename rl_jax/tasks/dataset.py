@@ -1,4 +1,4 @@
-"""The dataset task (`task.name=dataset`): prompts from jsonl / parquet files, filtered, shuffled, verified by source."""
+"""The dataset task (`task.name=dataset`): prompts from jsonl / parquet files, shuffled, verified per source."""
 from __future__ import annotations
 
 import collections
