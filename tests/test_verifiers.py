@@ -1,4 +1,5 @@
 """Verifiers: a math equivalence table written from the math, hostile completions bounded, registry, user functions."""
+import json
 import sys
 import textwrap
 import time
@@ -175,3 +176,26 @@ def test_cost_per_call(pool):
   assert all(r == (1.0, "") for r in got)
   print(f"math verifier: {per_call * 1e3:.2f} ms per call (2 workers)")
   assert per_call < 0.05
+
+
+def test_a_step_of_hostile_completions_scores_every_row_through_the_task():
+  """The dataset task's batch scoring (what the trainer calls per step) over hostile rows: one verdict
+  per row, each hostile one 0 with a named error, the whole batch bounded in time."""
+  from rl_jax.tasks.dataset import DatasetConfig, DatasetTask
+  from rl_jax.tasks.records import Record
+  task = DatasetTask(DatasetConfig(verifiers="cd=countdown,em=exact_match", verifier_workers=2,
+                                   verifier_timeout_s=3.0, verifier_memory_mb=1024))
+  try:
+    rec = lambda src, truth: Record(src, "q", json.dumps(truth), "{}", "", "test:1")
+    problems = [rec("math_src", "3")] * len(HOSTILE) + [rec("cd", {"target": 6, "numbers": [1, 2, 3]}),
+                                                        rec("em", "Paris")]
+    texts = HOSTILE + ["<answer>" + "(" * 10_000 + "</answer>", "x" * (1 << 20)]
+    t = time.monotonic()
+    verdicts = task.score_batch(problems, texts)
+    assert time.monotonic() - t < 3.0 * len(HOSTILE) / 2 + 10
+    assert len(verdicts) == len(problems)
+    assert verdicts[4].reward == 1.0   # the megabyte ending in the right boxed answer
+    assert all(v.reward == 0.0 and v.error for i, v in enumerate(verdicts) if i != 4), verdicts
+    assert task.verifier_of("cd") == "countdown" and task.verifier_of("other") == "math"
+  finally:
+    task.close()
