@@ -94,7 +94,7 @@ class Verdict:
 @dataclasses.dataclass
 class _Split:
   records: list[Record]
-  ids: list[list[int]]
+  ids: list[np.ndarray]
   texts: list[str]
   files: list[str]
   dropped: collections.Counter  # source -> prompts longer than max_prompt_len
@@ -140,12 +140,9 @@ class DatasetTask:
     self._bound = (id(tok), max_prompt_len)
     self._eval_order = interleave([r.data_source for r in self._splits["eval"].records])
     self._orders = {}
-    srcs = self.sources("train")
-    w = order_lib.parse_weights(self.config.source_weights, srcs, "task.overrides.source_weights")
-    if w:
-      missing = [s for s in srcs if w.get(s, 0) > 0 and not self._source_size("train", s)]
-      require(not missing, "task.overrides.source_weights", f"sources {missing} have no prompts")
-    self._weights = w
+    # Sources are those with kept prompts: a weighted source whose prompts were all dropped is named.
+    self._weights = order_lib.parse_weights(self.config.source_weights, self.sources("train"),
+                                            "task.overrides.source_weights")
 
   def _render(self, rec: Record, tok: Any) -> tuple[str, list[int]]:
     cfg = self.config
@@ -176,7 +173,7 @@ class DatasetTask:
         dropped[rec.data_source] += 1
         continue
       recs.append(rec)
-      ids.append(row)
+      ids.append(np.asarray(row, np.int32))   # 4 bytes a token, not a Python int
       texts.append(text)
       h.update(json.dumps([rec.data_source, text, rec.ground_truth_json]).encode() + b"\n")
     n_drop = sum(dropped.values())
@@ -199,9 +196,6 @@ class DatasetTask:
 
   def sources(self, split: str = "train") -> list[str]:
     return list(dict.fromkeys(r.data_source for r in self._split(split).records))
-
-  def _source_size(self, split: str, source: str) -> int:
-    return sum(r.data_source == source for r in self._split(split).records)
 
   def size(self, split: str) -> int:
     return len(self._split(split).records)
@@ -257,7 +251,7 @@ class DatasetTask:
   def prompt_ids(self, problem: Record, tok: Any) -> list[int]:
     """Its tokens as rendered at bind (a chat template's own tokens, no extra bos)."""
     del tok
-    return list(self._lookup(problem)[1])
+    return self._lookup(problem)[1].tolist()
 
   def completion(self, problem: Record) -> str:
     """The SFT target: the row's solution field, else a sentence with the boxed ground truth."""
