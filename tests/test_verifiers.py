@@ -199,3 +199,16 @@ def test_a_step_of_hostile_completions_scores_every_row_through_the_task():
     assert task.verifier_of("cd") == "countdown" and task.verifier_of("other") == "math"
   finally:
     task.close()
+
+
+def test_identical_completions_of_a_group_are_verified_once():
+  from rl_jax.tasks.dataset import DatasetConfig, DatasetTask
+  from rl_jax.tasks.records import Record
+  task = DatasetTask(DatasetConfig(verifier_workers=1))
+  try:
+    p = Record("m", "q", json.dumps("4"), "{}", "", "test:1")
+    verdicts = task.score_batch([p] * 6, [r"\boxed{4}"] * 3 + [r"\boxed{5}"] * 2 + [r"\boxed{2+2}"])
+    assert [v.reward for v in verdicts] == [1, 1, 1, 0, 0, 1]
+    assert task._pool.calls == 3   # pylint: disable=protected-access
+  finally:
+    task.close()

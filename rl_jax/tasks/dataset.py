@@ -267,15 +267,22 @@ class DatasetTask:
     return verifiers_lib.choose(source, self._rules, self.config.default_verifier)
 
   def score_batch(self, problems: Sequence[Record], completions: Sequence[str]) -> list[Verdict]:
-    """Verdicts of a batch: in-process verifiers inline, isolated ones on the sandbox's workers."""
+    """Verdicts of a batch: in-process verifiers inline, isolated ones on the sandbox's workers
+    (identical (problem, completion) pairs, common within a group, verified once)."""
     out: list[Verdict | None] = [None] * len(problems)
     calls, slots = [], []
+    first: dict[tuple, int] = {}   # a group's identical completions are verified once
     for i, (p, text) in enumerate(zip(problems, completions)):
       spec = self.verifier_of(p.data_source)
       text = text[-verifiers_lib.TAIL_CHARS:] if isinstance(text, str) else ""
       if verifiers_lib.is_isolated(spec):
+        key = (spec, p, text)
+        if key in first:
+          slots.append((i, first[key]))
+          continue
+        first[key] = len(calls)
         calls.append((spec, [p.data_source, text, p.ground_truth, p.extra_info]))
-        slots.append(i)
+        slots.append((i, first[key]))
         continue
       try:
         out[i] = Verdict(*verifiers_lib.call_local(spec, p.data_source, text, p.ground_truth, p.extra_info))
@@ -285,8 +292,9 @@ class DatasetTask:
       if self._pool is None:
         c = self.config
         self._pool = sandbox.Pool(c.verifier_workers, c.verifier_timeout_s, c.verifier_memory_mb)
-      for i, (r, e) in zip(slots, self._pool.run(calls)):
-        out[i] = Verdict(r, e)
+      results = self._pool.run(calls)
+      for i, j in slots:
+        out[i] = Verdict(*results[j])
     return out  # type: ignore[return-value]
 
   def reward_details(self, problem: Record, completion: str) -> Verdict:
