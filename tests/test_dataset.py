@@ -211,3 +211,20 @@ def test_per_source_metrics_split_the_batch_by_source():
                       np.array([[3, 5], [8, 8], [1, 1]]), np.array([[False, False], [True, True], [False, False]]))
   assert e["eval/a/accuracy"] == 0.5 and e["eval/a/avg_at_k"] == 0.25 and e["eval/a/pass_at_k"] == 0.5
   assert e["eval/a/response_length"] == 2.5 and e["eval/b/truncated"] == 1.0 and e["eval/b/count"] == 1
+
+
+def test_preview_renders_prompts_and_accepts_the_reference_answers(data):
+  import io
+  from configs import math_tiny
+  from rl_jax.tasks.__main__ import preview
+  cfg = math_tiny.get_config("test")
+  cfg.task.train_files = f"{data}/train_arith_add.jsonl,{data}/train_arith_mul.parquet"
+  cfg.task.eval_files = f"{data}/eval_arith_add.parquet,{data}/eval_arith_mul.jsonl"
+  cfg.task.overrides.tokenizer = f"{data}/tokenizer"
+  out = io.StringIO()
+  rows = preview(cfg, 2, out=out)
+  assert [(r["split"], r["index"]) for r in rows] == [("train", 0), ("train", 1), ("eval", 0), ("eval", 1)]
+  assert all(r["reward"] == 1.0 and r["verifier"] == "math" for r in rows), rows
+  assert [r["source"] for r in rows[2:]] == ["arith_add", "arith_mul"]
+  text = out.getvalue()
+  assert "<|im_start|>assistant\n" in text and "verdict on the reference: reward 1.0" in text

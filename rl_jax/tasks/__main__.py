@@ -44,7 +44,7 @@ def preview(config, n: int, out=sys.stdout) -> list[dict]:
         row = {"split": split, "index": i, "prompt": task.prompt(p), "tokens": len(ids),
                "source": getattr(task, "source_of", lambda _: task.name)(p),
                "verifier": getattr(task, "verifier_of", lambda _: task.name)(getattr(p, "data_source", "")),
-               "ground_truth": getattr(p, "ground_truth", None), "reference": reference,
+               "ground_truth": getattr(p, "ground_truth", p), "reference": reference,
                "reward": verdict.reward, "error": verdict.error or ""}
         rows.append(row)
         print(f"=== {split} #{i}  source={row['source']}  verifier={row['verifier']}  "
