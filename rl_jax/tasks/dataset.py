@@ -161,7 +161,7 @@ class DatasetTask:
     try:
       text = tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
     except Exception as e:  # pylint: disable=broad-except
-      raise ValueError(f"{rec.origin}: the chat template failed on this prompt ({e})") from e
+      raise records_lib.DataError(f"{rec.origin}: the chat template failed on this prompt ({e})") from e
     return text, tok.encode(text)
 
   def _load(self, split: str, files: list[str], tok: Any, limit: int) -> _Split:

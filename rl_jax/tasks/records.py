@@ -14,6 +14,13 @@ from rl_jax import workdir as wd
 from rl_jax.config_utils import ConfigError
 
 _GLOB_CHARS = frozenset("*?[")
+
+
+class DataError(ConfigError):
+  """A prompt file's content is malformed; the message names the file, the row and the field (a
+  ConfigError: the entry point prints it on one line before any compute, like a bad key)."""
+
+
 SUFFIXES = (".jsonl", ".json", ".parquet")
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -112,9 +119,9 @@ def read_rows(path: str) -> Iterator[tuple[int, dict]]:
       try:
         row = json.loads(line)
       except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{i + 1}: not valid JSON ({e.msg})") from None
+        raise DataError(f"{path}:{i + 1}: not valid JSON ({e.msg})") from None
       if not isinstance(row, dict):
-        raise ValueError(f"{path}:{i + 1}: a row must be a JSON object, got {type(row).__name__}")
+        raise DataError(f"{path}:{i + 1}: a row must be a JSON object, got {type(row).__name__}")
       yield i, row
 
 
@@ -140,20 +147,20 @@ def lookup(row: Mapping[str, Any], dotted: str) -> Any:
 def _prompt(value: Any, where: str, field: str) -> tuple[tuple[str, str], ...] | str:
   if isinstance(value, str):
     if not value:
-      raise ValueError(f"{where}: field '{field}' is an empty string")
+      raise DataError(f"{where}: field '{field}' is an empty string")
     return value
   if hasattr(value, "tolist"):  # a numpy array of messages (pandas-written parquet)
     value = value.tolist()
   if not isinstance(value, Sequence) or not value:
-    raise ValueError(f"{where}: field '{field}' must be a string or a non-empty list of chat messages "
+    raise DataError(f"{where}: field '{field}' must be a string or a non-empty list of chat messages "
                      f"({{'role': ..., 'content': ...}}), got {type(value).__name__}")
   out = []
   for j, m in enumerate(value):
     if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-      raise ValueError(f"{where}: field '{field}'[{j}] must be a message {{'role': str, 'content': str}}, "
+      raise DataError(f"{where}: field '{field}'[{j}] must be a message {{'role': str, 'content': str}}, "
                        f"got {m!r:.120}")
     if m["role"] not in ROLES:
-      raise ValueError(f"{where}: field '{field}'[{j}] has role {m['role']!r}; valid: {sorted(ROLES)}")
+      raise DataError(f"{where}: field '{field}'[{j}] has role {m['role']!r}; valid: {sorted(ROLES)}")
     out.append((m["role"], m["content"]))
   return tuple(out)
 
@@ -164,29 +171,29 @@ def _json(value: Any, where: str, field: str) -> str:
   try:
     return json.dumps(value, sort_keys=True, ensure_ascii=False)
   except TypeError as e:
-    raise ValueError(f"{where}: field '{field}' is not JSON-serializable ({e})") from None
+    raise DataError(f"{where}: field '{field}' is not JSON-serializable ({e})") from None
 
 
 def to_record(row: Mapping[str, Any], fields: Fields, where: str) -> Record:
-  """One row -> Record; a missing or malformed field raises ValueError naming `where` and the field."""
+  """One row -> Record; a missing or malformed field raises DataError naming `where` and the field."""
   prompt = lookup(row, fields.prompt)
   if prompt is _MISSING:
-    raise ValueError(f"{where}: no field '{fields.prompt}' (the prompt; map another field with "
+    raise DataError(f"{where}: no field '{fields.prompt}' (the prompt; map another field with "
                      f"task.overrides.prompt_key); row keys: {sorted(row)}")
   if fields.source:
     source = lookup(row, fields.source)
     if source is _MISSING or source is None:
       if not fields.default_source:
-        raise ValueError(f"{where}: no field '{fields.source}' (the data source; map another with "
+        raise DataError(f"{where}: no field '{fields.source}' (the data source; map another with "
                          "task.overrides.source_key or set task.overrides.default_source)")
       source = fields.default_source
   else:
     source = fields.default_source
   if not isinstance(source, str) or not source.strip():
-    raise ValueError(f"{where}: field '{fields.source}' must be a non-empty string, got {source!r}")
+    raise DataError(f"{where}: field '{fields.source}' must be a non-empty string, got {source!r}")
   answer = lookup(row, fields.answer)
   if answer is _MISSING:
-    raise ValueError(f"{where}: no field '{fields.answer}' (the ground truth; map another with "
+    raise DataError(f"{where}: no field '{fields.answer}' (the ground truth; map another with "
                      "task.overrides.answer_key)")
   extra = lookup(row, fields.extra) if fields.extra else _MISSING
   extra = {} if extra is _MISSING or extra is None else extra
@@ -199,7 +206,7 @@ def to_record(row: Mapping[str, Any], fields: Fields, where: str) -> Record:
   if fields.solution:
     sol = lookup(row, fields.solution)
     if sol is _MISSING or not isinstance(sol, str):
-      raise ValueError(f"{where}: no string field '{fields.solution}' (the SFT target, "
+      raise DataError(f"{where}: no string field '{fields.solution}' (the SFT target, "
                        "task.overrides.solution_key)")
     solution = sol
   return Record(data_source=source, prompt=_prompt(prompt, where, fields.prompt),
