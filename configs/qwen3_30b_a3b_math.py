@@ -12,10 +12,12 @@ Check what the model will see first (no GPU): python -m rl_jax.tasks preview
 Hardware: 4 hosts x 8 x H200 (32 devices; the mesh of configs/qwen3_30b_a3b_minirl.py).
 Runtime: not measured on GPUs with this code; the per-step estimate of qwen3_30b_a3b_minirl.py
 applies ([SC]'s 128 responses x 1024 tokens per step: ~0.1 H100-hour per step, its Table 2).
-Plan: the model, mesh, micro-batching and sampler of qwen3_30b_a3b_minirl.py (planned there); the
-SC recipe's step is smaller (128 responses instead of 1024 per update), and it records the
-sampler's top-128 (a [128, 1024, 128] buffer) for score centering.
-
+Plan (`python -m rl_jax.plan --config=configs/qwen3_30b_a3b_math.py --device h200 --layers 2
+--programs generate,update,first_order`: XLA:CPU, 32 simulated devices, 2- and 4-layer compiles
+extrapolated to 48; ~13 min on 2 loaded cores). The SC recipe's peak GiB per device of 0.9 x 141 GB:
+generate 10.9 (FP8 weights, 0.16 KV cache), update 33.8 (f32 params 4.8, SGD: no optimizer state),
+first-order 39.5; roofline ~2.8 s per global step (H200, collectives not overlapped). The
+minirl_nN variants are qwen3_30b_a3b_minirl.py's sections exactly (planned there).
 Setting, default ([SC], its 30B run on the math subset of INTELLECT-2): 16 prompts x 8
 responses per step, responses up to 1024 tokens, REINFORCE with group-centred {-1, +1} rewards
 (advantage.reward_mode='pm1'), top-k score centering (k=128), SGD lr 1e-2 constant, one update
