@@ -31,6 +31,12 @@ setup(
         # rl_jax.study.publish downscales study figures for docs/ (matplotlib needs it anyway).
         "pillow>=10",
         "tokenizers>=0.20",
+        # The dataset task: parquet prompt files (rl_jax/tasks/records.py) and the math verifier
+        # (rl_jax/tasks/verifiers.py; math-verify brings sympy and the LaTeX parser).
+        "pyarrow>=14",
+        "math-verify>=0.7",
+        # Chat templates render through jinja2 (rl_jax/tasks/hf_tokenizer.py), as transformers does.
+        "jinja2>=3.1",
         # rl_jax.study.stats: the paired t / Wilcoxon tests and power of the pre-registered studies.
         "scipy>=1.11",
         # A host allocator in a wheel (libmimalloc.so under site-packages/cmeel.prefix/lib) that the

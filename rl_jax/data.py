@@ -10,6 +10,9 @@ from rl_jax.tasks.tokenizer import Tokenizer
 
 
 def prompt_ids(task: Task, tok: Tokenizer, problem: Problem) -> list[int]:
+  """bos + the prompt's tokens, or the task's own ids (a chat template renders its own specials)."""
+  if hasattr(task, "prompt_ids"):
+    return task.prompt_ids(problem, tok)
   return [tok.bos_id] + tok.encode(task.prompt(problem))
 
 

@@ -139,6 +139,7 @@ def validate(config: Any):
   ex.check_batch(job.sft.batch_size, "sft.batch_size", mesh)
   task = ex.make_task(job.task)
   tok = ex.make_tokenizer(task, job.model)
+  ex.bind_task(task, tok, job.sft.max_len)
   check_max_len(job, task, tok)
   return job, mesh, task, tok
 

@@ -46,11 +46,14 @@ CONFIG_ARGS = {
     "sft_countdown_tiny.py": [None, "test"],
     "qwen3_0p6b_countdown.py": [None, "/ckpt/Qwen3-0.6B", "long", "long:/ckpt/Qwen3-0.6B"],
     "qwen3_30b_a3b_minirl.py": [None] + [f"n{n}" for n in qwen3_30b_a3b_minirl.N_CHOICES] + ["n4_32k"],
+    "math_tiny.py": [None, "test"],
+    "qwen3_30b_a3b_math.py": [None, "minirl"] + [f"minirl_n{n}" for n in qwen3_30b_a3b_minirl.N_CHOICES],
     "sweeps.py": ALL_SWEEP_ARGS,
 }
 # Devices each GPU-scale config is laid out for (its docstring's hardware).
 GPU_CONFIGS = {"qwen3_0p6b_countdown.py": ("qwen3-0.6b", 8, 0.596e9),
-               "qwen3_30b_a3b_minirl.py": ("qwen3-30b-a3b", 32, 30.5e9)}
+               "qwen3_30b_a3b_minirl.py": ("qwen3-30b-a3b", 32, 30.5e9),
+               "qwen3_30b_a3b_math.py": ("qwen3-30b-a3b", 32, 30.5e9)}
 
 
 def _module(fname):

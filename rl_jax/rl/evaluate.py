@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from rl_jax import rollout as rollout_lib
+from rl_jax import sharding as sh
 
 
 def pass_at_k(rewards_NK: np.ndarray) -> float:
@@ -16,27 +17,40 @@ def pass_at_k(rewards_NK: np.ndarray) -> float:
 
 
 def evaluate(task: Any, score: Callable, completions: Callable, generate: Callable, clean_state, ids, valid,
-             problems: list, key: jax.Array, k: int) -> dict:
+             problems: list, key: jax.Array, k: int, eos_id: int | None = None) -> dict:
   """Greedy accuracy (+ why greedy answers fail), sampled mean@k and pass@k on fixed prompts.
 
   `score(problems, rollout)` gives rewards and `completions(rollout)` the texts (the
   trainer's host-side helpers); `generate(state, ids, valid, key, kind)` is the run's
   generate program (`programs.StepPrograms.generate`: kind 'greedy' or 'sampled');
-  `clean_state` are the float32 weights (no quant, no noise).
+  `clean_state` are the float32 weights (no quant, no noise). A task with `source_of` (the
+  dataset task) also gets `eval/<source>/...` metrics (source_metrics.eval_metrics) given `eos_id`.
   """
   n = len(problems)
   ro = generate(clean_state, ids, valid, key, "greedy")
   texts = completions(ro)
-  greedy = [task.reward(p, t) for p, t in zip(problems, texts)]
+  if hasattr(task, "score_batch"):  # one batched (sandboxed) verifier pass: rewards and errors
+    details = task.score_batch(problems, texts)
+    greedy = [d.reward for d in details]
+  else:
+    greedy = [task.reward(p, t) for p, t in zip(problems, texts)]
+    details = ([task.reward_details(p, t) for p, t in zip(problems, texts)]
+               if hasattr(task, "reward_details") else None)
   out = {"eval_greedy_accuracy": float(np.mean(greedy))}
-  if hasattr(task, "reward_details"):
+  if details is not None:
     # Why greedy answers fail (malformed, wrong numbers, wrong value): what RL is fixing.
-    outcomes = collections.Counter(task.reward_details(p, t).error or "correct"
-                                   for p, t in zip(problems, texts))
+    outcomes = collections.Counter(d.error or "correct" for d in details)
     out.update({f"eval_greedy_outcome/{name}": c / n for name, c in sorted(outcomes.items())})
   ids, valid = rollout_lib.repeat_prompts((ids, valid), k)
   ro = generate(clean_state, ids, valid, key, "sampled")
   r_nk = score([p for p in problems for _ in range(k)], ro).reshape(n, k)
   out["eval_sampled_accuracy"] = float(r_nk.mean())
   out["eval_pass_at_k"] = pass_at_k(r_nk)
+  if eos_id is not None and hasattr(task, "source_of"):
+    from rl_jax.rl import source_metrics  # pylint: disable=g-import-not-at-top  (it imports pass_at_k)
+    response = sh.to_host(ro.response_BT)
+    lengths = sh.to_host(ro.lengths_B)
+    trunc = source_metrics.truncated(lengths, response[:, -1], response.shape[1], eos_id)
+    out.update(source_metrics.eval_metrics([task.source_of(p) for p in problems], np.asarray(greedy), r_nk,
+                                           np.asarray(lengths).reshape(n, k), trunc.reshape(n, k)))
   return out

@@ -29,6 +29,8 @@ class InFlight:
   ro: rollout_lib.Rollout
   rewards: np.ndarray
   old: tuple | None = None
+  # Host metrics of the scoring (per data_source, verifier errors); not checkpointed.
+  metrics: dict = dataclasses.field(default_factory=dict)
 
   @property
   def lag(self) -> int:

@@ -28,6 +28,7 @@ from rl_jax.rl import evaluate as evaluate_lib
 from rl_jax.rl import inflight as inflight_lib
 from rl_jax.rl import programs as programs_lib
 from rl_jax.rl import plots
+from rl_jax.rl import source_metrics
 # The schema lives in job.py; re-exported so `trainer.RLJob` & co. keep resolving.
 from rl_jax.rl.job import RLConfig, RLJob, WarmStartConfig  # noqa: F401
 from rl_jax.rl.step import TrainBatch
@@ -92,6 +93,7 @@ class RLTrainer:
       self.tok = HFTokenizer.from_dir(local)
     else:
       self.tok = ex.make_tokenizer(self.task, job.model)
+    ex.bind_task(self.task, self.tok, job.sampler.max_prompt_len)   # a dataset: read, render, filter
     self._check_tokens()
     self._check_prompts()
     if job.warm_start.source == "sft":
@@ -138,6 +140,8 @@ class RLTrainer:
     if self.resuming:
       # The newest step that restores; a corrupt newer one is moved aside (Checkpointer.restore).
       self.state, meta, self.start_step = self.ckpt.restore(self.state)
+      if "data" in meta and hasattr(self.task, "check_data_state"):
+        self.task.check_data_state(meta["data"], self.start_step * job.rl.prompts_per_step)
       print(f"[rl] resumed from step {self.start_step} in {self.ckpt.directory}")
     self.programs = programs_lib.build(
         job, self.mesh, self.graphdef, jax.tree.map(lambda x: x.sharding, self.state["params"]),
@@ -160,6 +164,8 @@ class RLTrainer:
     if self.ckpt is not None:
       self.ckpt.close()
       self.ckpt = None
+    if hasattr(self.task, "close"):  # a dataset's verifier worker processes
+      self.task.close()
     self.run_dir.close()
 
   def __enter__(self) -> "RLTrainer":
@@ -241,9 +247,14 @@ class RLTrainer:
     generated = ro
     if self.sampler_mesh is not self.mesh:  # first: eager ops below run on the trainer's (context) mesh
       ro = sh.on_mesh(ro, self.mesh)
-    rewards = self.score(problems, ro)
+    rewards, errors = self._score_details(problems, ro)
     self.busy.observed("sampler", generated)  # the host read its tokens: the generation is done
     item = inflight_lib.InFlight(step=step, version=version, ro=ro, rewards=rewards)
+    if hasattr(self.task, "source_of"):  # per data_source rows and the verifier's errors
+      lengths, response = sh.to_host(ro.lengths_B), sh.to_host(ro.response_BT)
+      trunc = source_metrics.truncated(lengths, response[:, -1], response.shape[1], self.job.sampler.eos_id)
+      item.metrics = source_metrics.train_metrics([self.task.source_of(p) for p in problems], rewards, errors,
+                                                  lengths, trunc)
     if old_params is not None:
       item.old = self._old_forward(old_params, ro, rewards)
     return item
@@ -261,8 +272,19 @@ class RLTrainer:
 
   def score(self, problems, ro) -> np.ndarray:
     """Task rewards, computed on the host."""
-    return np.asarray([self.task.reward(p, t) for p, t in zip(problems, self.completions(ro))],
-                      np.float32)
+    return self._score_details(problems, ro)[0]
+
+  def _score_details(self, problems, ro) -> tuple[np.ndarray, list[str]]:
+    """Rewards and the verifier's error names ('' when correct; [] for a task without verdicts)."""
+    texts = self.completions(ro)
+    if hasattr(self.task, "score_batch"):  # batched: a dataset's sandboxed verifiers run in parallel
+      verdicts = self.task.score_batch(problems, texts)
+      rewards = np.asarray([v.reward for v in verdicts], np.float32)
+      if jax.process_count() > 1:  # process 0's verdicts for all: a timeout on one host only must not split them
+        from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+        rewards = np.asarray(multihost_utils.broadcast_one_to_all(rewards), np.float32)
+      return rewards, [v.error for v in verdicts]
+    return np.asarray([self.task.reward(p, t) for p, t in zip(problems, texts)], np.float32), []
 
   def prepare(self, ro: rollout_lib.Rollout, rewards: np.ndarray, old=None) -> tuple[TrainBatch, dict]:
     """Advantages, the theta_old forward and the replay routes of this global step.
@@ -463,7 +485,10 @@ class RLTrainer:
            **{k if k.startswith("drift/") else f"loss/{k}": v for k, v in m_upd.items()},
            **m_first, **m_attr,
            "time/sample_s": t1 - t0, "time/p_old_s": t2 - t1, "time/update_s": t3 - t2,
-           "async/lag": float(item.lag)}
+           "async/lag": float(item.lag), **item.metrics}
+    if hasattr(self.task, "data_state"):  # epochs of the train data consumed after this step
+      row["data/epoch"] = self.task.data_state((step + 1) * self.job.rl.prompts_per_step)["epoch"]
+      row.update(self.task.stats())   # prompts kept and dropped as longer than sampler.max_prompt_len
     if mask.any():  # the sampler's top-k mass (its top-1 mass when record_topk = 0: a floor)
       row["mismatch/head_mass_mean"] = float(np.asarray(head)[mask].mean())
       row["mismatch/head_mass_min"] = float(np.asarray(head)[mask].min())
@@ -476,12 +501,14 @@ class RLTrainer:
     clean = self.programs.clean_weights(self.state["params"])
     key = jax.random.fold_in(jax.random.key(self.job.seed), 0xE7A1)
     return evaluate_lib.evaluate(self.task, self.score, self.completions, self.programs.generate, clean, ids,
-                                 valid, problems, key, k)
+                                 valid, problems, key, k, eos_id=self.job.sampler.eos_id)
 
   def save(self, step: int) -> None:
     """The state at `step` and, async, the rollouts in flight (generated, not yet trained on)."""
     items = dict(self.state)
     meta = {"step": step, "seed": self.job.seed, "job": "rl"}
+    if hasattr(self.task, "data_state"):  # the position in the data files (checked on resume)
+      meta["data"] = self.task.data_state(step * self.job.rl.prompts_per_step)
     if self.queue:
       items["inflight"] = {str(i): inflight_lib.to_tree(it) for i, it in enumerate(self.queue)}
       meta.update(inflight_steps=[it.step for it in self.queue], inflight_versions=[it.version for it in self.queue])

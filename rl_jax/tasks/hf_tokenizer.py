@@ -186,6 +186,16 @@ class HFTokenizer(BatchCodec):
     """
     if self.chat_template is None:
       raise ValueError(f"{self._source}: no chat_template in tokenizer_config.json or chat_template.jinja")
+    context = {k: v for k, v in self._tokens.items() if v is not None}
+    context.update(messages=list(messages), add_generation_prompt=add_generation_prompt, **kwargs)
+    return self._compiled_template().render(**context)
+
+  def _compiled_template(self):
+    """The chat template compiled once per template text (a compile costs ~5 ms, a render ~0.1 ms:
+    a dataset renders every prompt at load)."""
+    cached = getattr(self, "_template_cache", None)
+    if cached is not None and cached[0] == self.chat_template:
+      return cached[1]
     import jinja2  # pylint: disable=g-import-not-at-top
     from jinja2 import sandbox  # pylint: disable=g-import-not-at-top
 
@@ -202,9 +212,9 @@ class HFTokenizer(BatchCodec):
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    context = {k: v for k, v in self._tokens.items() if v is not None}
-    context.update(messages=list(messages), add_generation_prompt=add_generation_prompt, **kwargs)
-    return env.from_string(self.chat_template).render(**context)
+    compiled = env.from_string(self.chat_template)
+    self._template_cache = (self.chat_template, compiled)
+    return compiled
 
 
 __all__ = ["HFTokenizer"]

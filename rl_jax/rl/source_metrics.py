@@ -1,0 +1,65 @@
+"""Per-`data_source` metrics of a train step and of an evaluation, and verifier error shares (pure, host-side)."""
+from __future__ import annotations
+
+import collections
+import re
+from typing import Sequence
+
+import numpy as np
+
+from rl_jax.rl.evaluate import pass_at_k
+
+
+def metric_name(source: str) -> str:
+  """A source as one metric-path component ('openai/gsm8k' -> 'openai_gsm8k')."""
+  return re.sub(r"[^A-Za-z0-9_.\-]", "_", source) or "_"
+
+
+def truncated(lengths_B: np.ndarray, last_token_B: np.ndarray, max_new_tokens: int, eos_id: int) -> np.ndarray:
+  """Rows that hit max_new_tokens without ending in eos (a response ends with its eos or at T)."""
+  lengths_B, last_token_B = np.asarray(lengths_B), np.asarray(last_token_B)
+  return (lengths_B >= max_new_tokens) & (last_token_B != eos_id)
+
+
+def error_shares(errors: Sequence[str], prefix: str = "verifier/") -> dict:
+  """Share of completions per named verifier error ('' = correct is not listed)."""
+  n = max(len(errors), 1)
+  return {f"{prefix}{e}": c / n for e, c in sorted(collections.Counter(errors).items()) if e}
+
+
+def train_metrics(sources: Sequence[str], rewards_R: np.ndarray, errors: Sequence[str],
+                  lengths_R: np.ndarray, truncated_R: np.ndarray) -> dict:
+  """A step's rows (R = prompts x group) split by source: reward, accuracy, length, truncation,
+  and the batch's share of each source; plus the verifier's error shares over the whole batch."""
+  rewards_R, lengths_R, truncated_R = (np.asarray(x) for x in (rewards_R, lengths_R, truncated_R))
+  src = np.asarray(list(sources))
+  out = {"truncated": float(truncated_R.mean()), **error_shares(errors)}
+  for s in dict.fromkeys(sources):
+    m = src == s
+    name = f"train/{metric_name(s)}"
+    out.update({f"{name}/reward": float(rewards_R[m].mean()),
+                f"{name}/accuracy": float((rewards_R[m] >= 1.0).mean()),
+                f"{name}/response_length": float(lengths_R[m].mean()),
+                f"{name}/truncated": float(truncated_R[m].mean()),
+                f"{name}/share": float(m.mean())})
+  return out
+
+
+def eval_metrics(sources: Sequence[str], greedy_N: np.ndarray, sampled_NK: np.ndarray,
+                 lengths_NK: np.ndarray, truncated_NK: np.ndarray) -> dict:
+  """Per source: greedy accuracy, sampled avg@k (mean reward of k samples), pass@k, and the
+  sampled responses' mean length and share truncated at max_new_tokens."""
+  greedy_N, sampled_NK = np.asarray(greedy_N), np.asarray(sampled_NK)
+  lengths_NK, truncated_NK = np.asarray(lengths_NK), np.asarray(truncated_NK)
+  src = np.asarray(list(sources))
+  out = {}
+  for s in dict.fromkeys(sources):
+    m = src == s
+    name = f"eval/{metric_name(s)}"
+    out.update({f"{name}/accuracy": float((greedy_N[m] >= 1.0).mean()),
+                f"{name}/avg_at_k": float(sampled_NK[m].mean()),
+                f"{name}/pass_at_k": pass_at_k(sampled_NK[m]),
+                f"{name}/response_length": float(lengths_NK[m].mean()),
+                f"{name}/truncated": float(truncated_NK[m].mean()),
+                f"{name}/count": float(m.sum())})
+  return out

@@ -1,0 +1,70 @@
+"""`python -m rl_jax.tasks preview --config=CONFIG [--n 3]`: what the model will see, before any compute.
+
+Prints, for the first n train and eval prompts of the config's task: the rendered prompt with its
+special tokens, its token count, the data source and the verifier it maps to, the ground truth,
+and the verifier's verdict on the reference answer (the SFT target) — a wrong verdict there is a
+schema or verifier mistake, cheaper to find here than after a GPU hour.
+"""
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from rl_jax import data as data_lib
+from rl_jax import experiment as ex
+from rl_jax.config_utils import from_dict
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "a job config (configs/*.py[:arg])", lock_config=False)
+_N = flags.DEFINE_integer("n", 3, "prompts per split")
+
+
+def preview(config, n: int, out=sys.stdout) -> list[dict]:
+  """Renders and verifies the first n prompts of each split; returns one dict per prompt."""
+  task_cfg = from_dict(ex.TaskConfig, config.task, prefix="task")
+  task = ex.make_task(task_cfg)
+  model = config.model
+  ws = config.get("warm_start", {})
+  if ws and ws.get("source") == "hf" and ws.get("path"):
+    from rl_jax.tasks.hf_tokenizer import HFTokenizer  # pylint: disable=g-import-not-at-top
+    tok = HFTokenizer.from_dir(ws.path)
+  else:
+    from rl_jax.models import ModelConfig  # pylint: disable=g-import-not-at-top
+    tok = ex.make_tokenizer(task, from_dict(ModelConfig, model, prefix="model"))
+  limit = config.sampler.max_prompt_len if "sampler" in config else config.sft.max_len
+  ex.bind_task(task, tok, limit)
+  rows = []
+  try:
+    for split in ("train", "eval"):
+      for i, p in enumerate(task.make_problems(config.get("seed", 0), split, 0, n)):
+        ids = data_lib.prompt_ids(task, tok, p)
+        reference = task.completion(p)
+        verdict = task.reward_details(p, reference)
+        row = {"split": split, "index": i, "prompt": task.prompt(p), "tokens": len(ids),
+               "source": getattr(task, "source_of", lambda _: task.name)(p),
+               "verifier": getattr(task, "verifier_of", lambda _: task.name)(getattr(p, "data_source", "")),
+               "ground_truth": getattr(p, "ground_truth", p), "reference": reference,
+               "reward": verdict.reward, "error": verdict.error or ""}
+        rows.append(row)
+        print(f"=== {split} #{i}  source={row['source']}  verifier={row['verifier']}  "
+              f"{row['tokens']} prompt tokens (max_prompt_len {limit})", file=out)
+        print(row["prompt"], file=out)
+        print(f"--- ground truth: {row['ground_truth']!r}", file=out)
+        print(f"--- reference answer: {reference!r}", file=out)
+        print(f"--- verdict on the reference: reward {row['reward']}"
+              + (f" ({row['error']})" if row["error"] else ""), file=out)
+  finally:
+    if hasattr(task, "close"):
+      task.close()
+  return rows
+
+
+def main(argv):
+  if len(argv) != 2 or argv[1] != "preview":
+    raise app.UsageError("usage: python -m rl_jax.tasks preview --config=CONFIG [--n 3]")
+  preview(_CONFIG.value, _N.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,48 @@
+"""The verifier worker process of rl_jax.tasks.sandbox: caps its memory, then answers [spec, args] frames."""
+from __future__ import annotations
+
+import json
+import sys
+
+from rl_jax.tasks.sandbox import (EXCEPTION, MEMORY, RECURSION, HEADER, read_exact, write_frame)
+
+
+def serve(memory_mb: int) -> None:
+  """The worker loop: cap memory, then answer [spec, args] frames with [reward, error] frames."""
+  import resource  # pylint: disable=g-import-not-at-top
+  limit = memory_mb * (1 << 20)
+  resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+  sys.setrecursionlimit(10_000)
+  import logging  # pylint: disable=g-import-not-at-top
+  from rl_jax.tasks import verifiers  # pylint: disable=g-import-not-at-top
+  logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # its timeouts are our verdicts
+  try:  # imported before 'ready', so a call's deadline covers the call only
+    import math_verify  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    pass
+  stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+  sys.stdout = sys.stderr  # a verifier's prints must not corrupt the frames
+  fd = stdin.fileno()
+  write_frame(stdout, "ready")
+  while True:
+    try:
+      (n,) = HEADER.unpack(read_exact(fd, HEADER.size))
+      spec, args = json.loads(read_exact(fd, n))
+    except EOFError:
+      return
+    try:
+      reward, error = verifiers.call_local(spec, *args)
+    except MemoryError:
+      reward, error = 0.0, MEMORY
+    except RecursionError:
+      reward, error = 0.0, RECURSION
+    except Exception:  # pylint: disable=broad-except
+      reward, error = 0.0, EXCEPTION
+    try:
+      write_frame(stdout, [reward, error])
+    except MemoryError:
+      write_frame(stdout, [0.0, MEMORY])
+
+
+if __name__ == "__main__":
+  serve(int(sys.argv[1]) if len(sys.argv) > 1 else 1024)

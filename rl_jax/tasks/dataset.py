@@ -1,0 +1,357 @@
+"""The dataset task (`task.name=dataset`): prompts from jsonl / parquet files, shuffled, verified per source."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+from typing import Any, Literal, Sequence
+
+import numpy as np
+
+from rl_jax.config_utils import ConfigError, from_dict, require
+from rl_jax.tasks import order as order_lib
+from rl_jax.tasks import records as records_lib
+from rl_jax.tasks import sandbox
+from rl_jax.tasks import verifiers as verifiers_lib
+from rl_jax.tasks.base import register_task
+from rl_jax.tasks.records import Record
+
+Split = Literal["train", "eval"]
+# Bumping this changes the fingerprint of every dataset (a stored run then refuses to resume).
+_FINGERPRINT_VERSION = b"rl_jax.dataset/v1"
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetConfig:
+  """Files, schema, rendering, mixing and verification of the dataset task (`task.overrides.*`).
+
+  train_files / eval_files: comma-separated paths or globs (local, gs://, s3://), .jsonl or
+    .parquet; set through `task.train_files` / `task.eval_files`.
+  prompt_key ... solution_key: dotted paths of a row's fields (verl's schema by default);
+    `default_source` names the source of rows without one (or of every row if source_key='').
+  chat_template: chat-message prompts go through the tokenizer's chat template with
+    add_generation_prompt; `string_prompts='chat'` wraps string prompts as one user message too
+    ('raw': a string prompt is the text itself, after bos). `system_prompt` (non-empty) is
+    prepended as a system message to prompts that have none. `enable_thinking` 'on' / 'off'
+    passes enable_thinking=True / False to templates that read it (Qwen3); 'default' passes none.
+  tokenizer: a directory with tokenizer.json (+ tokenizer_config.json or chat_template.jinja)
+    for a run that does not start from an HF checkpoint (whose own tokenizer wins otherwise).
+  source_weights: 'source=w,...' samples train prompts per source with these weights (each
+    source its own epochs; unnamed sources get weight 0); empty pools every source and shuffles.
+  verifiers: 'pattern=verifier,...' (fnmatch patterns on data_source, first match wins; a
+    verifier is a registered name or 'module:function'), else `default_verifier`.
+  verifier_workers / verifier_timeout_s / verifier_memory_mb: the sandbox of isolated verifiers.
+  """
+  train_files: str = ""
+  eval_files: str = ""
+  prompt_key: str = "prompt"
+  source_key: str = "data_source"
+  answer_key: str = "reward_model.ground_truth"
+  extra_key: str = "extra_info"
+  solution_key: str = ""
+  default_source: str = ""
+  chat_template: bool = True
+  string_prompts: Literal["raw", "chat"] = "raw"
+  system_prompt: str = ""
+  enable_thinking: Literal["default", "on", "off"] = "default"
+  tokenizer: str = ""
+  shuffle: bool = True
+  source_weights: str = ""
+  verifiers: str = ""
+  default_verifier: str = "math"
+  verifier_workers: int = 2
+  verifier_timeout_s: float = 5.0
+  verifier_memory_mb: int = 2048
+
+  def __post_init__(self):
+    k = "task.overrides."
+    require(self.string_prompts in ("raw", "chat"), k + "string_prompts",
+            f"{self.string_prompts!r} is not one of ['raw', 'chat']")
+    require(self.enable_thinking in ("default", "on", "off"), k + "enable_thinking",
+            f"{self.enable_thinking!r} is not one of ['default', 'on', 'off']")
+    require(self.verifier_workers >= 1, k + "verifier_workers", f"must be >= 1, got {self.verifier_workers}")
+    require(self.verifier_timeout_s > 0, k + "verifier_timeout_s", f"must be > 0, got {self.verifier_timeout_s}")
+    require(self.verifier_memory_mb >= 256, k + "verifier_memory_mb",
+            f"must be >= 256 (a worker imports sympy), got {self.verifier_memory_mb}")
+    verifiers_lib.check_spec(self.default_verifier, k + "default_verifier")
+    verifiers_lib.parse_map(self.verifiers, k + "verifiers")
+
+  @property
+  def fields(self) -> records_lib.Fields:
+    return records_lib.Fields(prompt=self.prompt_key, source=self.source_key, answer=self.answer_key,
+                              extra=self.extra_key, solution=self.solution_key,
+                              default_source=self.default_source)
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+  """What a verifier said about one completion (the RewardInfo protocol)."""
+  reward: float
+  error: str
+
+
+@dataclasses.dataclass
+class _Split:
+  records: list[Record]
+  ids: list[np.ndarray]
+  texts: list[str]
+  files: list[str]
+  dropped: collections.Counter  # source -> prompts longer than max_prompt_len
+  fingerprint: str
+  pos: dict | None = None  # record -> index, built on first lookup
+
+
+class DatasetTask:
+  """Prompts read from files; implements rl_jax.tasks.base.Task once bound to a tokenizer.
+
+  `bind(tokenizer, max_prompt_len)` (the jobs call it right after building the tokenizer) reads
+  the files, renders each prompt, tokenizes it and drops, counting them, the prompts longer than
+  `max_prompt_len`; problems are the kept Records.
+  """
+  name = "dataset"
+
+  def __init__(self, config: DatasetConfig):
+    self.config = config
+    self._rules = verifiers_lib.parse_map(config.verifiers, "task.overrides.verifiers")
+    self._splits: dict[str, _Split] = {}
+    self._bound = None
+    self._orders: dict[int, order_lib.Order] = {}
+    self._pool: sandbox.Pool | None = None
+
+  @property
+  def tokenizer_path(self) -> str:
+    return self.config.tokenizer
+
+  # -- loading ----------------------------------------------------------------------------------
+
+  def bind(self, tok: Any, max_prompt_len: int) -> None:
+    """Reads, renders, tokenizes and filters both splits (once per tokenizer and limit)."""
+    if self._bound == (id(tok), max_prompt_len):
+      return
+    require(bool(self.config.train_files), "task.train_files",
+            "empty: the dataset task needs its train files (--config.task.train_files=PATH_OR_GLOB)")
+    require(bool(self.config.eval_files), "task.eval_files",
+            "empty: the dataset task needs its eval files (--config.task.eval_files=PATH_OR_GLOB)")
+    self._splits = {}
+    for split, key in (("train", "task.train_files"), ("eval", "task.eval_files")):
+      files = records_lib.expand(getattr(self.config, split + "_files"), key)
+      self._splits[split] = self._load(split, files, tok, max_prompt_len)
+    self._bound = (id(tok), max_prompt_len)
+    self._eval_order = interleave([r.data_source for r in self._splits["eval"].records])
+    self._orders = {}
+    # Sources are those with kept prompts: a weighted source whose prompts were all dropped is named.
+    self._weights = order_lib.parse_weights(self.config.source_weights, self.sources("train"),
+                                            "task.overrides.source_weights")
+
+  def _render(self, rec: Record, tok: Any) -> tuple[str, list[int]]:
+    cfg = self.config
+    chat = not isinstance(rec.prompt, str) or cfg.string_prompts == "chat"
+    if not chat or not cfg.chat_template:
+      text = rec.prompt if isinstance(rec.prompt, str) else "\n".join(c for _, c in rec.prompt)
+      return text, [tok.bos_id] + tok.encode(text)
+    if not hasattr(tok, "apply_chat_template") or getattr(tok, "chat_template", None) is None:
+      raise ConfigError(f"{rec.origin}: the prompt is a list of chat messages but the tokenizer has no "
+                        "chat template (give task.overrides.tokenizer a directory with one, or set "
+                        "task.overrides.chat_template=False to join the messages as plain text)")
+    messages = rec.messages
+    if cfg.system_prompt and messages[0]["role"] != "system":
+      messages = [{"role": "system", "content": cfg.system_prompt}] + messages
+    kwargs = {} if cfg.enable_thinking == "default" else {"enable_thinking": cfg.enable_thinking == "on"}
+    try:
+      text = tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+    except Exception as e:  # pylint: disable=broad-except
+      raise records_lib.DataError(f"{rec.origin}: the chat template failed on this prompt ({e})") from e
+    return text, tok.encode(text)
+
+  def _load(self, split: str, files: list[str], tok: Any, limit: int) -> _Split:
+    recs, ids, texts, dropped = [], [], [], collections.Counter()
+    h = hashlib.blake2b(_FINGERPRINT_VERSION, digest_size=16)
+    for rec in records_lib.read_records(files, self.config.fields):
+      text, row = self._render(rec, tok)
+      if len(row) > limit:
+        dropped[rec.data_source] += 1
+        continue
+      recs.append(rec)
+      ids.append(np.asarray(row, np.int32))   # 4 bytes a token, not a Python int
+      texts.append(text)
+      h.update(json.dumps([rec.data_source, text, rec.ground_truth_json]).encode() + b"\n")
+    n_drop = sum(dropped.values())
+    by_source = collections.Counter(r.data_source for r in recs)
+    print(f"[data] {split}: {len(recs)} prompts from {len(files)} file(s) "
+          f"({', '.join(f'{s} {n}' for s, n in sorted(by_source.items()))}); {n_drop} longer than "
+          f"max_prompt_len={limit} tokens dropped" + (f" ({dict(dropped)})" if n_drop else ""))
+    if not recs:
+      raise ConfigError(f"config key 'task.{split}_files': no prompt of {files} fits max_prompt_len={limit} "
+                        f"({n_drop} dropped as longer)")
+    return _Split(recs, ids, texts, files, dropped, h.hexdigest())
+
+  def _split(self, split: str) -> _Split:
+    if not self._splits:
+      raise RuntimeError("the dataset task is not bound: call task.bind(tokenizer, max_prompt_len) first "
+                         "(rl_jax.experiment.bind_task)")
+    if split not in self._splits:
+      raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    return self._splits[split]
+
+  def sources(self, split: str = "train") -> list[str]:
+    return list(dict.fromkeys(r.data_source for r in self._split(split).records))
+
+  def size(self, split: str) -> int:
+    return len(self._split(split).records)
+
+  def _order(self, seed: int) -> order_lib.Order:
+    if seed not in self._orders:
+      recs = self._split("train").records
+      if self._weights:
+        # Grouped by source: the order's item index is offset + position within the source.
+        self._by_source = {s: [i for i, r in enumerate(recs) if r.data_source == s] for s in self.sources()}
+        sizes = {s: len(v) for s, v in self._by_source.items()}
+      else:
+        sizes = {"all": len(recs)}
+      self._orders[seed] = order_lib.Order(sizes, seed, self._weights or None, self.config.shuffle)
+    return self._orders[seed]
+
+  def record_index(self, seed: int, split: str, index: int) -> int:
+    """The position in the split's kept records of the problem at `index`."""
+    if split == "eval":
+      return self._eval_order[index]
+    o = self._order(seed)
+    item = o.item(index)
+    if not self._weights:
+      return item
+    s = int(np.searchsorted(o.offsets, item, side="right")) - 1
+    return self._by_source[o.sources[s]][item - int(o.offsets[s])]
+
+  # -- the Task protocol ------------------------------------------------------------------------
+
+  def make_problems(self, seed: int, split: str, start: int, count: int) -> list[Record]:
+    """Train: positions start .. start + count - 1 of the epoch-wise shuffled (or weighted) order;
+    eval: the eval prompts with the sources interleaved (`interleave`), so any eval_size covers
+    every source; a count above their number is an error."""
+    sp = self._split(split)
+    if split == "eval" and start + count > len(sp.records):
+      raise ConfigError(f"config key 'rl.eval_size': {start + count} exceeds the {len(sp.records)} eval "
+                        f"prompts of task.eval_files that fit max_prompt_len")
+    return [sp.records[self.record_index(seed, split, i)] for i in range(start, start + count)]
+
+  def _lookup(self, problem: Record) -> tuple[str, list[int]]:
+    for sp in self._splits.values():
+      if sp.pos is None:  # by value: a problem may be a copy of the bound record
+        sp.pos = {r: i for i, r in enumerate(sp.records)}
+      idx = sp.pos.get(problem)
+      if idx is not None:
+        return sp.texts[idx], sp.ids[idx]
+    raise KeyError(f"problem {problem.origin} is not in the bound dataset")
+
+  def prompt(self, problem: Record) -> str:
+    """The rendered prompt text (chat template applied, special tokens as text)."""
+    return self._lookup(problem)[0]
+
+  def prompt_ids(self, problem: Record, tok: Any) -> list[int]:
+    """Its tokens as rendered at bind (a chat template's own tokens, no extra bos)."""
+    del tok
+    return self._lookup(problem)[1].tolist()
+
+  def completion(self, problem: Record) -> str:
+    """The SFT target: the row's solution field, else a sentence with the boxed ground truth."""
+    if problem.solution:
+      return problem.solution
+    gt = problem.ground_truth
+    return f"The answer is \\boxed{{{gt if isinstance(gt, str) else json.dumps(gt)}}}."
+
+  def source_of(self, problem: Record) -> str:
+    return problem.data_source
+
+  def verifier_of(self, source: str) -> str:
+    return verifiers_lib.choose(source, self._rules, self.config.default_verifier)
+
+  def score_batch(self, problems: Sequence[Record], completions: Sequence[str]) -> list[Verdict]:
+    """Verdicts of a batch: in-process verifiers inline, isolated ones on the sandbox's workers
+    (identical (problem, completion) pairs, common within a group, verified once)."""
+    out: list[Verdict | None] = [None] * len(problems)
+    calls, slots = [], []
+    first: dict[tuple, int] = {}   # a group's identical completions are verified once
+    for i, (p, text) in enumerate(zip(problems, completions)):
+      spec = self.verifier_of(p.data_source)
+      text = text[-verifiers_lib.TAIL_CHARS:] if isinstance(text, str) else ""
+      if verifiers_lib.is_isolated(spec):
+        key = (spec, p, text)
+        if key in first:
+          slots.append((i, first[key]))
+          continue
+        first[key] = len(calls)
+        calls.append((spec, [p.data_source, text, p.ground_truth, p.extra_info]))
+        slots.append((i, first[key]))
+        continue
+      try:
+        out[i] = Verdict(*verifiers_lib.call_local(spec, p.data_source, text, p.ground_truth, p.extra_info))
+      except Exception:  # pylint: disable=broad-except
+        out[i] = Verdict(0.0, sandbox.EXCEPTION)
+    if calls:
+      if self._pool is None:
+        c = self.config
+        self._pool = sandbox.Pool(c.verifier_workers, c.verifier_timeout_s, c.verifier_memory_mb)
+      results = self._pool.run(calls)
+      for i, j in slots:
+        out[i] = Verdict(*results[j])
+    return out  # type: ignore[return-value]
+
+  def reward_details(self, problem: Record, completion: str) -> Verdict:
+    return self.score_batch([problem], [completion])[0]
+
+  def reward(self, problem: Record, completion: str) -> float:
+    return self.reward_details(problem, completion).reward
+
+  # -- position in the data (checkpoint metadata) ------------------------------------------------
+
+  def data_state(self, consumed: int) -> dict:
+    """What a checkpoint stores: train prompts consumed and the data's fingerprint."""
+    sp = self._split("train")
+    return {"consumed": int(consumed), "epoch": consumed / len(sp.records), "train_prompts": len(sp.records),
+            "fingerprint": sp.fingerprint, "eval_fingerprint": self._split("eval").fingerprint}
+
+  def check_data_state(self, state: dict, consumed: int) -> None:
+    """A resume continues at `consumed` only over the very data the checkpoint was trained on."""
+    mine = self.data_state(consumed)
+    if state.get("fingerprint") != mine["fingerprint"]:
+      raise ConfigError(f"config key 'task.train_files': the train prompts differ from the checkpoint's "
+                        f"({state.get('train_prompts')} prompts, fingerprint {state.get('fingerprint')}; now "
+                        f"{mine['train_prompts']}, {mine['fingerprint']}): resuming would repeat or skip "
+                        "prompts. Restore the files, or start a new workdir")
+    if state.get("consumed") != consumed:
+      raise ConfigError(f"checkpoint data position {state.get('consumed')} != {consumed} prompts implied by its step")
+
+  def stats(self) -> dict:
+    """Counts for the log / metrics: kept and dropped (too long) prompts per split."""
+    out = {}
+    for split, sp in self._splits.items():
+      out[f"data/{split}_prompts"] = float(len(sp.records))
+      out[f"data/{split}_dropped_too_long"] = float(sum(sp.dropped.values()))
+    return out
+
+  def close(self) -> None:
+    if self._pool is not None:
+      self._pool.close()
+      self._pool = None
+
+
+def interleave(sources: Sequence[str]) -> list[int]:
+  """Record indices taking each source's next record in turn (file order within a source), until
+  all are taken: [a0, b0, a1, b1, a2, ...] for sources a, b."""
+  queues = collections.OrderedDict()
+  for i, s in enumerate(sources):
+    queues.setdefault(s, collections.deque()).append(i)
+  out = []
+  while queues:
+    for s in list(queues):
+      out.append(queues[s].popleft())
+      if not queues[s]:
+        del queues[s]
+  return out
+
+
+@register_task("dataset")
+def _dataset(overrides) -> DatasetTask:
+  """Prompts from files (DatasetConfig: task.train_files / eval_files and task.overrides)."""
+  return DatasetTask(from_dict(DatasetConfig, dict(overrides), prefix="task.overrides"))

@@ -1,0 +1,230 @@
+"""Dataset task: verl schema in jsonl / parquet, field mapping, errors, order and resume, filtering, chat templates."""
+import collections
+import json
+import os
+import re
+
+import pytest
+
+from rl_jax import experiment as ex
+from rl_jax.config_utils import ConfigError
+from rl_jax.tasks import arith, get_task, order, records
+from rl_jax.tasks.dataset import interleave
+from rl_jax.tasks.hf_tokenizer import HFTokenizer
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("math"))
+  arith.write(out, train=300, eval_count=24)
+  return out
+
+
+@pytest.fixture(scope="module")
+def tok(data):
+  return HFTokenizer.from_dir(os.path.join(data, "tokenizer"))
+
+
+def _task(data, tok=None, limit=64, **over):
+  over = {"train_files": f"{data}/train_arith_add.jsonl,{data}/train_arith_mul.parquet",
+          "eval_files": f"{data}/eval_*.parquet", "solution_key": "extra_info.solution", **over}
+  t = get_task("dataset", over)
+  if tok is not None:
+    t.bind(tok, limit)
+  return t
+
+
+def test_jsonl_and_parquet_read_the_same_records(data):
+  fields = records.Fields()
+  for s in arith.SOURCES:
+    a = records.read_records([f"{data}/train_{s}.jsonl"], fields)
+    b = records.read_records([f"{data}/train_{s}.parquet"], fields)
+    assert [(r.data_source, r.prompt, r.ground_truth, r.extra_info) for r in a] == \
+           [(r.data_source, r.prompt, r.ground_truth, r.extra_info) for r in b]
+    assert a[0].data_source == s and a[0].prompt[0][0] == "system"
+
+
+def test_string_prompts_and_a_field_mapping(tmp_path):
+  path = tmp_path / "other.jsonl"
+  rows = [{"question": "What is 2+3?", "meta": {"answer": 5}}, {"question": "What is 4*2?", "meta": {"answer": 8}}]
+  records.write_jsonl(str(path), rows)
+  fields = records.Fields(prompt="question", source="", answer="meta.answer", extra="", default_source="toy")
+  recs = records.read_records([str(path)], fields)
+  assert [(r.data_source, r.prompt, r.ground_truth) for r in recs] == [
+      ("toy", "What is 2+3?", 5), ("toy", "What is 4*2?", 8)]
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"data_source": "a", "reward_model": {"ground_truth": "1"}}, "no field 'prompt'"),
+    ({"prompt": [{"role": "user"}], "data_source": "a", "reward_model": {"ground_truth": "1"}}, "'prompt'[0]"),
+    ({"prompt": [{"role": "robot", "content": "x"}], "data_source": "a",
+      "reward_model": {"ground_truth": "1"}}, "role 'robot'"),
+    ({"prompt": "hi", "reward_model": {"ground_truth": "1"}}, "no field 'data_source'"),
+    ({"prompt": "hi", "data_source": "a"}, "no field 'reward_model.ground_truth'"),
+])
+def test_bad_rows_name_the_file_row_and_field(tmp_path, row, message):
+  path = tmp_path / "bad.jsonl"
+  good = {"prompt": "ok", "data_source": "a", "reward_model": {"ground_truth": "1"}}
+  records.write_jsonl(str(path), [good, row])
+  with pytest.raises(ValueError, match=re.escape(f"{path}:2: ") + ".*" + re.escape(message)):
+    records.read_records([str(path)], records.Fields())
+
+
+def test_bad_json_and_paths_are_named(tmp_path):
+  path = tmp_path / "broken.jsonl"
+  path.write_text('{"prompt": "a"}\n{not json\n')
+  with pytest.raises(ValueError, match=f"{path}:2: not valid JSON"):
+    list(records.read_rows(str(path)))
+  with pytest.raises(ConfigError, match="task.train_files.*no file matches"):
+    records.expand(str(tmp_path / "nothing_*.jsonl"), "task.train_files")
+  with pytest.raises(ConfigError, match="task.eval_files.*no such file"):
+    records.expand(str(tmp_path / "missing.parquet"), "task.eval_files")
+  (tmp_path / "x.csv").write_text("a\n")
+  with pytest.raises(ConfigError, match="neither .jsonl nor .parquet"):
+    records.expand(str(tmp_path / "x.csv"), "task.train_files")
+
+
+def test_files_only_for_the_dataset_task():
+  with pytest.raises(ConfigError, match="task.train_files.*only task.name='dataset'"):
+    ex.make_task(ex.TaskConfig(name="countdown_easy", train_files="/x.jsonl"))
+  with pytest.raises(ConfigError, match="task.train_files.*empty"):
+    get_task("dataset", {}).bind(object(), 64)
+
+
+def test_every_epoch_is_a_permutation_and_seeds_differ():
+  n = 37
+  o = order.Order({"all": n}, seed=3)
+  seen = o.items(0, 3 * n)
+  for e in range(3):
+    assert sorted(seen[e * n:(e + 1) * n]) == list(range(n))
+  assert seen[:n] != seen[n:2 * n]  # a fresh shuffle per epoch
+  assert seen[:n] != order.Order({"all": n}, seed=4).items(0, n)
+  assert order.Order({"all": n}, seed=3, shuffle=False).items(0, n) == list(range(n))
+
+
+def test_weighted_sources_follow_their_weights_and_never_repeat_within_a_source_epoch():
+  sizes = {"a": 50, "b": 400}
+  o = order.Order(sizes, seed=0, weights={"a": 1.0, "b": 3.0})
+  items = o.items(0, 4000)
+  is_a = [i < 50 for i in items]
+  assert abs(sum(is_a) / 4000 - 0.25) < 0.03
+  a_items = [i for i in items if i < 50]
+  for e in range(len(a_items) // 50):  # source a cycles its own epochs
+    assert sorted(a_items[e * 50:(e + 1) * 50]) == list(range(50))
+  # Random access far ahead equals the sequential walk (a resume at a late step).
+  fresh = order.Order(sizes, seed=0, weights={"a": 1.0, "b": 3.0})
+  assert [fresh.item(i) for i in (3999, 10, 2500)] == [items[3999], items[10], items[2500]]
+
+
+def test_resume_continues_with_the_next_prompt(data, tok):
+  """A task rebuilt after a 'kill' serves prompts [k*B, ...) exactly as the uninterrupted one."""
+  b, steps, kill = 8, 90, 37   # 720 prompts > 300 + 300: crosses an epoch boundary
+  for weights in ("", "arith_add=1,arith_mul=2"):
+    full = _task(data, tok, source_weights=weights)
+    uninterrupted = [p.origin for s in range(steps) for p in full.make_problems(0, "train", s * b, b)]
+    first = _task(data, tok, source_weights=weights)
+    second = _task(data, tok, source_weights=weights)   # the resumed process
+    resumed = ([p.origin for s in range(kill) for p in first.make_problems(0, "train", s * b, b)]
+               + [p.origin for s in range(kill, steps) for p in second.make_problems(0, "train", s * b, b)])
+    assert resumed == uninterrupted
+    if not weights:  # the first epoch serves each prompt once
+      n = full.size("train")
+      assert len(set(uninterrupted[:n])) == n
+
+
+def test_checkpointed_position_refuses_other_data(data, tok, tmp_path):
+  t = _task(data, tok)
+  state = json.loads(json.dumps(t.data_state(40)))   # as the checkpoint's JSON meta holds it
+  t.check_data_state(state, 40)
+  other = _task(data, tok, train_files=f"{data}/train_arith_add.jsonl")
+  with pytest.raises(ConfigError, match="task.train_files.*differ from the checkpoint"):
+    other.check_data_state(state, 40)
+
+
+def test_long_prompts_are_dropped_and_counted_never_truncated(data, tok, capsys):
+  full = _task(data, tok, limit=10_000)
+  lengths = [len(full.prompt_ids(p, tok)) for p in full.make_problems(0, "train", 0, full.size("train"))]
+  limit = sorted(lengths)[len(lengths) // 2]
+  t = _task(data, tok, limit=limit)
+  kept = t.make_problems(0, "train", 0, t.size("train"))
+  assert all(len(t.prompt_ids(p, tok)) <= limit for p in kept)
+  n_long = sum(n > limit for n in lengths)
+  assert n_long > 0 and t.size("train") == len(lengths) - n_long
+  assert t.stats()["data/train_dropped_too_long"] == n_long
+  assert f"{n_long} longer than max_prompt_len={limit} tokens dropped" in capsys.readouterr().out
+
+
+def test_eval_interleaves_sources_and_rejects_a_too_large_eval_size(data, tok):
+  assert interleave(["a", "a", "a", "b"]) == [0, 3, 1, 2]
+  t = _task(data, tok)
+  srcs = [p.data_source for p in t.make_problems(0, "eval", 0, 4)]
+  assert srcs == ["arith_add", "arith_mul", "arith_add", "arith_mul"]
+  with pytest.raises(ConfigError, match="rl.eval_size"):
+    t.make_problems(0, "eval", 0, t.size("eval") + 1)
+
+
+def test_chat_template_rendering_equals_transformers_token_for_token(data, tok):
+  transformers = pytest.importorskip("transformers")
+  hf = transformers.AutoTokenizer.from_pretrained(os.path.join(data, "tokenizer"))
+  t = _task(data, tok)
+  for p in t.make_problems(0, "train", 0, 6) + t.make_problems(0, "eval", 0, 4):
+    want = hf.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+    assert t.prompt_ids(p, tok) == list(want)
+    assert t.prompt(p) == hf.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=False)
+  # enable_thinking reaches the template (an empty think block when off), as in transformers.
+  off = _task(data, tok, limit=10_000, enable_thinking="off")
+  p = off.make_problems(0, "train", 0, 1)[0]
+  want = hf.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+  assert off.prompt(p) == want and want.endswith("<think>\n\n</think>\n\n")
+
+
+def test_messages_need_a_chat_template(data):
+  from rl_jax.tasks.tokenizer import CharTokenizer
+  with pytest.raises(ConfigError, match="no chat template"):
+    _task(data, CharTokenizer())
+
+
+def test_sources_share_the_batch_by_weight(data, tok):
+  t = _task(data, tok, source_weights="arith_add=3,arith_mul=1")
+  counts = collections.Counter(p.data_source for p in t.make_problems(0, "train", 0, 800))
+  assert abs(counts["arith_add"] / 800 - 0.75) < 0.05
+  with pytest.raises(ConfigError, match="source_weights.*no source 'nope'"):
+    _task(data, tok, source_weights="nope=1")
+
+
+def test_per_source_metrics_split_the_batch_by_source():
+  import numpy as np
+  from rl_jax.rl import source_metrics as sm
+  srcs = ["a", "a", "b", "b", "a", "open/ai"]
+  rewards = np.array([1.0, 0.0, 1.0, 1.0, 0.5, 0.0])
+  lengths = np.array([4, 8, 8, 2, 6, 8])
+  last = np.array([2, 9, 2, 2, 2, 7])   # eos id 2; rows at length 8 not ending in eos are truncated
+  trunc = sm.truncated(lengths, last, 8, eos_id=2)
+  assert trunc.tolist() == [False, True, False, False, False, True]
+  m = sm.train_metrics(srcs, rewards, ["", "wrong_value", "", "", "wrong_value", "timeout"], lengths, trunc)
+  assert m["train/a/reward"] == 0.5 and m["train/a/accuracy"] == 1 / 3 and m["train/a/response_length"] == 6
+  assert m["train/a/truncated"] == 1 / 3 and m["train/a/share"] == 0.5
+  assert m["train/b/accuracy"] == 1.0 and m["train/open_ai/truncated"] == 1.0
+  assert m["verifier/wrong_value"] == 2 / 6 and m["verifier/timeout"] == 1 / 6 and m["truncated"] == 2 / 6
+  e = sm.eval_metrics(["a", "b", "a"], np.array([1.0, 0.0, 0.0]), np.array([[1.0, 0.0], [0.0, 0.0], [0.0, 0.0]]),
+                      np.array([[3, 5], [8, 8], [1, 1]]), np.array([[False, False], [True, True], [False, False]]))
+  assert e["eval/a/accuracy"] == 0.5 and e["eval/a/avg_at_k"] == 0.25 and e["eval/a/pass_at_k"] == 0.5
+  assert e["eval/a/response_length"] == 2.5 and e["eval/b/truncated"] == 1.0 and e["eval/b/count"] == 1
+
+
+def test_preview_renders_prompts_and_accepts_the_reference_answers(data):
+  import io
+  from configs import math_tiny
+  from rl_jax.tasks.__main__ import preview
+  cfg = math_tiny.get_config("test")
+  cfg.task.train_files = f"{data}/train_arith_add.jsonl,{data}/train_arith_mul.parquet"
+  cfg.task.eval_files = f"{data}/eval_arith_add.parquet,{data}/eval_arith_mul.jsonl"
+  cfg.task.overrides.tokenizer = f"{data}/tokenizer"
+  out = io.StringIO()
+  rows = preview(cfg, 2, out=out)
+  assert [(r["split"], r["index"]) for r in rows] == [("train", 0), ("train", 1), ("eval", 0), ("eval", 1)]
+  assert all(r["reward"] == 1.0 and r["verifier"] == "math" for r in rows), rows
+  assert [r["source"] for r in rows[2:]] == ["arith_add", "arith_mul"]
+  text = out.getvalue()
+  assert "<|im_start|>assistant\n" in text and "verdict on the reference: reward 1.0" in text

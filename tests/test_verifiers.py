@@ -1,0 +1,214 @@
+"""Verifiers: a math equivalence table written from the math, hostile completions bounded, registry, user functions."""
+import json
+import sys
+import textwrap
+import time
+
+import pytest
+
+from rl_jax.config_utils import ConfigError
+from rl_jax.tasks import sandbox
+from rl_jax.tasks import verifiers as v
+
+# (ground truth, completion): the same number / expression / set written another way.
+EQUIVALENT = [
+    ("1/2", r"\boxed{\frac{1}{2}}"),
+    ("0.5", r"\boxed{\frac12}"),                      # decimal vs fraction
+    (r"\frac{3}{4}", r"The answer is \boxed{0.75}"),
+    ("2", r"\boxed{\frac{4}{2}}"),                    # unreduced fraction
+    ("12", r"\boxed{12.0}"),
+    (r"\sqrt{8}", r"\boxed{2\sqrt{2}}"),              # simplified radical
+    (r"\frac{\sqrt{3}}{3}", r"\boxed{\frac{1}{\sqrt{3}}}"),   # rationalized denominator
+    ("-3", r"\boxed{-3}"),
+    ("100", r"\boxed{10^2}"),
+    ("2^{10}", r"\boxed{1024}"),
+    (r"\frac{1}{2}+\frac{1}{3}", r"\boxed{\frac{5}{6}}"),
+    ("-\\frac{1}{2}", r"\boxed{-0.5}"),
+    (r"\{1, 2\}", r"\boxed{\{2, 1\}}"),              # a set has no order
+    ("[0, 1)", r"\boxed{[0,1)}"),
+    ("(1, 2)", r"\boxed{(1,2)}"),
+    ("x^2+2x+1", r"\boxed{(x+1)^2}"),                 # expanded vs factored polynomial
+    (r"\pi", r"\boxed{\pi}"),
+    ("0.25", r"\boxed{25\%}"),
+    ("3", "First 1+2=3, so the final answer is 3."),   # no box: an 'answer is' line
+    ("7", "We get $x=7$. The answer is $7$."),
+]
+# (ground truth, completion): a different value, or no answer at all.
+NOT_EQUIVALENT = [
+    ("1/2", r"\boxed{0.51}"),
+    ("1/3", r"\boxed{0.33}"),                        # a rounded decimal is not the fraction
+    (r"\sqrt{8}", r"\boxed{3}"),
+    ("2", r"\boxed{-2}"),
+    ("3", r"\boxed{3.1}"),
+    ("12", r"\boxed{21}"),
+    (r"\pi", r"\boxed{3.14}"),
+    (r"\{1,2\}", r"\boxed{\{1,3\}}"),
+    ("[0,1)", r"\boxed{[0,1]}"),                      # half-open vs closed interval
+    ("(1, 2)", r"\boxed{(2,1)}"),                     # an ordered pair has an order
+    ("x^2+1", r"\boxed{(x+1)^2}"),
+    ("5", r"\boxed{5} wait, no: \boxed{6}"),          # the last boxed answer counts
+    ("12", "I don't know."),
+]
+
+
+@pytest.fixture(scope="module")
+def pool():
+  p = sandbox.Pool(workers=2, timeout_s=3.0, memory_mb=1024)
+  yield p
+  p.close()
+
+
+def _run(pool, spec, completion, truth, extra=None):
+  return pool.run([(spec, ["src", completion, truth, extra or {}])])[0]
+
+
+def test_math_verifier_agrees_with_the_equivalence_table(pool):
+  got = pool.run([("math", ["m", c, g, {}]) for g, c in EQUIVALENT + NOT_EQUIVALENT])
+  n = len(EQUIVALENT)
+  wrong = [(pair, r) for pair, r in zip(EQUIVALENT, got[:n]) if r != (1.0, "")]
+  wrong += [(pair, r) for pair, r in zip(NOT_EQUIVALENT, got[n:]) if r[0] != 0.0]
+  assert not wrong
+  assert got[-1] == (0.0, v.NO_ANSWER) and got[n] == (0.0, v.WRONG)
+
+
+HOSTILE = [
+    r"\boxed{9^{9^{9^{9}}}}",                          # a tower no machine can evaluate
+    "$9^9^9^9$ is the answer",
+    r"\boxed{" + "(" * 5000 + "1" + ")" * 5000 + "}",   # deep nesting
+    r"\boxed{" + r"\frac{" * 2000 + "1" + "}{2}" * 2000 + "}",
+    "x" * (1 << 20) + r" \boxed{3}",                   # a megabyte of text
+    r"\boxed{\frac{1}{",                               # invalid LaTeX
+    r"\boxed{\left( \right. \begin{matrix} & \\ \end{pmatrix}}",
+    r"\boxed{10^{10^{10}}!}",
+    "\x00\ufffd\U0001F600" * 1000,
+]
+
+
+def test_hostile_completions_return_within_bounds_and_name_their_error(pool):
+  t = time.monotonic()
+  got = pool.run([("math", ["m", c, "3", {}]) for c in HOSTILE])
+  elapsed = time.monotonic() - t
+  # Each call is bounded by timeout_s (3 s); 2 workers run them 2 at a time.
+  assert elapsed < 3.0 * len(HOSTILE) / 2 + 10, elapsed
+  for c, (reward, error) in zip(HOSTILE, got):
+    assert isinstance(reward, float) and isinstance(error, str), c[:40]
+  # The megabyte ends in the right answer: only its tail is read, and it is found.
+  assert got[4] == (1.0, "")
+  assert all(r == 0.0 and e for i, (r, e) in enumerate(got) if i != 4), got
+  assert _run(pool, "math", r"\boxed{3}", "3") == (1.0, "")   # the pool still works
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+  (tmp_path / "my_rewards.py").write_text(textwrap.dedent('''
+      import os
+      def score(data_source, solution_str, ground_truth, extra_info=None):
+          return 1.0 if solution_str.strip() == str(ground_truth) else 0.0
+      def partial(data_source, solution_str, ground_truth, extra_info=None):
+          return {"score": 0.5, "error": "half"}
+      def spin(data_source, solution_str, ground_truth, extra_info=None):
+          while True:
+              pass
+      def hog(data_source, solution_str, ground_truth, extra_info=None):
+          return len(bytearray(8 << 30))
+      def boom(data_source, solution_str, ground_truth, extra_info=None):
+          raise RuntimeError("bug")
+      def die(data_source, solution_str, ground_truth, extra_info=None):
+          os._exit(3)
+      def nan(data_source, solution_str, ground_truth, extra_info=None):
+          return float("nan")
+  '''))
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setenv("PYTHONPATH", str(tmp_path))   # the worker processes import it too
+  yield "my_rewards"
+  sys.modules.pop("my_rewards", None)
+
+
+def test_user_functions_run_bounded_and_a_killed_worker_is_replaced(user_module):
+  pool = sandbox.Pool(workers=1, timeout_s=2.0, memory_mb=1024)
+  try:
+    calls = [(f"{user_module}:{fn}", ["src", "42", "42", {}])
+             for fn in ("score", "partial", "spin", "score", "hog", "boom", "die", "nan", "score")]
+    t = time.monotonic()
+    got = pool.run(calls)
+    assert time.monotonic() - t < 15
+    assert got == [(1.0, ""), (0.5, "half"), (0.0, sandbox.TIMEOUT), (1.0, ""), (0.0, sandbox.MEMORY),
+                   (0.0, sandbox.EXCEPTION), (0.0, sandbox.CRASHED), (0.0, "bad_result"), (1.0, "")]
+    assert pool.restarts == 2   # the spinning and the dying worker
+  finally:
+    pool.close()
+
+
+def test_registry_specs_and_mapping(user_module):
+  rules = v.parse_map("gsm8k*=math,count*=countdown,my_*=my_rewards:score", "task.overrides.verifiers")
+  assert v.choose("gsm8k_main", rules, "exact_match") == "math"
+  assert v.choose("countdown3", rules, "exact_match") == "countdown"
+  assert v.choose("my_src", rules, "exact_match") == "my_rewards:score"
+  assert v.choose("other", rules, "exact_match") == "exact_match"
+  assert not v.is_isolated("countdown") and v.is_isolated("math") and v.is_isolated("my_rewards:score")
+  with pytest.raises(ConfigError, match="unknown verifier 'maths'"):
+    v.parse_map("a=maths", "task.overrides.verifiers")
+  with pytest.raises(ConfigError, match="cannot load verifier 'no_such_mod:f'"):
+    v.check_spec("no_such_mod:f", "task.overrides.default_verifier")
+  with pytest.raises(ConfigError, match="not source_pattern=verifier"):
+    v.parse_map("math", "task.overrides.verifiers")
+
+
+def test_countdown_and_exact_match_verifiers():
+  truth = {"target": 24, "numbers": [2, 3, 4]}
+  assert v.countdown("<answer>(2+4)*4</answer>", truth, {}) == (0.0, "wrong_numbers")
+  assert v.countdown("<answer>2*3*4</answer>", truth, {}) == (1.0, "")
+  assert v.countdown("<answer>2*3*4</answer>", {"target": 24}, {}) == (0.0, v.BAD_TRUTH)
+  assert v.exact_match(r"so \boxed{ Paris }.", "Paris", {}) == (1.0, "")
+  assert v.exact_match("Paris", "paris", {}) == (0.0, v.WRONG)
+  assert v.exact_match(r"\boxed{a{b}c}", "a{b}c", {}) == (1.0, "")
+  assert v.last_boxed(r"\boxed{unclosed") is None
+
+
+def test_cost_per_call(pool):
+  """Reported in the closing note: one pipe round trip + math-verify per call."""
+  n = 200
+  calls = [("math", ["m", rf"so \boxed{{\frac{{{i}}}{{2}}}}", str(i / 2), {}]) for i in range(n)]
+  pool.run(calls[:4])  # warm
+  t = time.perf_counter()
+  got = pool.run(calls)
+  per_call = (time.perf_counter() - t) / n
+  assert all(r == (1.0, "") for r in got)
+  print(f"math verifier: {per_call * 1e3:.2f} ms per call (2 workers)")
+  assert per_call < 0.05
+
+
+def test_a_step_of_hostile_completions_scores_every_row_through_the_task():
+  """The dataset task's batch scoring (what the trainer calls per step) over hostile rows: one verdict
+  per row, each hostile one 0 with a named error, the whole batch bounded in time."""
+  from rl_jax.tasks.dataset import DatasetConfig, DatasetTask
+  from rl_jax.tasks.records import Record
+  task = DatasetTask(DatasetConfig(verifiers="cd=countdown,em=exact_match", verifier_workers=2,
+                                   verifier_timeout_s=3.0, verifier_memory_mb=1024))
+  try:
+    rec = lambda src, truth: Record(src, "q", json.dumps(truth), "{}", "", "test:1")
+    problems = [rec("math_src", "3")] * len(HOSTILE) + [rec("cd", {"target": 6, "numbers": [1, 2, 3]}),
+                                                        rec("em", "Paris")]
+    texts = HOSTILE + ["<answer>" + "(" * 10_000 + "</answer>", "x" * (1 << 20)]
+    t = time.monotonic()
+    verdicts = task.score_batch(problems, texts)
+    assert time.monotonic() - t < 3.0 * len(HOSTILE) / 2 + 10
+    assert len(verdicts) == len(problems)
+    assert verdicts[4].reward == 1.0   # the megabyte ending in the right boxed answer
+    assert all(v.reward == 0.0 and v.error for i, v in enumerate(verdicts) if i != 4), verdicts
+    assert task.verifier_of("cd") == "countdown" and task.verifier_of("other") == "math"
+  finally:
+    task.close()
+
+
+def test_identical_completions_of_a_group_are_verified_once():
+  from rl_jax.tasks.dataset import DatasetConfig, DatasetTask
+  from rl_jax.tasks.records import Record
+  task = DatasetTask(DatasetConfig(verifier_workers=1))
+  try:
+    p = Record("m", "q", json.dumps("4"), "{}", "", "test:1")
+    verdicts = task.score_batch([p] * 6, [r"\boxed{4}"] * 3 + [r"\boxed{5}"] * 2 + [r"\boxed{2+2}"])
+    assert [v.reward for v in verdicts] == [1, 1, 1, 0, 0, 1]
+    assert task._pool.calls == 3   # pylint: disable=protected-access
+  finally:
+    task.close()
