@@ -11,6 +11,7 @@ from rl_jax import sharding as sh
 from rl_jax.config_utils import ConfigError, from_dict
 from rl_jax.models import ModelConfig, families
 from rl_jax.tasks import Task, get_task
+from rl_jax.tasks.hf_tokenizer import HFTokenizer
 from rl_jax.tasks.tokenizer import CharTokenizer
 
 
@@ -57,7 +58,6 @@ def make_tokenizer(task: Task, model_cfg: ModelConfig) -> Any:
   """The task's own tokenizer directory (`tokenizer_path`, an HF fast tokenizer) or CharTokenizer."""
   path = getattr(task, "tokenizer_path", "")
   if path:
-    from rl_jax.tasks.hf_tokenizer import HFTokenizer  # pylint: disable=g-import-not-at-top
     tok = HFTokenizer.from_dir(path)
   else:
     tok = CharTokenizer()

@@ -62,6 +62,8 @@ LOCAL_IMPORTS = {
         "start-up: only a warm start from a Hugging Face checkpoint needs it",
     ("rl_jax.rl.trainer", "rl_jax.tasks.hf_tokenizer"):
         "start-up: only a Hugging Face warm start loads transformers' tokenizer",
+    ("rl_jax.tasks._verifier_worker", "rl_jax.tasks.verifiers"):
+        "start-up: the verifier worker caps its memory (RLIMIT_AS) before the verifiers load math-verify",
     ("rl_jax.rl.warm_start", "rl_jax.sft"):
         "debt: rl.job imports sft at module level since issue 40 (a), so this hides nothing; issue 40 item 3",
     ("rl_jax.rl.warm_start", "rl_jax.models.hf"):
@@ -72,7 +74,7 @@ LOCAL_IMPORTS = {
         "start-up: the study runner lists and launches runs without importing the RL stack",
 }
 # A ratchet: function-local imports of rl_jax modules (statement x module). 56 before issue 40.
-MAX_LOCAL_IMPORTS = 49
+MAX_LOCAL_IMPORTS = 50
 
 # Imports from a lower layer into a higher one that are known debt: (importer, imported) -> why.
 UPWARD_DEBT = {

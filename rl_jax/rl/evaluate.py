@@ -9,11 +9,8 @@ import numpy as np
 
 from rl_jax import rollout as rollout_lib
 from rl_jax import sharding as sh
-
-
-def pass_at_k(rewards_NK: np.ndarray) -> float:
-  """Fraction of prompts (rows) with at least one correct (reward >= 1) of their k samples."""
-  return float((np.asarray(rewards_NK) >= 1.0).any(axis=1).mean())
+from rl_jax.rl import source_metrics
+from rl_jax.rl.source_metrics import pass_at_k
 
 
 def evaluate(task: Any, score: Callable, completions: Callable, generate: Callable, clean_state, ids, valid,
@@ -47,7 +44,6 @@ def evaluate(task: Any, score: Callable, completions: Callable, generate: Callab
   out["eval_sampled_accuracy"] = float(r_nk.mean())
   out["eval_pass_at_k"] = pass_at_k(r_nk)
   if eos_id is not None and hasattr(task, "source_of"):
-    from rl_jax.rl import source_metrics  # pylint: disable=g-import-not-at-top  (it imports pass_at_k)
     response = sh.to_host(ro.response_BT)
     lengths = sh.to_host(ro.lengths_B)
     trunc = source_metrics.truncated(lengths, response[:, -1], response.shape[1], eos_id)

@@ -7,7 +7,10 @@ from typing import Sequence
 
 import numpy as np
 
-from rl_jax.rl.evaluate import pass_at_k
+
+def pass_at_k(rewards_NK: np.ndarray) -> float:
+  """Fraction of prompts (rows) with at least one correct (reward >= 1) of their k samples."""
+  return float((np.asarray(rewards_NK) >= 1.0).any(axis=1).mean())
 
 
 def metric_name(source: str) -> str:

@@ -15,6 +15,8 @@ from ml_collections import config_flags
 from rl_jax import data as data_lib
 from rl_jax import experiment as ex
 from rl_jax.config_utils import from_dict
+from rl_jax.models import ModelConfig
+from rl_jax.tasks.hf_tokenizer import HFTokenizer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "a job config (configs/*.py[:arg])", lock_config=False)
 _N = flags.DEFINE_integer("n", 3, "prompts per split")
@@ -27,10 +29,8 @@ def preview(config, n: int, out=sys.stdout) -> list[dict]:
   model = config.model
   ws = config.get("warm_start", {})
   if ws and ws.get("source") == "hf" and ws.get("path"):
-    from rl_jax.tasks.hf_tokenizer import HFTokenizer  # pylint: disable=g-import-not-at-top
     tok = HFTokenizer.from_dir(ws.path)
   else:
-    from rl_jax.models import ModelConfig  # pylint: disable=g-import-not-at-top
     tok = ex.make_tokenizer(task, from_dict(ModelConfig, model, prefix="model"))
   limit = config.sampler.max_prompt_len if "sampler" in config else config.sft.max_len
   ex.bind_task(task, tok, limit)

@@ -16,6 +16,8 @@ import hashlib
 import json
 import os
 
+from rl_jax.tasks import records
+
 SOURCES = ("arith_add", "arith_mul")
 PAD, IM_START, IM_END, EOT = "<|pad|>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 SPECIALS = (PAD, IM_START, IM_END, EOT)  # ids 0..3: pad 0, eos (<|im_end|>) 2
@@ -115,7 +117,6 @@ def _corpus(data: dict) -> list[str]:
 
 def write(out: str, train: int = 2000, eval_count: int = 128, seed: int = 0) -> dict:
   """Writes both sources' splits as jsonl and parquet, and the tokenizer; returns the paths."""
-  from rl_jax.tasks import records  # pylint: disable=g-import-not-at-top
   os.makedirs(out, exist_ok=True)
   data = {(s, split): rows(s, seed, split, n) for s in SOURCES
           for split, n in (("train", train), ("eval", eval_count))}

@@ -11,6 +11,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from rl_jax.config_utils import ConfigError
+
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 # Blocks of the source-choice stream whose per-source counts are cached (random access is
 # O(block) after the first pass over the blocks before it).
@@ -120,7 +122,6 @@ class Order:
 
 def parse_weights(spec: str, sources: Sequence[str], key: str) -> dict[str, float]:
   """'a=1,b=3' -> {'a': 1.0, 'b': 3.0}: every named source must exist, weights >= 0, one > 0."""
-  from rl_jax.config_utils import ConfigError  # pylint: disable=g-import-not-at-top
   out: dict[str, float] = {}
   for part in [p.strip() for p in spec.split(",") if p.strip()]:
     name, sep, value = part.rpartition("=")
