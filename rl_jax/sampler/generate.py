@@ -138,8 +138,9 @@ def _sample(logits_BV, logq_BV, keys_B, step, cfg: SamplerConfig) -> tuple[jax.A
   if cfg.greedy:
     return first_argmax(logits_BV), {}
   x, tau_B = _truncate(logq_BV, cfg.top_k, cfg.top_p)
-  # One key per row and step: a row's sample does not depend on how the batch is split.
-  step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys_B, step)
+  # One key per row and step (`step` a scalar, or [B]: each row's own step, the continuous
+  # engine): a row's sample depends on neither how the batch is split nor which slot ran it.
+  step_keys = jax.vmap(jax.random.fold_in)(keys_B, jnp.broadcast_to(step, keys_B.shape[:1]))
   y_B = jax.vmap(categorical)(step_keys, x)
   if not cfg.truncates:
     return y_B, {}
@@ -225,6 +226,10 @@ def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: Sampler
   b = prompts_BP.shape[0]
   keys_B = jax.random.split(key, b)
   div = batch_divisor(mesh) if mesh is not None else 1
+  if cfg.engine == "continuous":  # slots bound the rows in flight: no waves
+    from rl_jax.sampler import continuous  # pylint: disable=g-import-not-at-top
+    return continuous.generate_rows(model, prompts_BP, valid_BP, keys_B, cfg=cfg, kv_spec=kv_spec,
+                                    constrain=constrain, div=div)
   waves = microbatch.count(b, cfg.max_rows_in_flight, "sampler.max_rows_in_flight", div)
   rows = lambda x: _generate_rows(model, *x, cfg=cfg, kv_spec=kv_spec, constrain=constrain, div=div)
   if waves == 1:
@@ -361,7 +366,15 @@ def _generate_rows(model, prompts_BP, valid_BP, keys_B, *, cfg: SamplerConfig, k
   if k_rec:  # the last step's top-k (step >= 1: the loop runs at least once)
     c = {**c, **_record_topk(c, c["pending_logq_BV"], c["pending_active_B"], c["step"] - 1, k_rec)}
 
+  return constrain(assemble_rollout(c, pvalid_BP, prompt_len_B, trunc_keys))
+
+
+def assemble_rollout(c: dict, pvalid_BP, prompt_len_B, trunc_keys) -> Rollout:
+  """The Rollout from a finished decode's per-row buffers (either engine's): masks, positions,
+  the routes masked to the slots that carry one."""
   resp_BT = c["active_BT"]
+  b, p = pvalid_BP.shape
+  t = resp_BT.shape[1]
   zeros_BP = jnp.zeros((b, p), bool)
   response_mask_BS = jnp.concatenate([zeros_BP, resp_BT], axis=1)
   prompt_mask_BS = jnp.concatenate([pvalid_BP, jnp.zeros((b, t), bool)], axis=1)
@@ -371,17 +384,14 @@ def _generate_rows(model, prompts_BP, valid_BP, keys_B, *, cfg: SamplerConfig, k
   experts = c["experts_BSLK"]
   if experts is not None:
     experts = jnp.where(expert_valid_BS[:, :, None, None], experts, 0)
-  topk_logq = c["topk_logq_BTK"]
-  head_mass_BT = c["head_mass_BT"]
-  rollout = Rollout(
+  return Rollout(
       tokens_BS=c["tokens_BS"],
       positions_BS=default_positions(prompt_mask_BS | response_mask_BS),
       prompt_mask_BS=prompt_mask_BS, response_mask_BS=response_mask_BS,
-      logq_BT=c["logq_BT"], topk_ids_BTK=c["topk_ids_BTK"], topk_logq_BTK=topk_logq,
-      head_mass_BT=head_mass_BT, expert_ids_BSLK=experts, expert_valid_BS=expert_valid_BS,
+      logq_BT=c["logq_BT"], topk_ids_BTK=c["topk_ids_BTK"], topk_logq_BTK=c["topk_logq_BTK"],
+      head_mass_BT=c["head_mass_BT"], expert_ids_BSLK=experts, expert_valid_BS=expert_valid_BS,
       lengths_B=jnp.sum(resp_BT, axis=1, dtype=jnp.int32), prompt_lengths_B=prompt_len_B,
       prompt_len=p, **{k: c[k] for k in trunc_keys})
-  return constrain(rollout)
 
 
 _generate = jax.jit(generate_program, static_argnames=_STATIC_ARGNAMES)
