@@ -47,7 +47,7 @@ def _put_slot_cache(cache, part, s):
                        kv, kp) for kv, kp in zip(cache, part)]
 
 
-def generate_rows(model, prompts_BP, valid_BP, keys_B, *, cfg: SamplerConfig, kv_spec, constrain, div):
+def generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: SamplerConfig, kv_spec, constrain, div):
   """The continuous engine over all B rows (`generate_program` with `cfg.engine='continuous'`)."""
   mcfg = model.cfg
   b = prompts_BP.shape[0]
@@ -168,7 +168,7 @@ def generate_rows(model, prompts_BP, valid_BP, keys_B, *, cfg: SamplerConfig, kv
     if record_experts:
       new["experts_BSLK"] = c["experts_BSLK"].at[w_N, slot_N].set(
           out.expert_ids_BSLK[:, 0].astype(exp_dtype), mode="drop")
-    ended_N = dec_N & ((y_N == cfg.eos_id) | (j_N + 1 >= t))
+    ended_N = dec_N & ((y_N == cfg.eos_id) | (j_N + 1 >= max_new_B[r_N]))
     new["step_N"] = jnp.where(dec_N, j_N + 1, j_N)
     new["live_N"] = c["live_N"] & ~ended_N
     return new

@@ -209,7 +209,8 @@ def _record_topk(c, logq_BV, active_B, j, k: int) -> dict:
 _STATIC_ARGNAMES = ("graphdef", "cfg", "kv_spec", "mesh")
 
 
-def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: SamplerConfig, kv_spec, mesh):
+def generate_program(graphdef, state, prompts_BP, valid_BP, key, max_new_B=None, *, cfg: SamplerConfig, kv_spec,
+                     mesh):
   """The traceable generation program (`_generate` is its jit; tests wrap it to count traces).
 
   With `cfg.max_rows_in_flight` the rows run in waves of strided rows (`rl_jax.microbatch`: each
@@ -225,16 +226,20 @@ def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: Sampler
   constrain = _constrainer(mesh, mcfg.n_kv_heads)
   b = prompts_BP.shape[0]
   keys_B = jax.random.split(key, b)
+  # Each row's own response-length limit (at most max_new_tokens): a row ends at EOS or there.
+  max_new_B = (jnp.full((b,), cfg.max_new_tokens, jnp.int32) if max_new_B is None
+               else jnp.minimum(jnp.asarray(max_new_B, jnp.int32), cfg.max_new_tokens))
   div = batch_divisor(mesh) if mesh is not None else 1
   if cfg.engine == "continuous":  # slots bound the rows in flight: no waves
     from rl_jax.sampler import continuous  # pylint: disable=g-import-not-at-top
-    return continuous.generate_rows(model, prompts_BP, valid_BP, keys_B, cfg=cfg, kv_spec=kv_spec,
+    return continuous.generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, cfg=cfg, kv_spec=kv_spec,
                                     constrain=constrain, div=div)
   waves = microbatch.count(b, cfg.max_rows_in_flight, "sampler.max_rows_in_flight", div)
   rows = lambda x: _generate_rows(model, *x, cfg=cfg, kv_spec=kv_spec, constrain=constrain, div=div)
   if waves == 1:
-    return rows((prompts_BP, valid_BP, keys_B))
-  _, ro = jax.lax.scan(lambda c, x: (c, rows(x)), None, microbatch.split((prompts_BP, valid_BP, keys_B), waves))
+    return rows((prompts_BP, valid_BP, keys_B, max_new_B))
+  _, ro = jax.lax.scan(lambda c, x: (c, rows(x)), None,
+                       microbatch.split((prompts_BP, valid_BP, keys_B, max_new_B), waves))
   return constrain(microbatch.merge(ro))
 
 
@@ -262,7 +267,7 @@ def _prefill(model, tokens_BP, positions_BP, pvalid_BP, kv_valid_BC, cache_slots
   return [merge_kv(kv) for kv in caches], microbatch.merge(experts)
 
 
-def _generate_rows(model, prompts_BP, valid_BP, keys_B, *, cfg: SamplerConfig, kv_spec, constrain, div):
+def _generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: SamplerConfig, kv_spec, constrain, div):
   """Prefill + decode of one wave of rows, row b sampling with `keys_B[b]` (`generate_program`)."""
   mcfg = model.cfg
   b = prompts_BP.shape[0]
@@ -332,7 +337,7 @@ def _generate_rows(model, prompts_BP, valid_BP, keys_B, *, cfg: SamplerConfig, k
     new["step"] = j + 1
     new["cache"] = out.cache
     new["tokens_BS"] = jax.lax.dynamic_update_slice(c["tokens_BS"], y_B[:, None], (0, slot + 1))
-    new["done_B"] = c["done_B"] | (y_B == cfg.eos_id)
+    new["done_B"] = c["done_B"] | (y_B == cfg.eos_id) | (j + 1 >= max_new_B)
     new["active_BT"] = jax.lax.dynamic_update_slice(c["active_BT"], active_B[:, None], (0, j))
     new["logq_BT"] = jax.lax.dynamic_update_slice(c["logq_BT"], logq_B[:, None], (0, j))
     for name, v_B in trunc.items():
@@ -435,7 +440,7 @@ def _resolve_kv_spec(kv_spec, cfg: SamplerConfig):
 
 
 def generate(graphdef: nnx.GraphDef, sampler_state: Any, prompts_BP, prompt_valid_BP, key: jax.Array,
-             cfg: SamplerConfig, kv_spec: Any = None, mesh: Mesh | None = None) -> Rollout:
+             cfg: SamplerConfig, kv_spec: Any = None, mesh: Mesh | None = None, max_new_B=None) -> Rollout:
   """Samples `max_new_tokens` continuations of a batch of prompts in one jitted program.
 
   Args:
@@ -450,6 +455,9 @@ def generate(graphdef: nnx.GraphDef, sampler_state: Any, prompts_BP, prompt_vali
       (default) takes `cfg.quant.kv`, where fp32 means the sampler's compute dtype.
     mesh: if given, the batch is split over `rl_jax.sharding.BATCH_AXES`; B must be a
       multiple of `batch_divisor(mesh)`. The state keeps whatever sharding it has.
+    max_new_B: optional int `[B]`, each row's own response-length limit (capped at
+      `max_new_tokens`): a row ends at EOS or after that many tokens (the engine benchmark
+      forces its length distribution with it).
 
   Returns a `Rollout` (see its docstring for the slot alignment).
 
@@ -472,5 +480,7 @@ def generate(graphdef: nnx.GraphDef, sampler_state: Any, prompts_BP, prompt_vali
     if prompts_BP.shape[0] % div:
       raise ValueError(f"batch {prompts_BP.shape[0]} is not a multiple of the mesh's batch axes {div}")
     prompts_BP, prompt_valid_BP = shard_batch((prompts_BP, prompt_valid_BP), mesh)
-  return _generate(graphdef, sampler_state, prompts_BP, prompt_valid_BP, key, cfg=cfg, kv_spec=kv_spec,
+    if max_new_B is not None:
+      max_new_B = shard_batch(jnp.asarray(max_new_B, jnp.int32), mesh)
+  return _generate(graphdef, sampler_state, prompts_BP, prompt_valid_BP, key, max_new_B, cfg=cfg, kv_spec=kv_spec,
                    mesh=mesh)
