@@ -378,7 +378,11 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
                         **({"sampler weights": n_sampler} if kind != "rollout" and n_sampler else {})})
     n_waves = microbatch.count(rows, cfg.max_rows_in_flight, "sampler.max_rows_in_flight", div)
     kv_spec = None if kind != "rollout" else getattr(cfg.quant, "kv", None)
-    g.kv_cache = kv_cache_bytes(mcfg, cfg, rows // n_waves, kv_spec if getattr(kv_spec, "format", None)
+    cache_rows = rows // n_waves
+    if cfg.engine == "continuous":  # one S-slot cache region per slot, whatever the rows
+      from rl_jax.sampler.continuous import slot_count  # pylint: disable=g-import-not-at-top
+      cache_rows = slot_count(cfg, rows, div)
+    g.kv_cache = kv_cache_bytes(mcfg, cfg, cache_rows, kv_spec if getattr(kv_spec, "format", None)
                                 not in (None, "fp32") else None, mesh)
     compile_program(g, progs.lower_generate(state, prompts, pvalid, key, kind))
     r_dev = rows / div

@@ -44,15 +44,15 @@ class LayerKV:
     """Writes the new S-token slab at slot `index`; returns (cache', kT_BGDC, v_BGCD) as read back.
 
     Reading back what was written (instead of using the fresh k/v) matches what a
-    serving engine with a quantized cache computes for the current token too.
+    serving engine with a quantized cache computes for the current token too. `index` is a
+    scalar (every row writes at the same slot) or `[B]` (row b at `index[b]`: the continuous
+    engine's slots, each at its own step).
     """
     # [B, S, G, D] -> heads-major [B, G, S, D] (quantization is per row of D).
     k_BGSD, v_BGSD = jnp.swapaxes(k_new_BSGD, 1, 2), jnp.swapaxes(v_new_BSGD, 1, 2)
-    at_slot = (0, 0, index, 0)
     if not self.quantized:
-      k = jax.lax.dynamic_update_slice(self.k, jnp.swapaxes(k_BGSD, 2, 3).astype(self.k.dtype),
-                                       (0, 0, 0, index))
-      v = jax.lax.dynamic_update_slice(self.v, v_BGSD.astype(self.v.dtype), at_slot)
+      k = write_slots(self.k, jnp.swapaxes(k_BGSD, 2, 3).astype(self.k.dtype), index, axis=3)
+      v = write_slots(self.v, v_BGSD.astype(self.v.dtype), index, axis=2)
       new = dataclasses.replace(self, k=k, v=v)
       return new, k.astype(dtype), v.astype(dtype)
     from rl_jax.quant import kv as qkv  # pylint: disable=g-import-not-at-top
@@ -60,14 +60,29 @@ class LayerKV:
     vq, vs = qkv.kv_quantize(v_BGSD, self.spec, self.backend)
     new = dataclasses.replace(
         self,
-        k=jax.lax.dynamic_update_slice(self.k, kq, at_slot),
-        v=jax.lax.dynamic_update_slice(self.v, vq, at_slot),
-        k_scale=jax.lax.dynamic_update_slice(self.k_scale, ks.astype(self.k_scale.dtype), at_slot),
-        v_scale=jax.lax.dynamic_update_slice(self.v_scale, vs.astype(self.v_scale.dtype), at_slot))
+        k=write_slots(self.k, kq, index, axis=2),
+        v=write_slots(self.v, vq, index, axis=2),
+        k_scale=write_slots(self.k_scale, ks.astype(self.k_scale.dtype), index, axis=2),
+        v_scale=write_slots(self.v_scale, vs.astype(self.v_scale.dtype), index, axis=2))
     # The dequantized keys are a fresh array either way: XLA writes them transposed.
     k_all = qkv.kv_dequantize(new.k, new.k_scale, self.spec, dtype, self.backend)
     v_all = qkv.kv_dequantize(new.v, new.v_scale, self.spec, dtype, self.backend)
     return new, jnp.swapaxes(k_all, -1, -2), v_all
+
+
+def write_slots(buf: jax.Array, new: jax.Array, index, axis: int) -> jax.Array:
+  """`buf` [B, ...] with `new` written along its slot `axis` from `index`: a scalar (one
+  `dynamic_update_slice`, the same slot for every row) or `[B]` (row b from `index[b]`)."""
+  if jnp.ndim(index) == 0:
+    starts = [0] * buf.ndim
+    starts[axis] = index
+    return jax.lax.dynamic_update_slice(buf, new, starts)
+
+  def one(buf_row, new_row, i):
+    starts = [0] * buf_row.ndim
+    starts[axis - 1] = i
+    return jax.lax.dynamic_update_slice(buf_row, new_row, starts)
+  return jax.vmap(one)(buf, new, index)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, kv_spec=None,

@@ -9,6 +9,7 @@ from rl_jax.quant.config import QuantConfig
 
 NoiseMode = Literal["none", "relative", "absolute"]
 SamplerDType = Literal["float32", "bfloat16"]
+Engine = Literal["static", "continuous"]
 
 
 def _default_quant() -> QuantConfig:
@@ -51,6 +52,13 @@ class SamplerConfig:
   # batch axes; a row's tokens and log-probs do not depend on the others in its wave.
   max_rows_in_flight: int = 0
   prefill_rows: int = 0
+  # The generation engine (docs/architecture.md#the-sampler-engines): 'static' decodes each wave
+  # of rows until its longest row ends; 'continuous' decodes `slots` rows at a time and gives a
+  # finished row's slot to the next prompt of the queue, prefilled `prefill_chunk` prompt slots per
+  # decode step. Same rollout either way (bit for bit under model.batch_invariant).
+  engine: Engine = "static"
+  slots: int = 0               # continuous: rows decoding together (0 = max_rows_in_flight, else all rows)
+  prefill_chunk: int = 256     # continuous: prompt slots a refilled slot prefills per decode step
 
   def __post_init__(self):
     require(self.max_prompt_len >= 1, "sampler.max_prompt_len", f"must be >= 1, got {self.max_prompt_len}")
@@ -67,7 +75,10 @@ class SamplerConfig:
     require(self.pad_id >= 0, "sampler.pad_id", f"must be >= 0, got {self.pad_id}")
     require(self.decode_phases >= 1, "sampler.decode_phases", f"must be >= 1, got {self.decode_phases}")
     require(self.min_phase_steps >= 1, "sampler.min_phase_steps", f"must be >= 1, got {self.min_phase_steps}")
-    for k in ("max_rows_in_flight", "prefill_rows"):
+    require(self.engine in ("static", "continuous"), "sampler.engine",
+            f"must be 'static' or 'continuous', got {self.engine!r}")
+    require(self.prefill_chunk >= 1, "sampler.prefill_chunk", f"must be >= 1, got {self.prefill_chunk}")
+    for k in ("max_rows_in_flight", "prefill_rows", "slots"):
       require(getattr(self, k) >= 0, f"sampler.{k}", f"must be >= 0 (0 = all rows), got {getattr(self, k)}")
     quant = self.quant
     if quant is None:

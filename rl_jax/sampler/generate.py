@@ -138,8 +138,9 @@ def _sample(logits_BV, logq_BV, keys_B, step, cfg: SamplerConfig) -> tuple[jax.A
   if cfg.greedy:
     return first_argmax(logits_BV), {}
   x, tau_B = _truncate(logq_BV, cfg.top_k, cfg.top_p)
-  # One key per row and step: a row's sample does not depend on how the batch is split.
-  step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys_B, step)
+  # One key per row and step (`step` a scalar, or [B]: each row's own step, the continuous
+  # engine): a row's sample depends on neither how the batch is split nor which slot ran it.
+  step_keys = jax.vmap(jax.random.fold_in)(keys_B, jnp.broadcast_to(step, keys_B.shape[:1]))
   y_B = jax.vmap(categorical)(step_keys, x)
   if not cfg.truncates:
     return y_B, {}
@@ -208,7 +209,8 @@ def _record_topk(c, logq_BV, active_B, j, k: int) -> dict:
 _STATIC_ARGNAMES = ("graphdef", "cfg", "kv_spec", "mesh")
 
 
-def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: SamplerConfig, kv_spec, mesh):
+def generate_program(graphdef, state, prompts_BP, valid_BP, key, max_new_B=None, *, cfg: SamplerConfig, kv_spec,
+                     mesh):
   """The traceable generation program (`_generate` is its jit; tests wrap it to count traces).
 
   With `cfg.max_rows_in_flight` the rows run in waves of strided rows (`rl_jax.microbatch`: each
@@ -224,12 +226,20 @@ def generate_program(graphdef, state, prompts_BP, valid_BP, key, *, cfg: Sampler
   constrain = _constrainer(mesh, mcfg.n_kv_heads)
   b = prompts_BP.shape[0]
   keys_B = jax.random.split(key, b)
+  # Each row's own response-length limit (at most max_new_tokens): a row ends at EOS or there.
+  max_new_B = (jnp.full((b,), cfg.max_new_tokens, jnp.int32) if max_new_B is None
+               else jnp.minimum(jnp.asarray(max_new_B, jnp.int32), cfg.max_new_tokens))
   div = batch_divisor(mesh) if mesh is not None else 1
+  if cfg.engine == "continuous":  # slots bound the rows in flight: no waves
+    from rl_jax.sampler import continuous  # pylint: disable=g-import-not-at-top
+    return continuous.generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, cfg=cfg, kv_spec=kv_spec,
+                                    constrain=constrain, div=div)
   waves = microbatch.count(b, cfg.max_rows_in_flight, "sampler.max_rows_in_flight", div)
   rows = lambda x: _generate_rows(model, *x, cfg=cfg, kv_spec=kv_spec, constrain=constrain, div=div)
   if waves == 1:
-    return rows((prompts_BP, valid_BP, keys_B))
-  _, ro = jax.lax.scan(lambda c, x: (c, rows(x)), None, microbatch.split((prompts_BP, valid_BP, keys_B), waves))
+    return rows((prompts_BP, valid_BP, keys_B, max_new_B))
+  _, ro = jax.lax.scan(lambda c, x: (c, rows(x)), None,
+                       microbatch.split((prompts_BP, valid_BP, keys_B, max_new_B), waves))
   return constrain(microbatch.merge(ro))
 
 
@@ -257,7 +267,7 @@ def _prefill(model, tokens_BP, positions_BP, pvalid_BP, kv_valid_BC, cache_slots
   return [merge_kv(kv) for kv in caches], microbatch.merge(experts)
 
 
-def _generate_rows(model, prompts_BP, valid_BP, keys_B, *, cfg: SamplerConfig, kv_spec, constrain, div):
+def _generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: SamplerConfig, kv_spec, constrain, div):
   """Prefill + decode of one wave of rows, row b sampling with `keys_B[b]` (`generate_program`)."""
   mcfg = model.cfg
   b = prompts_BP.shape[0]
@@ -327,7 +337,7 @@ def _generate_rows(model, prompts_BP, valid_BP, keys_B, *, cfg: SamplerConfig, k
     new["step"] = j + 1
     new["cache"] = out.cache
     new["tokens_BS"] = jax.lax.dynamic_update_slice(c["tokens_BS"], y_B[:, None], (0, slot + 1))
-    new["done_B"] = c["done_B"] | (y_B == cfg.eos_id)
+    new["done_B"] = c["done_B"] | (y_B == cfg.eos_id) | (j + 1 >= max_new_B)
     new["active_BT"] = jax.lax.dynamic_update_slice(c["active_BT"], active_B[:, None], (0, j))
     new["logq_BT"] = jax.lax.dynamic_update_slice(c["logq_BT"], logq_B[:, None], (0, j))
     for name, v_B in trunc.items():
@@ -361,7 +371,15 @@ def _generate_rows(model, prompts_BP, valid_BP, keys_B, *, cfg: SamplerConfig, k
   if k_rec:  # the last step's top-k (step >= 1: the loop runs at least once)
     c = {**c, **_record_topk(c, c["pending_logq_BV"], c["pending_active_B"], c["step"] - 1, k_rec)}
 
+  return constrain(assemble_rollout(c, pvalid_BP, prompt_len_B, trunc_keys))
+
+
+def assemble_rollout(c: dict, pvalid_BP, prompt_len_B, trunc_keys) -> Rollout:
+  """The Rollout from a finished decode's per-row buffers (either engine's): masks, positions,
+  the routes masked to the slots that carry one."""
   resp_BT = c["active_BT"]
+  b, p = pvalid_BP.shape
+  t = resp_BT.shape[1]
   zeros_BP = jnp.zeros((b, p), bool)
   response_mask_BS = jnp.concatenate([zeros_BP, resp_BT], axis=1)
   prompt_mask_BS = jnp.concatenate([pvalid_BP, jnp.zeros((b, t), bool)], axis=1)
@@ -371,17 +389,14 @@ def _generate_rows(model, prompts_BP, valid_BP, keys_B, *, cfg: SamplerConfig, k
   experts = c["experts_BSLK"]
   if experts is not None:
     experts = jnp.where(expert_valid_BS[:, :, None, None], experts, 0)
-  topk_logq = c["topk_logq_BTK"]
-  head_mass_BT = c["head_mass_BT"]
-  rollout = Rollout(
+  return Rollout(
       tokens_BS=c["tokens_BS"],
       positions_BS=default_positions(prompt_mask_BS | response_mask_BS),
       prompt_mask_BS=prompt_mask_BS, response_mask_BS=response_mask_BS,
-      logq_BT=c["logq_BT"], topk_ids_BTK=c["topk_ids_BTK"], topk_logq_BTK=topk_logq,
-      head_mass_BT=head_mass_BT, expert_ids_BSLK=experts, expert_valid_BS=expert_valid_BS,
+      logq_BT=c["logq_BT"], topk_ids_BTK=c["topk_ids_BTK"], topk_logq_BTK=c["topk_logq_BTK"],
+      head_mass_BT=c["head_mass_BT"], expert_ids_BSLK=experts, expert_valid_BS=expert_valid_BS,
       lengths_B=jnp.sum(resp_BT, axis=1, dtype=jnp.int32), prompt_lengths_B=prompt_len_B,
       prompt_len=p, **{k: c[k] for k in trunc_keys})
-  return constrain(rollout)
 
 
 _generate = jax.jit(generate_program, static_argnames=_STATIC_ARGNAMES)
@@ -425,7 +440,7 @@ def _resolve_kv_spec(kv_spec, cfg: SamplerConfig):
 
 
 def generate(graphdef: nnx.GraphDef, sampler_state: Any, prompts_BP, prompt_valid_BP, key: jax.Array,
-             cfg: SamplerConfig, kv_spec: Any = None, mesh: Mesh | None = None) -> Rollout:
+             cfg: SamplerConfig, kv_spec: Any = None, mesh: Mesh | None = None, max_new_B=None) -> Rollout:
   """Samples `max_new_tokens` continuations of a batch of prompts in one jitted program.
 
   Args:
@@ -440,6 +455,9 @@ def generate(graphdef: nnx.GraphDef, sampler_state: Any, prompts_BP, prompt_vali
       (default) takes `cfg.quant.kv`, where fp32 means the sampler's compute dtype.
     mesh: if given, the batch is split over `rl_jax.sharding.BATCH_AXES`; B must be a
       multiple of `batch_divisor(mesh)`. The state keeps whatever sharding it has.
+    max_new_B: optional int `[B]`, each row's own response-length limit (capped at
+      `max_new_tokens`): a row ends at EOS or after that many tokens (the engine benchmark
+      forces its length distribution with it).
 
   Returns a `Rollout` (see its docstring for the slot alignment).
 
@@ -462,5 +480,7 @@ def generate(graphdef: nnx.GraphDef, sampler_state: Any, prompts_BP, prompt_vali
     if prompts_BP.shape[0] % div:
       raise ValueError(f"batch {prompts_BP.shape[0]} is not a multiple of the mesh's batch axes {div}")
     prompts_BP, prompt_valid_BP = shard_batch((prompts_BP, prompt_valid_BP), mesh)
-  return _generate(graphdef, sampler_state, prompts_BP, prompt_valid_BP, key, cfg=cfg, kv_spec=kv_spec,
+    if max_new_B is not None:
+      max_new_B = shard_batch(jnp.asarray(max_new_B, jnp.int32), mesh)
+  return _generate(graphdef, sampler_state, prompts_BP, prompt_valid_BP, key, max_new_B, cfg=cfg, kv_spec=kv_spec,
                    mesh=mesh)

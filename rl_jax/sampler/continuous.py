@@ -1,0 +1,185 @@
+"""The continuous-batching engine: a fixed set of slots decodes together, a finished row's slot takes the next prompt."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rl_jax.config_utils import ConfigError
+from rl_jax.logprobs import next_token_logq
+from rl_jax.models.kv_cache import init_cache
+from rl_jax.models.layers import dtype_of
+from rl_jax.models.transformer import default_positions
+from rl_jax.rollout import expert_id_dtype
+from rl_jax.sampler import generate as gen
+from rl_jax.sampler.config import SamplerConfig
+
+# The program (one `lax.while_loop`, everything on device; docs/architecture.md#the-sampler-engines):
+#   - N slots, each with its own KV-cache region of S = P + T slots laid out as the static engine
+#     lays out a row (prompt left-padded in [0, P), response token j at P + j), so a row's
+#     arithmetic is the static engine's whatever slot runs it;
+#   - the queue is the batch's rows in order; the first N are prefilled together (the static
+#     engine's prefill), the others when a slot frees up;
+#   - each iteration: (1) free slots take the next rows of the queue, (2) one slot that still
+#     has prompt to prefill prefills `prefill_chunk` prompt slots of it (so a long prompt costs
+#     the other slots one chunk per decode step, not a stall), (3) every slot whose prompt is in
+#     the cache decodes one token at its own step j, written at its own cache slot P - 1 + j;
+#   - row b samples step j with fold_in(split(key, B)[b], j), as in the static engine, and every
+#     record (log q, top-k, kept set, routes) is scattered to row b's own index of the rollout.
+
+
+def slot_count(cfg: SamplerConfig, rows: int, div: int) -> int:
+  """Slots N: `sampler.slots`, else `max_rows_in_flight`, else every row; at most the rows."""
+  n = min(cfg.slots or cfg.max_rows_in_flight or rows, rows)
+  if n % div:
+    raise ConfigError(f"config key 'sampler.slots': {n} slots do not split over the mesh's batch axes "
+                      f"({div} devices)")
+  return n
+
+
+def _slot_cache(cache, s, n: int = 1):
+  """Slots [s, s + n) of every layer's cache (rows on axis 1 of a layer-stacked cache)."""
+  return [jax.tree.map(lambda x, ax=int(kv.stacked): jax.lax.dynamic_slice_in_dim(x, s, n, axis=ax), kv)
+          for kv in cache]
+
+
+def _put_slot_cache(cache, part, s):
+  return [jax.tree.map(lambda x, y, ax=int(kv.stacked): jax.lax.dynamic_update_slice_in_dim(x, y, s, axis=ax),
+                       kv, kp) for kv, kp in zip(cache, part)]
+
+
+def generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: SamplerConfig, kv_spec, constrain, div):
+  """The continuous engine over all B rows (`generate_program` with `cfg.engine='continuous'`)."""
+  mcfg = model.cfg
+  b = prompts_BP.shape[0]
+  p, t, s = cfg.max_prompt_len, cfg.max_new_tokens, cfg.max_len
+  n = slot_count(cfg, b, div)
+  n_moe, k_exp = mcfg.n_moe_layers, mcfg.n_experts_per_tok
+  record_experts = cfg.record_experts and n_moe > 0
+  k_rec = cfg.record_topk
+  backend = getattr(cfg.quant, "backend", "auto")
+  ch = min(cfg.prefill_chunk, p - 1)  # prompt slots per refill chunk (0: nothing to prefill)
+
+  tokens_BP, pvalid_BP = constrain(gen._left_pad(prompts_BP, valid_BP.astype(bool), p, cfg.pad_id))  # pylint: disable=protected-access
+  prompt_len_B = jnp.sum(pvalid_BP, axis=1, dtype=jnp.int32)
+  positions_BP = default_positions(pvalid_BP)
+  positions_BS = jnp.concatenate([positions_BP, prompt_len_B[:, None] + jnp.arange(t, dtype=jnp.int32)], 1)
+  kv_valid_BS = jnp.concatenate([pvalid_BP, jnp.ones((b, t), bool)], axis=1)
+  exp_dtype = expert_id_dtype(mcfg.n_experts)
+  experts_BSLK = jnp.zeros((b, s, n_moe, k_exp), exp_dtype) if record_experts else None
+
+  # The first N rows of the queue: one batched prefill, as the static engine's.
+  if p > 1:
+    cache, pre_experts = gen._prefill(  # pylint: disable=protected-access
+        model, tokens_BP[:n], positions_BP[:n], pvalid_BP[:n], kv_valid_BS[:n], s, cfg=cfg, kv_spec=kv_spec,
+        constrain=constrain, div=div)
+    if record_experts:
+      experts_BSLK = jax.lax.dynamic_update_slice(experts_BSLK, pre_experts, (0, 0, 0, 0))
+  else:
+    cache = constrain(init_cache(mcfg, n, s, dtype_of(mcfg.dtype), kv_spec, backend=backend))
+
+  trunc_keys = ("trunc_thresh_BT", "trunc_logmass_BT", "trunc_size_BT") if cfg.truncates else ()
+  carry = dict(
+      cache=cache,
+      tokens_BS=jnp.concatenate([tokens_BP, jnp.full((b, t), cfg.pad_id, jnp.int32)], axis=1),
+      active_BT=jnp.zeros((b, t), bool), logq_BT=jnp.zeros((b, t), jnp.float32),
+      topk_ids_BTK=jnp.zeros((b, t, k_rec), jnp.int32) if k_rec else None,
+      topk_logq_BTK=jnp.zeros((b, t, k_rec), jnp.float32) if k_rec else None,
+      head_mass_BT=jnp.zeros((b, t), jnp.float32), experts_BSLK=experts_BSLK,
+      # Slot state: its row (b = none), the row's decode step, whether the row is unfinished,
+      # whether its prompt is all in the cache, and the start of its next prefill chunk.
+      row_N=jnp.arange(n, dtype=jnp.int32), step_N=jnp.zeros((n,), jnp.int32),
+      live_N=jnp.ones((n,), bool), ready_N=jnp.ones((n,), bool), chunk_N=jnp.zeros((n,), jnp.int32),
+      next_row=jnp.asarray(n, jnp.int32),
+      # The previous step's distribution, its top-k recorded one step late (software pipelining,
+      # as the static engine): where it goes (row b = nowhere) and its step.
+      pending_logq_NV=jnp.zeros((n, mcfg.vocab_size), jnp.float32) if k_rec else None,
+      pending_row_N=jnp.full((n,), b, jnp.int32) if k_rec else None,
+      pending_step_N=jnp.zeros((n,), jnp.int32) if k_rec else None)
+  for name in trunc_keys:
+    carry[name] = jnp.zeros((b, t), jnp.int32 if name == "trunc_size_BT" else jnp.float32)
+  carry = constrain(carry)
+
+  def record_topk(c, logq_NV, row_N, step_N) -> dict:
+    top_logq_NK, top_ids_NK = gen.exact_top_k(logq_NV, k_rec)
+    at = (row_N, step_N)
+    return dict(topk_ids_BTK=c["topk_ids_BTK"].at[at].set(top_ids_NK.astype(jnp.int32), mode="drop"),
+                topk_logq_BTK=c["topk_logq_BTK"].at[at].set(top_logq_NK, mode="drop"),
+                head_mass_BT=c["head_mass_BT"].at[at].set(jnp.sum(jnp.exp(top_logq_NK), axis=-1), mode="drop"))
+
+  def refill(c):
+    """Free slots take the next rows of the queue, in slot order."""
+    free_N = ~c["live_N"]
+    new_row_N = c["next_row"] + jnp.cumsum(free_N.astype(jnp.int32)) - 1
+    take_N = free_N & (new_row_N < b)
+    first_N = p - prompt_len_B[jnp.minimum(new_row_N, b - 1)]  # the new row's first real prompt slot
+    return dict(c, row_N=jnp.where(take_N, new_row_N, c["row_N"]),
+                step_N=jnp.where(take_N, 0, c["step_N"]), live_N=c["live_N"] | take_N,
+                ready_N=jnp.where(take_N, ch == 0, c["ready_N"]),
+                chunk_N=jnp.where(take_N, jnp.minimum(first_N, p - 1 - ch), c["chunk_N"]),
+                next_row=c["next_row"] + jnp.sum(take_N, dtype=jnp.int32))
+
+  def prefill_chunk(c):
+    """Prompt slots [start, start + ch) of the first slot still prefilling, into its cache region.
+    The last chunk starts at P - 1 - ch (it may redo a few slots of the one before: same tokens)."""
+    i = jnp.argmax(c["live_N"] & ~c["ready_N"])
+    r, start = c["row_N"][i], c["chunk_N"][i]
+    rows = lambda x: jax.lax.dynamic_slice(x, (r, start), (1, ch))
+    out = model(rows(tokens_BP), rows(positions_BP), rows(pvalid_BP), cache=_slot_cache(c["cache"], i),
+                cache_index=start, kv_valid_BC=jax.lax.dynamic_slice_in_dim(kv_valid_BS, r, 1, axis=0),
+                compute_logits=False)
+    new = dict(c, cache=_put_slot_cache(c["cache"], out.cache, i))
+    if record_experts:
+      new["experts_BSLK"] = jax.lax.dynamic_update_slice(
+          c["experts_BSLK"], out.expert_ids_BSLK.astype(exp_dtype), (r, start, 0, 0))
+    last = start + ch >= p - 1
+    new["ready_N"] = c["ready_N"].at[i].set(last)
+    new["chunk_N"] = c["chunk_N"].at[i].set(jnp.minimum(start + ch, p - 1 - ch))
+    return new
+
+  def decode(c):
+    """One token for every slot whose prompt is in the cache, each at its own step."""
+    dec_N = c["live_N"] & c["ready_N"]
+    r_N = jnp.minimum(c["row_N"], b - 1)
+    j_N = c["step_N"]
+    slot_N = p - 1 + j_N
+    tok_N1 = c["tokens_BS"][r_N, slot_N][:, None]
+    pos_N1 = positions_BS[r_N, slot_N][:, None]
+    # A slot that does not decode writes at the last cache slot, which no query reads.
+    out = model(tok_N1, pos_N1, cache=c["cache"], cache_index=jnp.where(dec_N, slot_N, s - 1),
+                kv_valid_BC=kv_valid_BS[r_N])
+    logits_NV = out.logits_BSV[:, 0]
+    logq_NV = next_token_logq(logits_NV, cfg.temperature)
+    y_N, trunc = gen._sample(logits_NV, logq_NV, keys_B[r_N], j_N, cfg)  # pylint: disable=protected-access
+    y_N = jnp.where(dec_N, y_N, cfg.pad_id)
+    logq_N = jnp.take_along_axis(logq_NV, y_N[:, None], axis=-1)[:, 0]
+    w_N = jnp.where(dec_N, c["row_N"], b)  # row b: out of bounds, dropped
+    at = (w_N, j_N)
+    new = dict(c, cache=out.cache)
+    new["tokens_BS"] = c["tokens_BS"].at[w_N, slot_N + 1].set(y_N, mode="drop")
+    new["active_BT"] = c["active_BT"].at[at].set(True, mode="drop")
+    new["logq_BT"] = c["logq_BT"].at[at].set(logq_N, mode="drop")
+    for name, v_N in trunc.items():
+      new[name] = c[name].at[at].set(v_N, mode="drop")
+    if k_rec:
+      new.update(record_topk(c, c["pending_logq_NV"], c["pending_row_N"], c["pending_step_N"]))
+      new["pending_logq_NV"], new["pending_row_N"], new["pending_step_N"] = logq_NV, w_N, j_N
+    else:
+      new["head_mass_BT"] = c["head_mass_BT"].at[at].set(jnp.exp(jnp.max(logq_NV, axis=-1)), mode="drop")
+    if record_experts:
+      new["experts_BSLK"] = c["experts_BSLK"].at[w_N, slot_N].set(
+          out.expert_ids_BSLK[:, 0].astype(exp_dtype), mode="drop")
+    ended_N = dec_N & ((y_N == cfg.eos_id) | (j_N + 1 >= max_new_B[r_N]))
+    new["step_N"] = jnp.where(dec_N, j_N + 1, j_N)
+    new["live_N"] = c["live_N"] & ~ended_N
+    return new
+
+  def body(c):
+    c = refill(c)
+    if ch:
+      c = jax.lax.cond(jnp.any(c["live_N"] & ~c["ready_N"]), prefill_chunk, lambda c: c, c)
+    return constrain(decode(c))
+
+  c = jax.lax.while_loop(lambda c: jnp.any(c["live_N"]) | (c["next_row"] < b), body, carry)
+  if k_rec:
+    c = {**c, **record_topk(c, c["pending_logq_NV"], c["pending_row_N"], c["pending_step_N"])}
+  return constrain(gen.assemble_rollout(c, pvalid_BP, prompt_len_B, trunc_keys))

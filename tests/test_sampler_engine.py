@@ -1,0 +1,108 @@
+"""The continuous-batching engine (`sampler.engine='continuous'`) against the static one: the same rollout."""
+import collections
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from rl_jax.config_utils import ConfigError
+from rl_jax.models.config import ModelConfig
+from rl_jax.models.transformer import Transformer
+from rl_jax.rollout import repeat_prompts
+from rl_jax.sampler import generate as gen
+from rl_jax.sampler.config import SamplerConfig
+
+V, P, T = 64, 8, 10
+# Every recorded field of a Rollout: the trainer reads these, so the engines must agree on all.
+FIELDS = ("tokens_BS", "positions_BS", "prompt_mask_BS", "response_mask_BS", "logq_BT", "topk_ids_BTK",
+          "topk_logq_BTK", "head_mass_BT", "expert_ids_BSLK", "expert_valid_BS", "lengths_B",
+          "prompt_lengths_B", "trunc_thresh_BT", "trunc_logmass_BT", "trunc_size_BT")
+EXACT = ("tokens_BS", "positions_BS", "prompt_mask_BS", "response_mask_BS", "topk_ids_BTK", "expert_ids_BSLK",
+         "expert_valid_BS", "lengths_B", "prompt_lengths_B", "trunc_size_BT")
+# Outside the invariant mode a row's log-probs move by ~1 ulp with the rows decoding beside it
+# (XLA:CPU blocks a dot's reduction by its row count; see test_sampler's waves test).
+LOGQ_ATOL = 2e-5
+
+
+def _model(moe: bool, invariant: bool) -> Transformer:
+  cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+                    n_experts=4 if moe else 0, n_experts_per_tok=2, moe_d_ff=32, init_std=0.2,
+                    tie_embeddings=False, batch_invariant=invariant)
+  return Transformer(cfg, rngs=nnx.Rngs(0))
+
+
+def _prompts(lengths, seed):
+  """Right-padded prompts of ragged lengths, ids in [2, V), each `repeat_prompts`-ed twice (groups)."""
+  rng = np.random.default_rng(seed)
+  toks = np.zeros((len(lengths), P), np.int32)
+  valid = np.zeros((len(lengths), P), bool)
+  for i, n in enumerate(lengths):
+    toks[i, :n] = rng.integers(2, V, n)
+    valid[i, :n] = True
+  return repeat_prompts((toks, valid), 2)
+
+
+def _frequent_token(graphdef, state, toks, valid, key, cfg) -> int:
+  """The response token sampled most often when no EOS can occur: as EOS it ends rows early and
+  at different steps, so slots free up and refill at different times."""
+  ro = gen.generate(graphdef, state, toks, valid, key, dataclasses.replace(cfg, eos_id=0, pad_id=0))
+  counts = collections.Counter(np.asarray(ro.response_BT).ravel().tolist())
+  return max((c, tok) for tok, c in counts.items() if tok >= 2)[1]
+
+
+def _compare(static, cont, exact: bool):
+  for f in FIELDS:
+    a, b = getattr(static, f), getattr(cont, f)
+    assert (a is None) == (b is None), f
+    if a is None:
+      continue
+    if exact or f in EXACT:
+      np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f)
+    else:
+      np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=LOGQ_ATOL, err_msg=f)
+
+
+@pytest.mark.parametrize("moe", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["dense", "moe"])
+def test_continuous_equals_static_bitwise_in_the_invariant_mode(moe):
+  """model.batch_invariant: the continuous rollout is the static one bit for bit, with fewer slots
+  than rows (refills), chunked refill prefill, ragged prompts, group sampling and top-k sampling
+  (every record, kept sets included): a row's arithmetic and key do not depend on its slot."""
+  graphdef, state = nnx.split(_model(moe, invariant=True))
+  toks, valid = _prompts([3, 7, 5, 1, 6, 2], seed=7)
+  key = jax.random.key(4)
+  base = SamplerConfig(max_prompt_len=P, max_new_tokens=T, temperature=1.5, top_k=24, record_topk=8)
+  base = dataclasses.replace(base, eos_id=_frequent_token(graphdef, state, toks, valid, key, base))
+  # Per-row length limits too (`max_new_B`: what the engine benchmark forces lengths with).
+  max_new_B = np.array([T, 3, T, T, 5, T, 1, T, T, 7, T, T], np.int32)
+  static = gen.generate(graphdef, state, toks, valid, key, base, max_new_B=max_new_B)
+  lengths = np.asarray(static.lengths_B)
+  assert lengths.min() < T and len(set(lengths.tolist())) >= 3, lengths  # rows end at different steps
+  assert (lengths <= max_new_B).all() and lengths[6] == 1, lengths
+  cont = gen.generate(graphdef, state, toks, valid, key,
+                      dataclasses.replace(base, engine="continuous", slots=4, prefill_chunk=3), max_new_B=max_new_B)
+  _compare(static, cont, exact=True)
+
+
+def test_continuous_equals_static_to_rounding():
+  """Outside the invariant mode: same tokens, top-k ids and lengths; log-probs to float rounding."""
+  graphdef, state = nnx.split(_model(False, invariant=False))
+  toks, valid = _prompts([3, 7, 5, 1, 6, 2], seed=8)
+  key = jax.random.key(5)
+  base = SamplerConfig(max_prompt_len=P, max_new_tokens=T, temperature=1.5, record_topk=8)
+  base = dataclasses.replace(base, eos_id=_frequent_token(graphdef, state, toks, valid, key, base))
+  static = gen.generate(graphdef, state, toks, valid, key, base)
+  assert np.asarray(static.lengths_B).min() < T
+  cont = gen.generate(graphdef, state, toks, valid, key,
+                      dataclasses.replace(base, engine="continuous", slots=2, prefill_chunk=1))
+  _compare(static, cont, exact=False)
+
+
+def test_engine_config_errors():
+  with pytest.raises(ConfigError, match="sampler.engine"):
+    SamplerConfig(engine="paged")
+  with pytest.raises(ConfigError, match="sampler.prefill_chunk"):
+    SamplerConfig(prefill_chunk=0)
+  with pytest.raises(ConfigError, match="sampler.slots"):
+    SamplerConfig(slots=-1)
