@@ -47,6 +47,7 @@ LOCAL_IMPORTS = {
     ("rl_jax.plan", "rl_jax.models.expert_parallel"): "start-up: as above (planner)",
     ("rl_jax.plan", "rl_jax.models.moe"): "start-up: as above (planner)",
     ("rl_jax.plan", "rl_jax.models.attention"): "start-up: as above (planner; attention's auto rule per device)",
+    ("rl_jax.plan", "rl_jax.sampler.continuous"): "start-up: as above (planner; the continuous engine's slot count)",
     ("rl_jax.plan", "rl_jax.microbatch"): "start-up: as above (planner)",
     ("rl_jax.plan", "rl_jax.plan_hw"): "start-up: as above (planner)",
     ("rl_jax.plan", "rl_jax.optim"): "start-up: as above (planner; optax)",
@@ -74,7 +75,7 @@ LOCAL_IMPORTS = {
         "start-up: the study runner lists and launches runs without importing the RL stack",
 }
 # A ratchet: function-local imports of rl_jax modules (statement x module). 56 before issue 40.
-MAX_LOCAL_IMPORTS = 50
+MAX_LOCAL_IMPORTS = 51
 
 # Imports from a lower layer into a higher one that are known debt: (importer, imported) -> why.
 UPWARD_DEBT = {

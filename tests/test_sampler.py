@@ -15,6 +15,7 @@ from rl_jax.models.config import ModelConfig
 from rl_jax.models.decode import greedy_reference
 from rl_jax.models.transformer import Transformer
 from rl_jax.quant.config import QuantConfig
+from rl_jax.sampler import decode
 from rl_jax.sampler import generate as gen
 from rl_jax.sampler.config import SamplerConfig, sampler_config
 
@@ -237,7 +238,7 @@ def _check_greedy(model):
 def test_exact_top_k_equals_lax_top_k(b, v, k):
   """The two-stage top-k (forced here with min_ratio=0) is lax.top_k bit for bit, ties included."""
   x = jax.random.normal(jax.random.key(v), (b, v))
-  fn = jax.jit(lambda x: (gen.exact_top_k(x, k, min_ratio=0), gen.exact_top_k(x, k)))
+  fn = jax.jit(lambda x: (decode.exact_top_k(x, k, min_ratio=0), decode.exact_top_k(x, k)))
   for arr in (x, jnp.round(2 * x), jnp.where(x > 0, -jnp.inf, x)):  # plain, many ties, -inf ties
     want = jax.lax.top_k(arr, k)
     for got in fn(arr):

@@ -14,6 +14,7 @@ from rl_jax.models.transformer import Transformer
 from rl_jax.rl import step as step_lib
 from rl_jax.rl.loss_config import LossConfig
 from rl_jax.rl.losses import rl_loss
+from rl_jax.sampler import decode
 from rl_jax.sampler import generate as gen
 from rl_jax.sampler.config import SamplerConfig
 
@@ -34,7 +35,7 @@ def _case(mismatch, top_k, top_p, k_rec, seed=0):
   rng = np.random.default_rng(seed)
   theta = rng.normal(size=(R, V)).astype(np.float32)
   logq = np.log(_softmax((theta + mismatch * rng.normal(size=theta.shape)) / TEMP)).astype(np.float32)
-  _, tau = gen._truncate(jnp.asarray(logq), top_k, top_p)  # pylint: disable=protected-access
+  _, tau = decode.truncate(jnp.asarray(logq), top_k, top_p)
   tau = np.asarray(tau)
   kept = logq >= tau[:, None]                                 # K_q, the set the sampler drew from
   logmass = np.log(np.where(kept, np.exp(logq), 0).sum(-1))
