@@ -10,7 +10,7 @@ from rl_jax.models.kv_cache import init_cache
 from rl_jax.models.layers import dtype_of
 from rl_jax.models.transformer import default_positions
 from rl_jax.rollout import expert_id_dtype
-from rl_jax.sampler import decode
+from rl_jax.sampler import decode as decode_lib
 from rl_jax.sampler.config import SamplerConfig
 
 # The program (one `lax.while_loop`, everything on device; docs/architecture.md#the-sampler-engines):
@@ -59,7 +59,7 @@ def generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: Sample
   backend = getattr(cfg.quant, "backend", "auto")
   ch = min(cfg.prefill_chunk, p - 1)  # prompt slots per refill chunk (0: nothing to prefill)
 
-  tokens_BP, pvalid_BP = constrain(decode.left_pad(prompts_BP, valid_BP.astype(bool), p, cfg.pad_id))
+  tokens_BP, pvalid_BP = constrain(decode_lib.left_pad(prompts_BP, valid_BP.astype(bool), p, cfg.pad_id))
   prompt_len_B = jnp.sum(pvalid_BP, axis=1, dtype=jnp.int32)
   positions_BP = default_positions(pvalid_BP)
   positions_BS = jnp.concatenate([positions_BP, prompt_len_B[:, None] + jnp.arange(t, dtype=jnp.int32)], 1)
@@ -69,7 +69,7 @@ def generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: Sample
 
   # The first N rows of the queue: one batched prefill, as the static engine's.
   if p > 1:
-    cache, pre_experts = decode.prefill(
+    cache, pre_experts = decode_lib.prefill(
         model, tokens_BP[:n], positions_BP[:n], pvalid_BP[:n], kv_valid_BS[:n], s, cfg=cfg, kv_spec=kv_spec,
         constrain=constrain, div=div)
     if record_experts:
@@ -100,7 +100,7 @@ def generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: Sample
   carry = constrain(carry)
 
   def record_topk(c, logq_NV, row_N, step_N) -> dict:
-    top_logq_NK, top_ids_NK = decode.exact_top_k(logq_NV, k_rec)
+    top_logq_NK, top_ids_NK = decode_lib.exact_top_k(logq_NV, k_rec)
     at = (row_N, step_N)
     return dict(topk_ids_BTK=c["topk_ids_BTK"].at[at].set(top_ids_NK.astype(jnp.int32), mode="drop"),
                 topk_logq_BTK=c["topk_logq_BTK"].at[at].set(top_logq_NK, mode="drop"),
@@ -149,7 +149,7 @@ def generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: Sample
                 kv_valid_BC=kv_valid_BS[r_N])
     logits_NV = out.logits_BSV[:, 0]
     logq_NV = next_token_logq(logits_NV, cfg.temperature)
-    y_N, trunc = decode.sample(logits_NV, logq_NV, keys_B[r_N], j_N, cfg)
+    y_N, trunc = decode_lib.sample(logits_NV, logq_NV, keys_B[r_N], j_N, cfg)
     y_N = jnp.where(dec_N, y_N, cfg.pad_id)
     logq_N = jnp.take_along_axis(logq_NV, y_N[:, None], axis=-1)[:, 0]
     w_N = jnp.where(dec_N, c["row_N"], b)  # row b: out of bounds, dropped
@@ -182,4 +182,4 @@ def generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: Sample
   c = jax.lax.while_loop(lambda c: jnp.any(c["live_N"]) | (c["next_row"] < b), body, carry)
   if k_rec:
     c = {**c, **record_topk(c, c["pending_logq_NV"], c["pending_row_N"], c["pending_step_N"])}
-  return constrain(decode.assemble_rollout(c, pvalid_BP, prompt_len_B, trunc_keys))
+  return constrain(decode_lib.assemble_rollout(c, pvalid_BP, prompt_len_B, trunc_keys))
