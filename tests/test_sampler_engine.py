@@ -10,6 +10,7 @@ from flax import nnx
 from rl_jax.config_utils import ConfigError
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.transformer import Transformer
+from rl_jax.quant.config import KVSpec, QuantConfig
 from rl_jax.rollout import repeat_prompts
 from rl_jax.sampler import generate as gen
 from rl_jax.sampler.config import SamplerConfig
@@ -85,12 +86,16 @@ def test_continuous_equals_static_bitwise_in_the_invariant_mode(moe):
   _compare(static, cont, exact=True)
 
 
-def test_continuous_equals_static_to_rounding():
-  """Outside the invariant mode: same tokens, top-k ids and lengths; log-probs to float rounding."""
+@pytest.mark.parametrize("kv", [None, pytest.param("int8", marks=pytest.mark.slow),
+                                pytest.param("int4", marks=pytest.mark.slow)], ids=["fp32", "int8", "int4"])
+def test_continuous_equals_static_to_rounding(kv):
+  """Outside the invariant mode: same tokens, top-k ids and lengths; log-probs to float rounding. A
+  quantized KV cache too: the continuous engine writes one row's codes and scales at its own slot."""
   graphdef, state = nnx.split(_model(False, invariant=False))
   toks, valid = _prompts([3, 7, 5, 1, 6, 2], seed=8)
   key = jax.random.key(5)
-  base = SamplerConfig(max_prompt_len=P, max_new_tokens=T, temperature=1.5, record_topk=8)
+  quant = QuantConfig() if kv is None else QuantConfig(kv=KVSpec(kv))
+  base = SamplerConfig(max_prompt_len=P, max_new_tokens=T, temperature=1.5, record_topk=8, quant=quant)
   base = dataclasses.replace(base, eos_id=_frequent_token(graphdef, state, toks, valid, key, base))
   static = gen.generate(graphdef, state, toks, valid, key, base)
   assert np.asarray(static.lengths_B).min() < T
