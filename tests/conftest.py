@@ -108,3 +108,25 @@ def pytest_collection_modifyitems(items):
   for item in items:
     if item.nodeid.split("/")[-1] in slow:
       item.add_marker(pytest.mark.slow)
+
+
+def run_clean_and_killed(cmd, clean, killed, kill_after: int, last: int):
+  """Runs `cmd(clean)` to the end; runs `cmd(killed)`, SIGKILLs it once checkpoint `kill_after`
+  exists (and before `last`), then reruns it to the end: the two workdirs of a kill -9 resume test."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  subprocess.run([sys.executable, *cmd(clean)], cwd=repo, env=env, check=True, capture_output=True)
+  proc = subprocess.Popen([sys.executable, *cmd(killed)], cwd=repo, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  deadline = time.time() + 600
+  while time.time() < deadline and not (killed / "checkpoints" / str(kill_after)).exists():
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert (killed / "checkpoints" / str(kill_after)).exists()
+  assert not (killed / "checkpoints" / str(last)).exists(), "killed too late to test anything"
+  subprocess.run([sys.executable, *cmd(killed)], cwd=repo, env=env, check=True, capture_output=True)

@@ -5,6 +5,7 @@ import os
 import re
 
 import pytest
+from conftest import need
 
 from rl_jax import experiment as ex
 from rl_jax.config_utils import ConfigError
@@ -164,7 +165,7 @@ def test_eval_interleaves_sources_and_rejects_a_too_large_eval_size(data, tok):
 
 
 def test_chat_template_rendering_equals_transformers_token_for_token(data, tok):
-  transformers = pytest.importorskip("transformers")
+  transformers = need("transformers")
   hf = transformers.AutoTokenizer.from_pretrained(os.path.join(data, "tokenizer"))
   t = _task(data, tok)
   for p in t.make_problems(0, "train", 0, 6) + t.make_problems(0, "eval", 0, 4):

@@ -1,16 +1,11 @@
 """The math path end to end (generated jsonl + parquet, two sources: RL, per-source metrics, resume); its configs."""
 import json
 import math
-import os
-import pathlib
-import signal
-import subprocess
-import sys
-import time
 
 import jax
 import numpy as np
 import pytest
+from conftest import run_clean_and_killed
 
 from configs import math_tiny
 from configs import qwen3_30b_a3b_math
@@ -86,26 +81,14 @@ def test_math_run_killed_with_sigkill_resumes_to_the_uninterrupted_params(tmp_pa
   """`python -m rl_jax.main` on the dataset task, killed with SIGKILL after step 2's checkpoint and
   rerun, ends with the parameters and data position of an uninterrupted run: no prompt trained twice
   or skipped (a different prompt order would move the parameters)."""
-  repo = pathlib.Path(__file__).resolve().parents[1]
-
   def cmd(workdir):
-    return [sys.executable, "-m", "rl_jax.main", "--config=configs/math_tiny.py:test", f"--workdir={workdir}",
+    return ["-m", "rl_jax.main", "--config=configs/math_tiny.py:test", f"--workdir={workdir}",
             "--config.warm_start.source=none", "--config.rl.steps=5", "--config.rl.eval_every=5",
             f"--config.task.train_files={data}/train_arith_add.jsonl,{data}/train_arith_mul.parquet",
             f"--config.task.eval_files={data}/eval_arith_add.parquet,{data}/eval_arith_mul.jsonl",
             f"--config.task.overrides.tokenizer={data}/tokenizer"]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
   clean, killed = tmp_path / "clean", tmp_path / "killed"
-  subprocess.run(cmd(clean), cwd=repo, env=env, check=True, capture_output=True)
-  proc = subprocess.Popen(cmd(killed), cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  deadline = time.time() + 600
-  while time.time() < deadline and not (killed / "checkpoints" / "2").exists():
-    time.sleep(0.2)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  assert (killed / "checkpoints" / "2").exists()
-  assert not (killed / "checkpoints" / "5").exists(), "killed too late to test anything"
-  subprocess.run(cmd(killed), cwd=repo, env=env, check=True, capture_output=True)
+  run_clean_and_killed(cmd, clean, killed, kill_after=2, last=5)
   metas = [json.loads((w / "checkpoints" / "5" / "meta" / "metadata").read_text()) for w in (clean, killed)]
   assert metas[0]["data"] == metas[1]["data"] and metas[1]["data"]["consumed"] == 5 * 4
   steps = [json.loads(line)["step"] for line in open(killed / "metrics.jsonl")]

@@ -3,7 +3,6 @@ import dataclasses
 import functools
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import run_clean_and_killed
 
 from configs import countdown_tiny
 from configs import sweeps
@@ -199,22 +199,10 @@ def test_every_variant_runs_with_finite_metrics(tmp_path, overrides):
 def test_kill9_resume_matches_uninterrupted(tmp_path):
   """The README command killed with SIGKILL mid-run resumes to the same final parameters."""
   def cmd(workdir):
-    return [sys.executable, "-m", "rl_jax.main", "--config=configs/countdown_tiny.py:test",
-            f"--workdir={workdir}", "--config.warm_start.source=none", "--config.rl.steps=5",
-            "--config.rl.eval_every=5"]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    return ["-m", "rl_jax.main", "--config=configs/countdown_tiny.py:test", f"--workdir={workdir}",
+            "--config.warm_start.source=none", "--config.rl.steps=5", "--config.rl.eval_every=5"]
   clean, killed = tmp_path / "clean", tmp_path / "killed"
-  subprocess.run(cmd(clean), cwd=REPO, env=env, check=True, capture_output=True)
-  proc = subprocess.Popen(cmd(killed), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
-  deadline = time.time() + 600
-  while time.time() < deadline and not (killed / "checkpoints" / "2").exists():
-    time.sleep(0.2)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  assert (killed / "checkpoints" / "2").exists()
-  assert not (killed / "checkpoints" / "5").exists(), "killed too late to test anything"
-  subprocess.run(cmd(killed), cwd=REPO, env=env, check=True, capture_output=True)
+  run_clean_and_killed(cmd, clean, killed, kill_after=2, last=5)
   # The runs resolved mesh.tensor = 1 on one device; this process has 8 and shards as _config says
   # (tensor 2): the resume check would refuse the layout change, which moves no value.
   cfg = _config(**{"rl.steps": 5, "resume": "force"})
