@@ -8,7 +8,7 @@ import pytest
 from scipy import stats as sps
 
 from rl_jax.analysis.runs import Run
-from rl_jax.study import analyze, protocol, rules, runner, stats, studies
+from rl_jax.study import analyze, dose_figure, protocol, publish, rules, runner, stats, studies
 from rl_jax.study.protocol import Contrast, Planning, Protocol, RunScore
 
 
@@ -273,3 +273,32 @@ def test_rule_dose_response_picks_the_mildest_regime_where_pg_learns_then_fails(
 def dataclasses_replace(s, **kw):
   import dataclasses
   return dataclasses.replace(s, **kw)
+
+
+def test_dose_figure_reads_each_dose_over_the_rule_window(tmp_path):
+  """dose_figure's cells: window means, collapse flags and the t interval by hand; publish copies the png."""
+  steps = (0, 20, 40, 60, 80, 100)
+  rows = []
+  for seed, top in enumerate((0.30, 0.33, 0.36)):
+    rows.append(_dose_score("clean", "pg", seed, [(k, top) for k in steps]).as_dict())
+    # async_4 pg: seed 0 falls to 0 (collapsed, at the floor); the others stay at 0.2.
+    falls = [(0, 0.3), (20, 0.3), (40, 0.1), (60, 0.0), (80, 0.0), (100, 0.0)]
+    rows.append(_dose_score("async_4", "pg", seed, falls if seed == 0 else [(k, 0.2) for k in steps]).as_dict())
+  cs = {(c.source, c.dose, c.line): c for c in dose_figure.cells(rows)}
+  clean, lag = cs[("clean", "0", "pg")], cs[("async", "4", "pg")]
+  assert clean.window_means == pytest.approx((0.30, 0.33, 0.36)) and not any(clean.collapsed)
+  assert lag.window_means == pytest.approx((0.0, 0.2, 0.2))
+  assert lag.collapsed == (True, False, False) and lag.at_floor == (True, False, False)
+  m, h = dose_figure.mean_ci(clean.window_means)
+  assert m == pytest.approx(0.33) and h == pytest.approx(4.302652729911275 * 0.03 / 3 ** 0.5)
+  md = dose_figure.markdown(list(cs.values()))
+  assert "| async | 4 | 0.133 [" in md and "1/3 / 1/3" in md
+  with open(tmp_path / "per_seed.json", "w") as f:
+    json.dump(rows, f)
+  for name in ("verdict.md", "table.md"):
+    (tmp_path / name).write_text("x\n")
+  paths = dose_figure.write(str(tmp_path))
+  import shutil
+  shutil.copyfile(paths["png"], tmp_path / "figure.png")
+  out = publish.publish(str(tmp_path), "dose", str(tmp_path / "pub"))
+  assert os.path.exists(out["dose_response.png"]) and os.path.exists(out["dose_response.md"])

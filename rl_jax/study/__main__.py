@@ -13,7 +13,7 @@ import sys
 
 from rl_jax import cli
 from rl_jax import preempt
-from rl_jax.study import analyze, publish, runner, studies
+from rl_jax.study import analyze, dose_figure, publish, runner, studies
 
 DEFAULT_ROOT = "/tmp/rl_jax_studies"
 
@@ -111,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[study] {study.name}: {e}", file=sys.stderr)
     return 2
   print("[study] wrote " + ", ".join(paths[k] for k in ("png", "md", "csv", "json", "verdict")))
+  if study.protocol is not None and study.protocol.rule == "dose_response":
+    dose = dose_figure.write(plan.root, f"{study.name}: window mean of held-out greedy accuracy and collapse "
+                                        "rate against each mismatch dose (95% t intervals over seeds)")
+    print(f"[study] wrote {dose['png']}, {dose['md']}")
   if args.publish:
     published = publish.publish(plan.root, study.name, args.publish)
     print("[study] published " + ", ".join(published.values()))

@@ -21,7 +21,9 @@ from PIL import Image
 MAX_WIDTH = 1800
 FILES = ("verdict.md", "table.md")
 # Written by a protocol study's analysis (rl_jax/study/analyze.py): published when present.
-PROTOCOL_FILES = ("per_seed.csv", "per_seed.json", "contrasts.json", "protocol.json")
+PROTOCOL_FILES = ("per_seed.csv", "per_seed.json", "contrasts.json", "protocol.json", "dose_response.md")
+# Extra figures a study's analysis may draw (rl_jax/study/dose_figure.py): published small when present.
+EXTRA_FIGURES = ("dose_response.png",)
 VERDICT_HEADING = "## Verdict"
 PLACEHOLDER = "Not yet written"
 
@@ -72,4 +74,8 @@ def publish(root: str, study: str, out: str) -> dict[str, str]:
   for name in PROTOCOL_FILES:
     if os.path.exists(os.path.join(root, name)):
       paths[name] = shutil.copyfile(os.path.join(root, name), os.path.join(dst, name))
+  for name in EXTRA_FIGURES:
+    if os.path.exists(os.path.join(root, name)):
+      paths[name] = os.path.join(dst, name)
+      small_png(os.path.join(root, name), paths[name])
   return paths

@@ -147,7 +147,7 @@ def _evals(s: RunScore) -> dict[int, float]:
   return dict(s.evals)
 
 
-def _ladder_window(scores: Sequence[RunScore]) -> list[int]:
+def ladder_window(scores: Sequence[RunScore]) -> list[int]:
   """The last 3 evaluation steps of the ladder (every panel but the clean one)."""
   last = [max(_evals(s)) for s in scores if s.panel != CLEAN and s.evals]
   if not last:
@@ -157,7 +157,7 @@ def _ladder_window(scores: Sequence[RunScore]) -> list[int]:
   return steps[-3:]
 
 
-def _window_mean(s: RunScore, window: Sequence[int]) -> float | None:
+def window_mean(s: RunScore, window: Sequence[int]) -> float | None:
   ev = _evals(s)
   if s.aborted_step is not None:
     return _mean([ev.get(w, 0.0) if w < s.aborted_step else 0.0 for w in window])
@@ -176,7 +176,7 @@ def learned_then_failed(s: RunScore, window: Sequence[int]) -> bool:
   if ev[peak_step] < s.start + LEARN_MARGIN:
     return False
   after = [v for k, v in ev.items() if k > peak_step]
-  end = _window_mean(s, window)
+  end = window_mean(s, window)
   return (s.aborted_step is not None or any(v <= COLLAPSE_FLOOR for v in after)
           or (end is not None and end < s.start))
 
@@ -206,9 +206,9 @@ def dose_response(scores: Sequence[RunScore]) -> tuple[str, str, dict]:
     panels.setdefault(s.panel, {}).setdefault(s.line, {})[s.seed] = s
   if CLEAN not in panels or DOSE_PG not in panels[CLEAN]:
     raise ValueError(f"rule 'dose_response' needs a '{CLEAN}' panel with a '{DOSE_PG}' line; panels: {sorted(panels)}")
-  window = _ladder_window(scores)
+  window = ladder_window(scores)
   clean = panels[CLEAN][DOSE_PG]
-  clean_gain = {k: (_window_mean(s, window) or 0.0) - s.start for k, s in clean.items() if s.start is not None}
+  clean_gain = {k: (window_mean(s, window) or 0.0) - s.start for k, s in clean.items() if s.start is not None}
   gains_ok = bool(clean_gain) and _mean(clean_gain.values()) >= CLEAR_GAIN and all(g > 0 for g in clean_gain.values())
   clean_first = _mean(s.first_train_accuracy for s in clean.values())
   rows, qualifying = [], {}
@@ -217,7 +217,7 @@ def dose_response(scores: Sequence[RunScore]) -> tuple[str, str, dict]:
     cells = []
     for line in (DOSE_PG, DOSE_SC):
       runs = lines.get(line, {})
-      wm = _mean(_window_mean(s, window) for s in runs.values())
+      wm = _mean(window_mean(s, window) for s in runs.values())
       fails = sum(learned_then_failed(s, window) for s in runs.values())
       zero = sum(any(v <= COLLAPSE_FLOOR for k, v in _evals(s).items() if k > 0) for s in runs.values())
       cells.append(f"{_f(wm)} ({fails}/{len(runs)}, {zero}/{len(runs)})")
@@ -250,9 +250,9 @@ def dose_response(scores: Sequence[RunScore]) -> tuple[str, str, dict]:
              "longer answers, not the contrasts)") + ".")
   if chosen:
     runs = panels[chosen]
-    d = [_window_mean(runs[DOSE_SC][k], window) - _window_mean(runs[DOSE_PG][k], window)
+    d = [window_mean(runs[DOSE_SC][k], window) - window_mean(runs[DOSE_PG][k], window)
          for k in sorted(set(runs.get(DOSE_SC, {})) & set(runs.get(DOSE_PG, {})))
-         if _window_mean(runs[DOSE_SC][k], window) is not None and _window_mean(runs[DOSE_PG][k], window) is not None]
+         if window_mean(runs[DOSE_SC][k], window) is not None and window_mean(runs[DOSE_PG][k], window) is not None]
     if len(d) >= 2:
       m = sum(d) / len(d)
       decision["paired_sd_sc_pg"] = math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1))
