@@ -302,3 +302,12 @@ def test_dose_figure_reads_each_dose_over_the_rule_window(tmp_path):
   shutil.copyfile(paths["png"], tmp_path / "figure.png")
   out = publish.publish(str(tmp_path), "dose", str(tmp_path / "pub"))
   assert os.path.exists(out["dose_response.png"]) and os.path.exists(out["dose_response.md"])
+
+
+def test_lr_sharp_study_is_declared_before_its_runs():
+  s = studies.get("lr_sharp")
+  assert s.protocol is not None and s.protocol.rule == "best_lr" and s.base == studies.DOSE_BASE
+  by = {r.name: r.overrides for r in s.runs()}
+  assert sorted(by) == ["lr_0.03/pg", "lr_0.1/pg", "lr_0.3/pg"] and s.seeds == 3 and s.steps == 400
+  assert {o["optim.lr"] for o in by.values()} == {0.03, 0.1, 0.3}
+  assert all(o["sampler.quant"] == "none" and o["loss.score_centering"] == "none" for o in by.values())

@@ -492,3 +492,25 @@ def _dose_response() -> Study:
 
 
 _add(_dose_response())
+
+
+# -- the learning rate for the sharper warm start (issue 37, after step 3) ------------------------------
+# Declared before any of its runs, after `dose_response` chose no regime because its clean arm gained
+# only +0.045 (rule (a) needs >= 0.05 on average, every seed > 0) at lr 0.1, a rate `lr_sgd` chose on
+# the 100-step warm start (the deviation `dose_response` named in advance). Clean PG from the
+# 300-step warm start at lr 0.03 / 0.1 / 0.3 x 3 seeds, the recipe otherwise, 400 steps; rule
+# `best_lr` unchanged (every seed learned, highest mean primary, ties within 0.01 to the smaller lr).
+# Use of the result, fixed now: if a rate is chosen and clean PG there meets `dose_response`'s (a)
+# (mean gain over the warm start >= 0.05, every seed > 0, read off this study's per-seed table), the
+# dose-response ladder is run again at that rate, same cells, seeds and rule; otherwise the next
+# calibration changes the model or task, not the rate.
+SHARP_LRS = (0.03, 0.1, 0.3)
+_add(Study(
+    name="lr_sharp",
+    description="Issue 37: SGD's constant learning rate for the sharper warm start (countdown_tiny_sharp), clean "
+                "fp32 sampler, plain PG, lr 0.03 / 0.1 / 0.3 x 3 seeds, 400 steps; rule best_lr. Declared before "
+                "any run.",
+    base=DOSE_BASE,
+    panels=tuple((f"lr_{lr:g}", dict(recipe(lr), **FP32)) for lr in SHARP_LRS),
+    lines=(("pg", _m("pg")),), seeds=DOSE_SEEDS, steps=RECIPE_STEPS,
+    protocol=Protocol(rule="best_lr")))
