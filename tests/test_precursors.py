@@ -116,3 +116,28 @@ def test_predictor_roc_agrees_with_the_alarms():
   assert "loss/is_ess" not in rows              # not logged by these runs
   table = P.predictors_markdown(list(rows.values()))
   assert "| `drift/tv_mean` | 3 / 3 | 0.89 | >= 1.5x baseline | 1.00 | 0.67 | 50 |" in table
+
+
+def test_matched_window_auc_compares_each_pair_over_the_collapsed_runs_steps():
+  """Issue 37's matched windows: a healthy run's late drift (after the collapse step) does not count."""
+  steps = range(0, 81, 20)
+  # Collapsed: accuracy at the floor from step 40; drift 3x from step 30 (before its event).
+  crash = _finished(_run("c", 0, dict(zip(steps, [0.3, 0.3, 0.0, 0.0, 0.0])), tv=[0.1] * 30 + [0.3] * 51, cos=[0.9] * 9))
+  # Healthy: drift 5x but only from step 60, after the collapsed run's event (40): matched, it is 1x.
+  late = _finished(_run("h", 0, dict(zip(steps, [0.3] * 5)), tv=[0.1] * 60 + [0.5] * 21, cos=[0.9] * 9))
+  # Healthy, drifting 4x from step 25: larger than the collapsed run's 3x inside the matched window.
+  early = _finished(_run("h", 1, dict(zip(steps, [0.3] * 5)), tv=[0.1] * 25 + [0.4] * 56, cos=[0.9] * 9))
+  assert P.floor_event_step(crash) == 40 and P.floor_event_step(late) is None
+  # An evaluation at the floor at or before FLOOR_AFTER is not the event.
+  assert P.floor_event_step(_run("e", 0, {0: 0.3, 20: 0.0, 40: 0.3}, tv=[0.1], cos=[0.9])) is None
+  pairs = P.matched_pairs([crash, late, early], P.DRIFT, "up")
+  assert sorted(pairs) == [(0, 1, 1.0), (0, 2, 0.0)]
+  auc, lo, hi, nc, nn = P.matched_auc(pairs, resamples=200)
+  assert auc == 0.5 and (nc, nn) == (1, 2) and lo == 0.0 and hi == 1.0
+  # The unmatched ROC (whole window for healthy runs) counts the late run's 5x against the meter.
+  unmatched = {r.meter: r for r in P.evaluate_predictors([crash, late, early], meters={P.DRIFT: "up"})}
+  assert unmatched[P.DRIFT].auc == 0.0
+  within = P.matched_pairs([crash, late, early], P.DRIFT, "up", within_panel=True, panel_of=lambda r: r.name)
+  assert within == []        # no healthy run shares the collapsed run's panel
+  assert "| `drift/tv_mean` | 1 / 2 | 0.50 [0.00, 1.00] | 0 |" in P.matched_markdown(
+      [crash, late, early], panel_of=lambda r: r.name, meters={P.DRIFT: "up"})

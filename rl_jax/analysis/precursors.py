@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 from typing import Literal, Sequence
 
@@ -289,6 +290,96 @@ def predictors_markdown(rows: Sequence[PredictorRow]) -> str:
   return "\n".join(out) + "\n"
 
 
+# --- Round 2 (issue 37 step 5): the same meters with the window asymmetry removed ----------------------
+#
+# Declared in the commit before it was first computed on any run (the dose_response runs had finished
+# by then; their accuracy outcomes had been read, not these excursions). Two changes to the block above:
+# 1. The event is issue 37's collapse endpoint: the first evaluation after step FLOOR_AFTER at which
+#    held-out greedy accuracy is <= FLOOR (or an abort, at its step). `floor_event_step`.
+# 2. Matched windows: every (collapsed run c, other run n) pair is compared over the same steps: both
+#    runs' peak excursions over their readings after the baseline window and strictly before c's
+#    event step t_c (a meter reading at the event step is no warning). The pair scores 1 when c's
+#    excursion is larger, 1/2 on a tie; the matched AUC is the mean over pairs. Pairs are pooled over
+#    the study's runs (primary) and, secondary, formed only within one panel (one regime), which
+#    removes the pooling of regimes too. 95% CI: percentile bootstrap, BOOTSTRAP resamples of the
+#    collapsed and the other runs drawn apart, with replacement (seed 0).
+FLOOR = 0.005
+FLOOR_AFTER = 20
+BOOTSTRAP = 2000
+
+
+def floor_event_step(run: Run, metric: str = EVENT_METRIC) -> int | None:
+  """The step of the first evaluation after FLOOR_AFTER at or below FLOOR (the abort step for an aborted
+  run), or None."""
+  if run.aborted_step is not None:
+    return run.aborted_step
+  steps, values = run.series(metric)
+  return next((s for s, v in zip(steps, values) if s > FLOOR_AFTER and v <= FLOOR), None)
+
+
+def _excursion_before(steps, values, direction: Direction, end: int, baseline_steps: int) -> float | None:
+  return peak_excursion(steps, values, direction, end - 1, baseline_steps)
+
+
+def matched_pairs(runs: Sequence[Run], meter: str, direction: Direction, within_panel: bool = False,
+                  panel_of=None, baseline_steps: int = BASELINE_STEPS) -> list[tuple[int, int, float]]:
+  """(collapsed index, other index, pair score) over the finished `runs` with the meter (block above)."""
+  runs = [r for r in runs if finished(r)]
+  series = [_meter_series(r, meter) for r in runs]
+  events = [floor_event_step(r) for r in runs]
+  pairs = []
+  for i, (c, t) in enumerate(zip(runs, events)):
+    if t is None:
+      continue
+    xc = _excursion_before(*series[i], direction, t, baseline_steps)
+    if xc is None:
+      continue
+    for j, n in enumerate(runs):
+      if events[j] is not None or (within_panel and panel_of(c) != panel_of(n)):
+        continue
+      xn = _excursion_before(*series[j], direction, t, baseline_steps)
+      if xn is None:
+        continue
+      pairs.append((i, j, 1.0 if xc > xn else 0.5 if xc == xn else 0.0))
+  return pairs
+
+
+def matched_auc(pairs: Sequence[tuple[int, int, float]], resamples: int = BOOTSTRAP,
+                seed: int = 0) -> tuple[float | None, float | None, float | None, int, int]:
+  """(AUC, CI low, CI high, collapsed runs, other runs) of `matched_pairs`' output (block above)."""
+  if not pairs:
+    return None, None, None, 0, 0
+  cs = sorted({i for i, _, _ in pairs})
+  ns = sorted({j for _, j, _ in pairs})
+  score = {(i, j): s for i, j, s in pairs}
+  auc = float(np.mean([s for _, _, s in pairs]))
+  rng = np.random.default_rng(seed)
+  boots = []
+  for _ in range(resamples):
+    bc = rng.choice(cs, size=len(cs))
+    bn = rng.choice(ns, size=len(ns))
+    vals = [score[(i, j)] for i in bc for j in bn if (i, j) in score]
+    if vals:
+      boots.append(np.mean(vals))
+  lo, hi = (np.percentile(boots, [2.5, 97.5]) if boots else (None, None))
+  return auc, (None if lo is None else float(lo)), (None if hi is None else float(hi)), len(cs), len(ns)
+
+
+def matched_markdown(runs: Sequence[Run], panel_of, meters: dict[str, Direction] = PREDICTORS) -> str:
+  """The matched-window AUC table: one row per meter, pooled and within-panel (block above)."""
+  fmt = lambda x: "-" if x is None else f"{x:.2f}"
+  out = ["| meter | pooled: collapsed / other runs | pooled AUC [95% CI] | within panel: pairs | within-panel AUC [95% CI] |",
+         "|---|---|---|---|---|"]
+  for meter, direction in meters.items():
+    pooled = matched_pairs(runs, meter, direction)
+    within = matched_pairs(runs, meter, direction, within_panel=True, panel_of=panel_of)
+    a, lo, hi, nc, nn = matched_auc(pooled)
+    b, blo, bhi, _, _ = matched_auc(within)
+    out.append(f"| `{meter}` | {nc} / {nn} | {fmt(a)} [{fmt(lo)}, {fmt(hi)}] | {len(within)} | "
+               f"{fmt(b)} [{fmt(blo)}, {fmt(bhi)}] |")
+  return "\n".join(out) + "\n"
+
+
 @cli.expected_errors("python -m rl_jax.analysis.precursors")
 def main(argv: list[str] | None = None) -> int:
   """python -m rl_jax.analysis.precursors --workdirs 'ROOT/*/*/seed*': the predictor table of those runs."""
@@ -298,14 +389,27 @@ def main(argv: list[str] | None = None) -> int:
                               description="ESS, gradient norm, KL, drift and first-order cosine as predictors of a collapse")
   p.add_argument("--workdirs", nargs="+", required=True, help="globs of RL workdirs (quote them)")
   p.add_argument("--out", default=None, help="also write the table to this markdown file")
+  p.add_argument("--matched", action="store_true",
+                 help="issue 37's matched-window AUCs against the accuracy-floor event instead (panels = the "
+                      "workdir's grandparent directory, as a study lays runs out: ROOT/PANEL/LINE/seedN)")
   a = p.parse_args(argv)
   found = runs_lib.load_runs(a.workdirs)
   if not found:
     print(f"{p.prog}: error: --workdirs {a.workdirs}: no RL workdir with a metrics.jsonl matched",
           file=sys.stderr)
     return cli.CONFIG_ERROR
-  table = predictors_markdown(evaluate_predictors(found))
   done = [r for r in found if finished(r)]
+  if a.matched:
+    table = matched_markdown(found, panel_of=lambda r: os.path.basename(os.path.dirname(os.path.dirname(
+        os.path.normpath(r.workdir)))))
+    print(f"{len(done)} finished runs of {len(found)}; {sum(floor_event_step(r) is not None for r in done)} "
+          f"reached accuracy <= {FLOOR:g} after step {FLOOR_AFTER}\n")
+    print(table)
+    if a.out:
+      with open(a.out, "w", encoding="utf-8") as f:
+        f.write(table)
+    return 0
+  table = predictors_markdown(evaluate_predictors(found))
   print(f"{len(done)} finished runs of {len(found)}; {sum(decline_step(r) is not None for r in done)} collapsed "
         "(ended below the warm start)\n")
   print(table)
