@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -288,3 +289,19 @@ def test_study_runner_plans_from_an_installed_package(tmp_path):
   import_path = subprocess.run([sys.executable, "-c", "import rl_jax; print(rl_jax.__file__)"], cwd=tmp_path,
                                env=env, capture_output=True, text=True, check=True).stdout
   assert import_path.startswith(str(target))   # the installed copy ran, not the checkout
+
+
+def test_paper_figure_draws_a_study_in_the_papers_layout(tmp_path, monkeypatch):
+  """rl_jax.study.paper_figures: panels / lines of the named study, 95% t shading; every figure names a study."""
+  from rl_jax.study import paper_figures as pf
+  for f in pf.FIGURES.values():
+    s = studies.get(f.study)
+    assert set(f.panels or ()) <= {k for k, _ in s.panels} and set(f.lines or ()) <= {k for k, _ in s.lines}
+  assert np.isnan(pf._t975(np.array([1]))[0]) and pf._t975(np.array([3]))[0] == pytest.approx(4.302652729911275)
+  p = runner.plan(studies.get("micro"), str(tmp_path))
+  runner.run_study(p, executor=FakeExecutor(), progress=False)
+  monkeypatch.setitem(pf.FIGURES, "micro_tis", pf.PaperFigure("micro: TIS only", "micro", lines=("tis",)))
+  assert [g.name for g in pf.groups_for(pf.FIGURES["micro_tis"], str(tmp_path))] == ["fp32/tis"]
+  out = pf.draw("micro_tis", str(tmp_path))
+  assert out == str(tmp_path / "paper_micro_tis.png") and os.path.getsize(out) > 0
+  assert pf.main(["micro_tis", "--root", str(tmp_path / "empty")]) != 0     # no finished run: a clear error
