@@ -29,7 +29,7 @@ import ml_collections
 
 from configs import countdown_tiny
 from configs import qwen3_30b_a3b_minirl
-from rl_jax.rl.loss_config import registered_methods  # every registered loss method, in registration order
+from rl_jax.rl.loss.loss_config import registered_methods  # every registered loss method, in registration order
 
 BASE = "configs/countdown_tiny.py"
 THIS = "configs/sweeps.py"

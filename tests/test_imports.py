@@ -174,7 +174,7 @@ def _layer_of(module: str, table) -> int | None:
 
 def test_no_import_cycle_function_local_imports_included():
   top, local = _imports()
-  assert "rl_jax.rl.loss_config" in top and "rl_jax.rl.methods" in top
+  assert "rl_jax.rl.loss.loss_config" in top and "rl_jax.rl.loss.methods" in top
   assert not _cycles(top), _cycles(top)
   graph = {m: set(d) for m, d in top.items()}
   for a, b in local:

@@ -12,8 +12,8 @@ from rl_jax.logprobs import next_token_logq
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.transformer import Transformer
 from rl_jax.rl import step as step_lib
-from rl_jax.rl.loss_config import LossConfig
-from rl_jax.rl.losses import rl_loss
+from rl_jax.rl.loss.loss_config import LossConfig
+from rl_jax.rl.loss.losses import rl_loss
 from rl_jax.sampler import decode
 from rl_jax.sampler import generate as gen
 from rl_jax.sampler.config import SamplerConfig

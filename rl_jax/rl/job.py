@@ -11,7 +11,7 @@ from rl_jax.config_utils import flat_defaults, from_dict, require
 from rl_jax.metrics import LoggingConfig
 from rl_jax.models import ModelConfig
 from rl_jax.optim import OptimConfig
-from rl_jax.rl.loss_config import AdvantageConfig, LossConfig
+from rl_jax.rl.loss.loss_config import AdvantageConfig, LossConfig
 from rl_jax.sampler.checks import check_sampler_fits
 from rl_jax.sampler.config import SamplerConfig, sampler_config
 

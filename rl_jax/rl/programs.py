@@ -23,7 +23,7 @@ from rl_jax.logprobs import gather_logprobs
 from rl_jax.rl import attribution as attribution_lib
 from rl_jax.rl import step as step_lib
 from rl_jax.rl.advantages import compute_advantages
-from rl_jax.rl.loss_config import LossConfig
+from rl_jax.rl.loss.loss_config import LossConfig
 from rl_jax.sampler import generate as gen
 from rl_jax.sampler import weights as sampler_weights
 from rl_jax.sampler.config import SamplerConfig

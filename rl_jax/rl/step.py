@@ -19,9 +19,9 @@ from rl_jax.logprobs import chunked_logprobs, gather_logprobs, truncated_logprob
 from rl_jax.models.transformer import constrain_batch
 from rl_jax.rl import meters
 from rl_jax import microbatch
-from rl_jax.rl.loss_config import LossConfig
-from rl_jax.rl.loss_diagnostics import finalize_stats, reduce_stacked
-from rl_jax.rl.losses import kept_set_args, normalizer, rl_loss, rl_loss_from_hidden
+from rl_jax.rl.loss.loss_config import LossConfig
+from rl_jax.rl.loss.loss_diagnostics import finalize_stats, reduce_stacked
+from rl_jax.rl.loss.losses import kept_set_args, normalizer, rl_loss, rl_loss_from_hidden
 
 Replay = Literal["none", "R2", "R3"]
 # Keyword arguments of the step functions that are configuration (static under jit).

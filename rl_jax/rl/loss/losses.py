@@ -8,12 +8,12 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from rl_jax.logprobs import (chunked_logprobs, gather_logprobs,  # re-exported: rl_jax.rl.losses.gather_logprobs
+from rl_jax.logprobs import (chunked_logprobs, gather_logprobs,  # re-exported: rl_jax.rl.loss.losses.gather_logprobs
                              truncated_logprobs)
 from rl_jax.rl import meters
-from rl_jax.rl import methods
-from rl_jax.rl.loss_config import LossConfig
-from rl_jax.rl.loss_diagnostics import diagnostic_stats, finalize_stats
+from rl_jax.rl.loss import methods
+from rl_jax.rl.loss.loss_config import LossConfig
+from rl_jax.rl.loss.loss_diagnostics import diagnostic_stats, finalize_stats
 
 sg = jax.lax.stop_gradient
 Metrics = dict[str, jax.Array]

@@ -6,8 +6,8 @@ from typing import Literal
 
 from rl_jax.config_utils import ConfigError, require
 from rl_jax.rl.advantages import AdvantageConfig  # re-exported: the config sections live together
-from rl_jax.rl import methods as _builtin_methods  # noqa: F401  (fills METHOD_REGISTRY before the class)
-from rl_jax.rl.registry import (METHOD_REGISTRY, add_registry_params, check_registry_params,
+from rl_jax.rl.loss import methods as _builtin_methods  # noqa: F401  (fills METHOD_REGISTRY before the class)
+from rl_jax.rl.loss.registry import (METHOD_REGISTRY, add_registry_params, check_registry_params,
                                 registry_fields_now, require_registered)
 
 ScoreCentering = Literal["none", "full", "topk"]

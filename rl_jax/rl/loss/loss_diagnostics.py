@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from rl_jax.rl import meters
-from rl_jax.rl.methods import MAX_LOG_RATIO, RuleOutput
+from rl_jax.rl.loss.methods import MAX_LOG_RATIO, RuleOutput
 
 sg = jax.lax.stop_gradient
 
