@@ -182,8 +182,8 @@ def test_unknown_config_args_fail():
   with pytest.raises(ConfigError, match="loss.typo"):
     RLJob.from_config(sweeps.apply_overrides(countdown_tiny.get_config(), {"loss.typo": 1}))
   with pytest.raises(ConfigError, match="loss.sampling_mask.*sampler.top_k=0, sampler.top_p=1.0"):
-    RLJob.from_config(sweeps.apply_overrides(countdown_tiny.get_config(), {"loss.sampling_mask": "replay"}))
-  RLJob.from_config(sweeps.apply_overrides(countdown_tiny.get_config(), {"loss.sampling_mask": "replay",
+    RLJob.from_config(sweeps.apply_overrides(countdown_tiny.get_config(), {"loss.sampling_mask": "kept_set"}))
+  RLJob.from_config(sweeps.apply_overrides(countdown_tiny.get_config(), {"loss.sampling_mask": "kept_set",
                                                                           "sampler.top_p": 0.9}))
 
 

@@ -116,8 +116,8 @@ class StepPrograms:
   def train_batch(self, ro: rollout_lib.Rollout, adv_B) -> step_lib.TrainBatch:
     """The rollout's TrainBatch before the p_old forward: the sampler's top-k rides along whenever it
     was recorded (score centering and the drift meter read it); the truncated q under
-    `loss.sampling_mask='replay'`."""
-    return step_lib.TrainBatch.from_rollout(ro, adv_B, with_topk=True, truncated=self.loss_cfg.replay_mask)
+    `loss.sampling_mask='kept_set'`."""
+    return step_lib.TrainBatch.from_rollout(ro, adv_B, with_topk=True, truncated=self.loss_cfg.kept_set_mask)
 
   def prepare(self, params, ro: rollout_lib.Rollout, adv_B, old=None) -> tuple[step_lib.TrainBatch, dict]:
     """The TrainBatch of a global step (`train_batch`) with p_old from `old_forward` at `params` (or

@@ -261,7 +261,7 @@ class RLTrainer:
 
   def _old_forward(self, params, ro, rewards):
     batch = TrainBatch.from_rollout(ro, self.programs.advantages(jnp.asarray(rewards)), with_topk=True,
-                                    truncated=self.job.loss.replay_mask)
+                                    truncated=self.job.loss.kept_set_mask)
     sampler_ids = ro.expert_ids_BSLK if self.job.model.is_moe else None
     t = time.perf_counter()
     return self.busy.track("trainer", self.programs.old_forward(params, batch, sampler_ids, ro.expert_valid_BS), t)
@@ -295,7 +295,7 @@ class RLTrainer:
     # The sampler's top-k rides along whenever it was recorded: the loss's drift meter reads it
     # (K more gathered ids per token), score centering too.
     batch = TrainBatch.from_rollout(ro, self.programs.advantages(jnp.asarray(rewards)), with_topk=True,
-                                    truncated=self.job.loss.replay_mask)
+                                    truncated=self.job.loss.kept_set_mask)
     if old is None:
       old = self._old_forward(self._p_old_params(), ro, rewards)
     logp_old, own_ids, m = old
