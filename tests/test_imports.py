@@ -12,8 +12,8 @@ ROOT = REPO / "rl_jax"
 # "start-up": keeps an entry point or a light module from loading jax / the heavy stack it needs
 # only on one path. "debt": no such reason; the named issue item removes it.
 LOCAL_IMPORTS = {
-    ("rl_jax.analysis", "rl_jax.analysis.attribution"):
-        "start-up: `python -m rl_jax.analysis.attribution` must find the module unimported by the package",
+    ("rl_jax.analysis", "rl_jax.analysis.attribution_report"):
+        "start-up: `python -m rl_jax.analysis.attribution_report` must find the module unimported by the package",
     ("rl_jax.analysis.precursors", "rl_jax.analysis.runs"):
         "debt: no circle or start-up cost (precursors imports runs' names at module level already)",
     ("rl_jax.analysis.runs", "rl_jax.workdir"):

@@ -20,7 +20,7 @@ from rl_jax import microbatch
 from rl_jax import rollout as rollout_lib
 from rl_jax import sharding as sh
 from rl_jax.logprobs import gather_logprobs
-from rl_jax.rl import attribution as attribution_lib
+from rl_jax.rl import mismatch_attribution as attribution_lib
 from rl_jax.rl import step as step_lib
 from rl_jax.rl.advantages import compute_advantages
 from rl_jax.rl.loss.loss_config import LossConfig

@@ -20,7 +20,7 @@ from PIL import Image
 
 MAX_WIDTH = 1800
 FILES = ("verdict.md", "table.md")
-# Written by a protocol study's analysis (rl_jax/study/analyze.py): published when present.
+# Written by a protocol study's analysis (rl_jax/study/verdicts.py): published when present.
 PROTOCOL_FILES = ("per_seed.csv", "per_seed.json", "contrasts.json", "protocol.json")
 VERDICT_HEADING = "## Verdict"
 PLACEHOLDER = "Not yet written"

@@ -254,7 +254,7 @@ _add(Study(
 
 
 # == Pre-registered studies (issue 24) =============================================================
-# Everything below is analysed by its protocol (rl_jax/study/protocol.py, rules.py, analyze.py): a
+# Everything below is analysed by its protocol (rl_jax/study/protocol.py, rules.py, verdicts.py): a
 # primary metric fixed before the runs, paired seeds, paired t + exact Wilcoxon with Holm over a study's
 # contrasts, a mechanical verdict. The studies above are the exploratory first round (docs/results.md).
 #
