@@ -19,7 +19,7 @@ from ml_collections import config_flags
 
 from configs import countdown_tiny
 from configs import qwen3_30b_a3b_minirl
-from configs import sweeps
+from rl_jax.study import sweeps
 from rl_jax import config_schema
 from rl_jax import sharding as sh
 from rl_jax import workdir as wd

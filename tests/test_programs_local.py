@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from configs import countdown_tiny
-from configs import sweeps
+from rl_jax.study import sweeps
 from rl_jax import sharding as sh
 from rl_jax.models import families
 from rl_jax.rl import programs as programs_lib

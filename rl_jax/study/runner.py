@@ -25,7 +25,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import tqdm
 
-from configs import sweeps
+from rl_jax.study import sweeps
 from rl_jax import artifacts
 from rl_jax import analysis
 from rl_jax import preempt
