@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl_jax.rl.loss_config import LossConfig
-from rl_jax.rl.losses import rl_loss, rl_loss_from_hidden
+from rl_jax.rl.loss.loss_config import LossConfig
+from rl_jax.rl.loss.losses import rl_loss, rl_loss_from_hidden
 
 VARIANTS = {
     "pg": dict(method="pg"),

@@ -82,7 +82,7 @@ from rl_jax.models import hf
 from rl_jax.models.config import ModelConfig
 from rl_jax.optim import OptimConfig, make_optimizer
 from rl_jax.rl import step as step_lib
-from rl_jax.rl.loss_config import LossConfig
+from rl_jax.rl.loss.loss_config import LossConfig
 from rl_jax.rl.step import TrainBatch
 
 LOSS_RTOL = 1e-5   # fp32, two implementations: measured ~1e-7

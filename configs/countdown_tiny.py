@@ -16,7 +16,7 @@ Every method / mismatch / replay / N variant is an override of this file, e.g.
   --config.loss.method=tis --config.loss.score_centering=none
   --config.sampler.quant=fp8_wa_fp8_kv   --config.sampler.noise=relative --config.sampler.noise_sigma=0.02
   --config.rl.n_minibatches=2 --config.rl.routing_replay=R2   --config.rl.staleness=4
-See configs/sweeps.py for the grid. `:test` is a seconds-long variant used by tests.
+See rl_jax/study/sweeps.py for the grid. `:test` is a seconds-long variant used by tests.
 """
 import ml_collections
 

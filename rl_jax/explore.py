@@ -13,8 +13,8 @@ from rl_jax import rollout as rollout_lib
 from rl_jax.config_utils import ConfigError
 from rl_jax.rl import programs as programs_lib
 from rl_jax.rl import step as step_lib
-from rl_jax.rl.loss_config import LossConfig
-from rl_jax.rl.losses import rl_loss
+from rl_jax.rl.loss.loss_config import LossConfig
+from rl_jax.rl.loss.losses import rl_loss
 from rl_jax.sampler import weights as sampler_weights
 from rl_jax.sampler.config import SamplerConfig
 

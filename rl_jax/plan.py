@@ -423,7 +423,7 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
     if scfg.record_topk:   # the trainer passes the sampler's top-k whenever it was recorded
       f["topk_ids_BTK"] = arr((rows, t, scfg.record_topk), jnp.int32)
       f["topk_logq_BTK"] = arr((rows, t, scfg.record_topk), jnp.float32)
-    if job.loss.replay_mask:  # the sampler's kept sets (loss.sampling_mask='replay')
+    if job.loss.kept_set_mask:  # the sampler's kept sets (loss.sampling_mask='kept_set')
       f["trunc_thresh_BT"] = arr((rows, t), jnp.float32)
       f["trunc_covered_BT"] = arr((rows, t), jnp.bool_)
     return step_lib.TrainBatch(**f), arr

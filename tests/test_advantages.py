@@ -4,7 +4,7 @@ import pytest
 
 from rl_jax.config_utils import ConfigError, from_dict
 from rl_jax.rl.advantages import apply_reward_mode, compute_advantages
-from rl_jax.rl.loss_config import AdvantageConfig
+from rl_jax.rl.loss.loss_config import AdvantageConfig
 
 # Two prompts x four responses, binary task rewards.
 REWARDS = np.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0], np.float32)

@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import countdown_tiny
-from configs import sweeps
+from rl_jax.study import sweeps
 from rl_jax import preempt
 from rl_jax.checkpoint import Checkpointer
 from rl_jax.config_utils import ConfigError

@@ -14,7 +14,7 @@ from rl_jax.logprobs import next_token_logq
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.transformer import Transformer
 from rl_jax.quant.config import QuantConfig
-from rl_jax.rl import attribution
+from rl_jax.rl import mismatch_attribution as attribution
 from rl_jax.rl.job import RLJob
 from rl_jax.rollout import response_slice
 from rl_jax.sampler import generate as gen
@@ -166,7 +166,7 @@ def test_attribution_config_errors_name_the_key(override, key):
 # Builds a trainer and compiles the step's programs and the attribution: minutes on 2 busy cores.
 @pytest.mark.slow
 def test_trainer_logs_attribution_of_the_run_sources(tmp_path):
-  from configs import sweeps
+  from rl_jax.study import sweeps
   from rl_jax.rl import trainer as trainer_lib
   cfg = countdown_tiny.get_config("test")
   cfg.warm_start.source = "none"
@@ -188,7 +188,7 @@ def test_trainer_logs_attribution_of_the_run_sources(tmp_path):
 
 def test_analysis_reads_tables_and_plots_attribution(tmp_path):
   import json
-  from rl_jax.analysis import attribution as analysis_attr
+  from rl_jax.analysis import attribution_report as analysis_attr
   from rl_jax.analysis import group_runs, load_runs
   from rl_jax.rl import plots
   for seed, scale in ((0, 1.0), (1, 3.0)):

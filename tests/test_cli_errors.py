@@ -8,7 +8,7 @@ import pytest
 
 from rl_jax import cli, plan, preempt
 from rl_jax.analysis import __main__ as analysis_cli
-from rl_jax.analysis import attribution, precursors
+from rl_jax.analysis import attribution_report, precursors
 from rl_jax.config_utils import ConfigError
 from rl_jax.study import __main__ as study_cli
 from rl_jax.workdir import LockHeldError
@@ -48,7 +48,7 @@ def setup_tmp(tmp):
 
 
 MAINS = {"study": study_cli.main, "plan": plan.main, "analysis": analysis_cli.main,
-         "precursors": precursors.main, "attribution": attribution.main}
+         "precursors": precursors.main, "attribution": attribution_report.main}
 C = "--config=configs/countdown_tiny.py"   # the tests run from the repo root
 RUNS = "{tmp}/runs/*/seed*"
 # (entry point, argv, exit code, what the last stderr line says); {tmp} is the test's tmp_path.

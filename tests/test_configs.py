@@ -19,7 +19,7 @@ from ml_collections import config_flags
 
 from configs import countdown_tiny
 from configs import qwen3_30b_a3b_minirl
-from configs import sweeps
+from rl_jax.study import sweeps
 from rl_jax import config_schema
 from rl_jax import sharding as sh
 from rl_jax import workdir as wd
@@ -29,7 +29,7 @@ from rl_jax.models.config import EXECUTION_FIELDS, ModelConfig
 from rl_jax.models.presets import PRESETS, abstract_state
 from rl_jax.quant import kv as qkv
 from rl_jax.quant import params as quant_params
-from rl_jax.rl.loss_config import METHODS
+from rl_jax.rl.loss.loss_config import METHODS
 from rl_jax.rl.trainer import RLJob
 from rl_jax.sampler import weights as sampler_weights
 from rl_jax.sft import SFTJob
@@ -182,8 +182,8 @@ def test_unknown_config_args_fail():
   with pytest.raises(ConfigError, match="loss.typo"):
     RLJob.from_config(sweeps.apply_overrides(countdown_tiny.get_config(), {"loss.typo": 1}))
   with pytest.raises(ConfigError, match="loss.sampling_mask.*sampler.top_k=0, sampler.top_p=1.0"):
-    RLJob.from_config(sweeps.apply_overrides(countdown_tiny.get_config(), {"loss.sampling_mask": "replay"}))
-  RLJob.from_config(sweeps.apply_overrides(countdown_tiny.get_config(), {"loss.sampling_mask": "replay",
+    RLJob.from_config(sweeps.apply_overrides(countdown_tiny.get_config(), {"loss.sampling_mask": "kept_set"}))
+  RLJob.from_config(sweeps.apply_overrides(countdown_tiny.get_config(), {"loss.sampling_mask": "kept_set",
                                                                           "sampler.top_p": 0.9}))
 
 

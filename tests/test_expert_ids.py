@@ -12,7 +12,7 @@ from flax import nnx
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.transformer import Transformer
 from rl_jax.rl import step as step_lib
-from rl_jax.rl.loss_config import LossConfig
+from rl_jax.rl.loss.loss_config import LossConfig
 from rl_jax.rollout import expert_id_dtype
 from rl_jax.sampler import generate as gen
 from rl_jax.sampler.config import SamplerConfig

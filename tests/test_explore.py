@@ -10,7 +10,7 @@ from rl_jax import experiment as ex
 from rl_jax.models import ModelConfig
 from rl_jax.rl import programs as programs_lib
 from rl_jax.rl import step as step_lib
-from rl_jax.rl.loss_config import LossConfig
+from rl_jax.rl.loss.loss_config import LossConfig
 from rl_jax.sampler.config import SamplerConfig
 
 pytestmark = pytest.mark.usefixtures("fast_compile")

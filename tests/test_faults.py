@@ -426,7 +426,7 @@ def test_reader_checkpointer_leaves_a_mistyped_path_uncreated(tmp_path):
 # evaluation with cheap fakes, so what runs is the job's loop, checkpoints and metrics.
 
 from configs import countdown_tiny  # pylint: disable=g-import-not-at-top,wrong-import-position
-from configs import sweeps  # pylint: disable=g-import-not-at-top,wrong-import-position
+from rl_jax.study import sweeps  # pylint: disable=g-import-not-at-top,wrong-import-position
 from rl_jax.rl import trainer as trainer_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from rl_jax.config_utils import ConfigError, from_dict
-from rl_jax.rl import losses
-from rl_jax.rl.loss_config import METHODS, LossConfig, sc_composable_methods
-from rl_jax.rl.losses import (gather_logprobs, rl_loss, rl_loss_from_hidden,
+from rl_jax.rl.loss import losses
+from rl_jax.rl.loss.loss_config import METHODS, LossConfig, sc_composable_methods
+from rl_jax.rl.loss.losses import (gather_logprobs, rl_loss, rl_loss_from_hidden,
                               rl_loss_from_logprobs)
-from rl_jax.rl.methods import METHOD_REGISTRY
+from rl_jax.rl.loss.methods import METHOD_REGISTRY
 
 # Every list is derived from the registry; docs/math.md#correction-methods pins the 11 methods it defines.
 SC_METHODS = tuple(sc_composable_methods())

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from rl_jax.rl import meters
-from rl_jax.rl.loss_config import LossConfig
+from rl_jax.rl.loss.loss_config import LossConfig
 from rl_jax.rl import step as step_lib
-from rl_jax.rl.losses import rl_loss
+from rl_jax.rl.loss.losses import rl_loss
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from configs import countdown_tiny
-from configs import sweeps
+from rl_jax.study import sweeps
 from rl_jax.rl import trainer as trainer_lib
 
 

@@ -13,7 +13,7 @@ from rl_jax.models import ModelConfig
 from rl_jax.optim import OptimConfig, make_optimizer
 from rl_jax import microbatch
 from rl_jax.rl import step as step_lib
-from rl_jax.rl.loss_config import LossConfig
+from rl_jax.rl.loss.loss_config import LossConfig
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 

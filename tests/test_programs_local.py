@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from configs import countdown_tiny
-from configs import sweeps
+from rl_jax.study import sweeps
 from rl_jax import sharding as sh
 from rl_jax.models import families
 from rl_jax.rl import programs as programs_lib
@@ -57,7 +57,7 @@ def test_local_programs_lower_to_the_trainers(replay):
     ro = trainer.rollout_shapes(sampler_state, prompts, valid, key)
     adv = jax.ShapeDtypeStruct((b,), jnp.float32)
     # The trainer's own batch (RLTrainer.prepare) against the local programs' `train_batch`.
-    make = ((lambda r, a: step_lib.TrainBatch.from_rollout(r, a, with_topk=True, truncated=job.loss.replay_mask))
+    make = ((lambda r, a: step_lib.TrainBatch.from_rollout(r, a, with_topk=True, truncated=job.loss.kept_set_mask))
             if name == "trainer" else progs.train_batch)
     batch, ids, ids_valid = jax.eval_shape(lambda r, a: (make(r, a), r.expert_ids_BSLK, r.expert_valid_BS), ro, adv)
     assert batch.topk_ids_BTK is not None

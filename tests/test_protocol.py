@@ -8,7 +8,7 @@ import pytest
 from scipy import stats as sps
 
 from rl_jax.analysis.runs import Run
-from rl_jax.study import analyze, dose_figure, protocol, publish, rules, runner, stats, studies
+from rl_jax.study import dose_figure, protocol, publish, rules, runner, stats, studies, verdicts
 from rl_jax.study.protocol import Contrast, Planning, Protocol, RunScore
 
 
@@ -188,7 +188,7 @@ def test_protocol_study_end_to_end(tmp_path, monkeypatch):
   # A cell rerun at another commit cannot be pooled with the rest without --allow_mixed.
   info["commit"] = "beef"
   json.dump(info, open(tmp_path / "n/sc/seed0/study.json", "w"))
-  with pytest.raises(analyze.MixedRunsError, match="2 commits"):
+  with pytest.raises(verdicts.MixedRunsError, match="2 commits"):
     runner.aggregate_study(p)
   runner.aggregate_study(p, allow_mixed=True)
   assert "Pooled despite differences" in open(paths["verdict"]).read()

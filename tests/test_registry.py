@@ -8,12 +8,12 @@ import pytest
 
 from rl_jax.config_utils import ConfigError, from_dict
 from rl_jax import config_schema
-from rl_jax.rl import methods
-from rl_jax.rl import registry
-from rl_jax.rl.loss_config import registered_methods
-from rl_jax.rl.losses import rl_loss
+from rl_jax.rl.loss import methods
+from rl_jax.rl.loss import registry
+from rl_jax.rl.loss.loss_config import registered_methods
+from rl_jax.rl.loss.losses import rl_loss
 from rl_jax.rl.advantages import AdvantageConfig
-from rl_jax.rl.loss_config import METHODS, LossConfig
+from rl_jax.rl.loss.loss_config import METHODS, LossConfig
 
 
 def test_names_register_once_and_fields_have_one_owner():

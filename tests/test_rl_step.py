@@ -11,8 +11,8 @@ from rl_jax import experiment as ex
 from rl_jax.models import ModelConfig
 from rl_jax.optim import OptimConfig, make_optimizer
 from rl_jax.rl import step as step_lib
-from rl_jax.rl.loss_config import LossConfig
-from rl_jax.rl.losses import rl_loss
+from rl_jax.rl.loss.loss_config import LossConfig
+from rl_jax.rl.loss.losses import rl_loss
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import run_clean_and_killed
 
 from configs import countdown_tiny
-from configs import sweeps
+from rl_jax.study import sweeps
 from rl_jax.checkpoint import Checkpointer
 from rl_jax.config_utils import ConfigError
 from rl_jax.metrics import read_metrics

@@ -1,4 +1,4 @@
-"""loss.sampling_mask='replay' by enumeration: the truncated objective's exact gradient, masking outside the kept set."""
+"""loss.sampling_mask='kept_set' by enumeration: the truncated objective's exact gradient, masking outside the kept set."""
 import dataclasses
 
 import jax
@@ -11,9 +11,10 @@ from rl_jax import rollout as rollout_lib
 from rl_jax.logprobs import next_token_logq
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.transformer import Transformer
+from rl_jax.config_utils import from_dict
 from rl_jax.rl import step as step_lib
-from rl_jax.rl.loss_config import LossConfig
-from rl_jax.rl.losses import rl_loss
+from rl_jax.rl.loss.loss_config import LossConfig
+from rl_jax.rl.loss.losses import rl_loss
 from rl_jax.sampler import decode
 from rl_jax.sampler import generate as gen
 from rl_jax.sampler.config import SamplerConfig
@@ -83,7 +84,7 @@ def test_expected_gradient_is_the_truncated_objectives(method, mismatch, top_k, 
   theta, logq, tau, kept, logmass, head, head_tq, covered = _case(mismatch, top_k, top_p, k_rec)
   assert covered.all() and kept.sum(-1).max() < V and (kept.sum(-1) > 1).sum() >= R - 1
   reward = np.random.default_rng(1).normal(size=(R, V))
-  cfg = LossConfig(method=method, sampling_mask="replay", temperature=TEMP)
+  cfg = LossConfig(method=method, sampling_mask="kept_set", temperature=TEMP)
   g, m = _per_token(cfg, theta, logq, tau, logmass, head, head_tq, covered, reward)
   qt = np.where(kept, np.exp(logq - logmass[:, None]), 0.0)       # q~, the sampling distribution
   expected = -np.einsum("ry,ryv->rv", qt, g)                       # E_q~[-grad loss]
@@ -101,7 +102,7 @@ def test_score_centering_is_zero_mean_under_the_truncated_sampler(centering, k_r
   theta, logq, tau, kept, logmass, head, head_tq, covered = _case(1.0, 3, 1.0, k_rec)
   qt = np.where(kept, np.exp(logq - logmass[:, None]), 0.0)
   for sc, zero in (("none", False), (centering, True)):
-    cfg = LossConfig(method="pg", sampling_mask="replay", temperature=TEMP, score_centering=sc, topk=k_rec)
+    cfg = LossConfig(method="pg", sampling_mask="kept_set", temperature=TEMP, score_centering=sc, topk=k_rec)
     g, _ = _per_token(cfg, theta, logq, tau, logmass, head, head_tq, covered, np.ones(()))
     drift = np.abs(np.einsum("ry,ryv->rv", qt, g)).max()
     assert (drift < 2e-6) if zero else (drift > 1e-2), (sc, drift)
@@ -113,7 +114,7 @@ def test_token_outside_the_rebuilt_set_is_counted_and_masked():
   theta, logq, tau, kept, logmass, head, head_tq, covered = _case(1.5, 0, 0.95, 1, seed=3)
   assert not covered.any()
   adv = np.random.default_rng(2).normal(size=(R, V))
-  cfg = LossConfig(method="naive_is", sampling_mask="replay", temperature=TEMP)
+  cfg = LossConfig(method="naive_is", sampling_mask="kept_set", temperature=TEMP)
   g, m = _per_token(cfg, theta, logq, tau, logmass, head, head_tq, covered, adv)
   logp = np.log(_softmax(theta.astype(np.float64) / TEMP))
   in_head = np.zeros((R, V), bool)
@@ -164,14 +165,37 @@ def test_on_policy_ratios_are_one_in_both_modes(top_k, top_p, k_rec):
   np.testing.assert_allclose(np.asarray(ro.trunc_logmass_BT)[mask], mass, atol=1e-4)
   assert (mass < -1e-3).any()
   adv = jnp.asarray(np.random.default_rng(1).normal(size=8), jnp.float32)
-  for mode in ("none", "replay"):
+  for mode in ("none", "kept_set"):
     cfg = LossConfig(method="naive_is", temperature=TEMP, sampling_mask=mode)
-    batch = step_lib.TrainBatch.from_rollout(ro, adv, truncated=mode == "replay")
+    batch = step_lib.TrainBatch.from_rollout(ro, adv, truncated=mode == "kept_set")
     logp_old, _, m_old = step_lib.old_forward(params, batch, graphdef=graphdef, loss_cfg=cfg)
     _, m = step_lib.loss_fn(params, batch.replace(logp_old_BT=logp_old), graphdef=graphdef, loss_cfg=cfg,
                             aux_coef=0.0)
     assert abs(float(m["is_ratio_max"]) - 1) < 1e-4 and abs(float(m["is_ratio_min"]) - 1) < 1e-4, mode
     assert abs(float(m_old["mismatch/kl_k1"])) < 1e-5
-    if mode == "replay":
+    if mode == "kept_set":
       assert float(m["sampling_mask/outside_frac"]) == 0 and float(m_old["mismatch/sampling_outside_frac"]) == 0
       np.testing.assert_allclose(float(m["sampling_mask/kept_mass_p"]), np.exp(mass).mean(), rtol=1e-4)
+
+
+def test_replay_is_a_deprecated_alias_of_kept_set():
+  """The old value `sampling_mask='replay'` warns, becomes 'kept_set' (equal, same hash: the same
+  static jit argument) and gives the same gradients and metrics bit for bit."""
+  with pytest.warns(DeprecationWarning, match=r"sampling_mask='replay' is deprecated.*'kept_set'"):
+    old = LossConfig(method="naive_is", sampling_mask="replay", temperature=TEMP)
+  new = LossConfig(method="naive_is", sampling_mask="kept_set", temperature=TEMP)
+  assert old.sampling_mask == "kept_set" and old == new and hash(old) == hash(new) and old.kept_set_mask
+  with pytest.warns(DeprecationWarning, match="'kept_set'"):   # the config-file path too
+    assert from_dict(LossConfig, {"sampling_mask": "replay", "temperature": TEMP}, prefix="loss").kept_set_mask
+  case = _case(1.0, 3, 1.0, 4)
+  args = (*case[:3], *case[4:])   # theta, logq, tau, logmass, head, head_tq, covered
+  adv = np.random.default_rng(1).normal(size=(R, V))
+  g_old, m_old = _per_token(old, *args, adv)
+  g_new, m_new = _per_token(new, *args, adv)
+  np.testing.assert_array_equal(g_old, g_new)
+  assert m_old.keys() == m_new.keys() and "sampling_mask/outside_frac" in m_new
+  for k in m_new:
+    np.testing.assert_array_equal(m_old[k], m_new[k], err_msg=k)
+  # and it is not the full-vocabulary target
+  g_none, _ = _per_token(dataclasses.replace(new, sampling_mask="none"), *args, adv)
+  assert np.abs(g_none - g_new).max() > 1e-3

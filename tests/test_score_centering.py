@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_jax.rl.loss_config import LossConfig, sc_composable_methods
-from rl_jax.rl.losses import rl_loss, score_centering_coeffs
+from rl_jax.rl.loss.loss_config import LossConfig, sc_composable_methods
+from rl_jax.rl.loss.losses import rl_loss, score_centering_coeffs
 
 V, T, K = 4, 3, 2            # vocabulary, response length, top-k head size
 SC_METHODS = tuple(sc_composable_methods())   # every method centering composes with

@@ -19,13 +19,13 @@ def compare(groups: Sequence[Group], out_dir: str, title: str | None = None,
                                          patience=patience) for g in groups]
   paths = tables.write_tables(summaries, out_dir)
   paths["png"] = figures.plot_groups(groups, os.path.join(out_dir, "figure.png"), smooth=smooth, title=title)
-  # Imported here: `python -m rl_jax.analysis.attribution` must find it unimported by the package.
-  from rl_jax.analysis import attribution  # pylint: disable=g-import-not-at-top
-  if any(attribution.run_sources(r) for g in groups for r in g.runs):
-    paths["attribution_png"] = attribution.plot(groups, os.path.join(out_dir, "attribution.png"))
+  # Imported here: `python -m rl_jax.analysis.attribution_report` must find it unimported by the package.
+  from rl_jax.analysis import attribution_report  # pylint: disable=g-import-not-at-top
+  if any(attribution_report.run_sources(r) for g in groups for r in g.runs):
+    paths["attribution_png"] = attribution_report.plot(groups, os.path.join(out_dir, "attribution.png"))
     paths["attribution_md"] = os.path.join(out_dir, "attribution.md")
     with open(paths["attribution_md"], "w") as f:
-      f.write(attribution.markdown(groups) + "\n")
+      f.write(attribution_report.markdown(groups) + "\n")
   return paths, summaries
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from rl_jax.rl.registry import (ADVANTAGE_REGISTRY, REWARD_MODE_REGISTRY, Param,
+from rl_jax.rl.loss.registry import (ADVANTAGE_REGISTRY, REWARD_MODE_REGISTRY, Param,
                                 add_registry_params, check_registry_params, register_advantage,
                                 register_reward_mode, require_registered)
 

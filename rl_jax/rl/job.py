@@ -11,7 +11,7 @@ from rl_jax.config_utils import flat_defaults, from_dict, require
 from rl_jax.metrics import LoggingConfig
 from rl_jax.models import ModelConfig
 from rl_jax.optim import OptimConfig
-from rl_jax.rl.loss_config import AdvantageConfig, LossConfig
+from rl_jax.rl.loss.loss_config import AdvantageConfig, LossConfig
 from rl_jax.sampler.checks import check_sampler_fits
 from rl_jax.sampler.config import SamplerConfig, sampler_config
 
@@ -206,7 +206,7 @@ class RLJob:
               f"full score centering needs the sampler's full distribution: set it to "
               f"model.vocab_size={self.model.vocab_size}")
     require(l.sampling_mask == "none" or s.truncates, "loss.sampling_mask",
-            f"{l.sampling_mask!r} replays the sampler's truncation, but the sampler draws from the full "
+            f"{l.sampling_mask!r} truncates p to the sampler's kept sets, but the sampler draws from the full "
             f"distribution (sampler.top_k={s.top_k}, sampler.top_p={s.top_p}): set top_k > 0 or top_p < 1, "
             "or loss.sampling_mask='none'")
     s.check_vocab(self.model.vocab_size)

@@ -20,10 +20,10 @@ from rl_jax import microbatch
 from rl_jax import rollout as rollout_lib
 from rl_jax import sharding as sh
 from rl_jax.logprobs import gather_logprobs
-from rl_jax.rl import attribution as attribution_lib
+from rl_jax.rl import mismatch_attribution as attribution_lib
 from rl_jax.rl import step as step_lib
 from rl_jax.rl.advantages import compute_advantages
-from rl_jax.rl.loss_config import LossConfig
+from rl_jax.rl.loss.loss_config import LossConfig
 from rl_jax.sampler import generate as gen
 from rl_jax.sampler import weights as sampler_weights
 from rl_jax.sampler.config import SamplerConfig
@@ -116,8 +116,8 @@ class StepPrograms:
   def train_batch(self, ro: rollout_lib.Rollout, adv_B) -> step_lib.TrainBatch:
     """The rollout's TrainBatch before the p_old forward: the sampler's top-k rides along whenever it
     was recorded (score centering and the drift meter read it); the truncated q under
-    `loss.sampling_mask='replay'`."""
-    return step_lib.TrainBatch.from_rollout(ro, adv_B, with_topk=True, truncated=self.loss_cfg.replay_mask)
+    `loss.sampling_mask='kept_set'`."""
+    return step_lib.TrainBatch.from_rollout(ro, adv_B, with_topk=True, truncated=self.loss_cfg.kept_set_mask)
 
   def prepare(self, params, ro: rollout_lib.Rollout, adv_B, old=None) -> tuple[step_lib.TrainBatch, dict]:
     """The TrainBatch of a global step (`train_batch`) with p_old from `old_forward` at `params` (or

@@ -19,9 +19,9 @@ from rl_jax.logprobs import chunked_logprobs, gather_logprobs, truncated_logprob
 from rl_jax.models.transformer import constrain_batch
 from rl_jax.rl import meters
 from rl_jax import microbatch
-from rl_jax.rl.loss_config import LossConfig
-from rl_jax.rl.loss_diagnostics import finalize_stats, reduce_stacked
-from rl_jax.rl.losses import kept_set_args, normalizer, rl_loss, rl_loss_from_hidden
+from rl_jax.rl.loss.loss_config import LossConfig
+from rl_jax.rl.loss.loss_diagnostics import finalize_stats, reduce_stacked
+from rl_jax.rl.loss.losses import kept_set_args, normalizer, rl_loss, rl_loss_from_hidden
 
 Replay = Literal["none", "R2", "R3"]
 # Keyword arguments of the step functions that are configuration (static under jit).
@@ -38,7 +38,7 @@ class TrainBatch:
   (`drift/*`) compares them with the trainer's distribution. Optional fields are None when
   absent (empty pytree nodes).
 
-  Under `loss.sampling_mask='replay'` (`from_rollout(truncated=True)`; docs/math.md#truncated-sampling)
+  Under `loss.sampling_mask='kept_set'` (`from_rollout(truncated=True)`; docs/math.md#truncated-sampling)
   `logq_BT` and `topk_logq_BTK` are the sampler's truncated, renormalized log-probs (-1e30 at head
   ids outside its kept set), `trunc_thresh_BT` the kept set's threshold tau and `trunc_covered_BT`
   whether the recorded head holds the whole kept set (then the trainer rebuilds it exactly from
@@ -63,7 +63,7 @@ class TrainBatch:
   @classmethod
   def from_rollout(cls, ro: rollout_lib.Rollout, adv_B: jax.Array, with_topk: bool = True,
                    truncated: bool = False) -> "TrainBatch":
-    """The batch of a rollout; `truncated` (`loss.sampling_mask='replay'`) takes the sampler's
+    """The batch of a rollout; `truncated` (`loss.sampling_mask='kept_set'`) takes the sampler's
     truncated policy as q (its `trunc_*` record; an error if the rollout has none)."""
     topk = with_topk and ro.topk_ids_BTK is not None
     logq_BT = ro.logq_BT
@@ -71,7 +71,7 @@ class TrainBatch:
     trunc = {}
     if truncated:
       if ro.trunc_thresh_BT is None:
-        raise ValueError("loss.sampling_mask='replay' needs a rollout of a truncating sampler "
+        raise ValueError("loss.sampling_mask='kept_set' needs a rollout of a truncating sampler "
                          "(sampler.top_k > 0 or sampler.top_p < 1): this one recorded no kept sets")
       tau_BT, mass_BT = ro.trunc_thresh_BT, ro.trunc_logmass_BT
       logq_BT = logq_BT - mass_BT  # 0 at padding, where the mass is recorded as 0
@@ -139,8 +139,8 @@ def _replay_kw(batch: TrainBatch) -> dict:
 
 
 def _trunc(batch: TrainBatch, loss_cfg: LossConfig) -> dict:
-  """The kept-set arguments of the loss under `loss.sampling_mask='replay'`, else nothing."""
-  if not loss_cfg.replay_mask:
+  """The kept-set arguments of the loss under `loss.sampling_mask='kept_set'`, else nothing."""
+  if not loss_cfg.kept_set_mask:
     return {}
   return dict(trunc_thresh_BT=batch.trunc_thresh_BT, trunc_covered_BT=batch.trunc_covered_BT)
 
@@ -148,7 +148,7 @@ def _trunc(batch: TrainBatch, loss_cfg: LossConfig) -> dict:
 def _sampled_logp(model, out, batch: TrainBatch, loss_cfg: LossConfig) -> jax.Array:
   """log p of the sampled tokens [B, T] from a forward's output, with the function the loss uses.
 
-  Under `loss.sampling_mask='replay'` the truncated policy's log p~, and -inf where the token
+  Under `loss.sampling_mask='kept_set'` the truncated policy's log p~, and -inf where the token
   lies outside the kept set rebuilt from these logits (p~ = 0 there; the loss masks it).
   """
   targets_BT1 = batch.response_BT[..., None]
@@ -246,7 +246,7 @@ def _old_forward_rows(params, batch: TrainBatch, sampler_ids_BSLK, sampler_valid
   if own_ids_BSLK is not None:  # stored compact like the sampler's (R2 replays them)
     own_ids_BSLK = own_ids_BSLK.astype(rollout_lib.expert_id_dtype(model.cfg.n_experts))
   mask = batch.response_mask_BT.astype(jnp.float32)
-  # Under sampling_mask='replay' a token outside theta_old's rebuilt kept set has p~_old = 0
+  # Under sampling_mask='kept_set' a token outside theta_old's rebuilt kept set has p~_old = 0
   # (-inf): the updates mask it; the mismatch metrics are over the others, and count it.
   inside = jnp.isfinite(logp_old_BT)
   on = (mask > 0) & inside
@@ -260,7 +260,7 @@ def _old_forward_rows(params, batch: TrainBatch, sampler_ids_BSLK, sampler_valid
   st = {"sum/_tokens": jnp.sum(on.astype(jnp.float32)), "sum/kl_k1": total(-log_x),
         "sum/kl_k3": total(x - 1.0 - log_x), "sum/prob_diff_mean": total(diff),
         "max/prob_diff_max": jnp.max(jnp.where(on, diff, 0.0))}
-  if loss_cfg.replay_mask:
+  if loss_cfg.kept_set_mask:
     st["sum/_outside"] = jnp.sum(((mask > 0) & ~inside).astype(jnp.float32))
   if sampler_ids_BSLK is not None and own_ids_BSLK is not None:
     hits, slots = routing_hits(own_ids_BSLK, sampler_ids_BSLK, sampler_valid_BS)
@@ -347,9 +347,9 @@ def first_order(params, batch: TrainBatch, *, graphdef: nnx.GraphDef, loss_cfg: 
       out = _forward(model, mb, **_replay_kw(mb))
       loss, _ = _rl_loss(model, out, mb, loss_cfg, norm=norm)
       logp_BT = _sampled_logp(model, out, mb, loss_cfg)
-      # Under sampling_mask='replay' the tokens outside a kept set (-inf) drop out of both objectives.
+      # Under sampling_mask='kept_set' the tokens outside a kept set (-inf) drop out of both objectives.
       mask_BT = mb.response_mask_BT > 0
-      if loss_cfg.replay_mask:
+      if loss_cfg.kept_set_mask:
         mask_BT = mask_BT & jnp.isfinite(logp_BT)
         if mb.logp_old_BT is not None:
           mask_BT = mask_BT & jnp.isfinite(mb.logp_old_BT)

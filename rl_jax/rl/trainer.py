@@ -23,7 +23,7 @@ from rl_jax.config_utils import ConfigError, require
 from rl_jax import workdir as wd
 from rl_jax.metrics import MetricsWriter, read_metrics, resolve_wandb_mode
 from rl_jax.optim import make_optimizer
-from rl_jax.rl import attribution as attribution_lib
+from rl_jax.rl import mismatch_attribution as attribution_lib
 from rl_jax.rl import evaluate as evaluate_lib
 from rl_jax.rl import inflight as inflight_lib
 from rl_jax.rl import programs as programs_lib
@@ -261,7 +261,7 @@ class RLTrainer:
 
   def _old_forward(self, params, ro, rewards):
     batch = TrainBatch.from_rollout(ro, self.programs.advantages(jnp.asarray(rewards)), with_topk=True,
-                                    truncated=self.job.loss.replay_mask)
+                                    truncated=self.job.loss.kept_set_mask)
     sampler_ids = ro.expert_ids_BSLK if self.job.model.is_moe else None
     t = time.perf_counter()
     return self.busy.track("trainer", self.programs.old_forward(params, batch, sampler_ids, ro.expert_valid_BS), t)
@@ -295,7 +295,7 @@ class RLTrainer:
     # The sampler's top-k rides along whenever it was recorded: the loss's drift meter reads it
     # (K more gathered ids per token), score centering too.
     batch = TrainBatch.from_rollout(ro, self.programs.advantages(jnp.asarray(rewards)), with_topk=True,
-                                    truncated=self.job.loss.replay_mask)
+                                    truncated=self.job.loss.kept_set_mask)
     if old is None:
       old = self._old_forward(self._p_old_params(), ro, rewards)
     logp_old, own_ids, m = old
@@ -316,7 +316,7 @@ class RLTrainer:
 
   def attribute(self, ro: rollout_lib.Rollout) -> dict:
     """`attribution/*` of `rl.attribution_rows` rows of `ro`, strided over its prompts
-    (rl_jax/rl/attribution.py), with the call's time; fetched to the host, so it has finished
+    (rl_jax/rl/mismatch_attribution.py), with the call's time; fetched to the host, so it has finished
     reading the params before an update donates them."""
     n = self.job.rl.attribution_rows
     stride = ro.tokens_BS.shape[0] // n

@@ -114,7 +114,7 @@ class SamplerConfig:
   @property
   def truncates(self) -> bool:
     """Whether sampling draws from a truncated distribution (top-k / top-p): the rollout then
-    records each token's kept set (`Rollout.trunc_*`) for `loss.sampling_mask='replay'`."""
+    records each token's kept set (`Rollout.trunc_*`) for `loss.sampling_mask='kept_set'`."""
     return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
 
   @property

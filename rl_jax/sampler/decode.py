@@ -54,7 +54,7 @@ def truncate(logq_BV: jax.Array, top_k: int, top_p: float) -> tuple[jax.Array, j
 
   Returns (masked log q, tau_B): the kept set is exactly {v : log q_v >= tau} (ties at the
   cut are kept), so tau is all the trainer needs to rebuild it by a threshold
-  (`loss.sampling_mask='replay'`); -inf when nothing is cut. tau lies midway between the least
+  (`loss.sampling_mask='kept_set'`); -inf when nothing is cut. tau lies midway between the least
   likely kept and the most likely cut log q, not at the kept one: the trainer's own log p of
   that boundary token differs from the sampler's by rounding, and at tau it would fall out
   about half the time.

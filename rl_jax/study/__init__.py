@@ -1,1 +1,1 @@
-"""Studies: named grids of RL runs over seeds (`studies`), run and aggregated by `runner`; CLI in __main__."""
+"""Run grids, their one home: `sweeps` (flat one-seed grids and the override vocabulary), `studies` (panels x lines x seeds), run and aggregated by `runner`; CLI in __main__."""

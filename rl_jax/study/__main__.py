@@ -13,7 +13,7 @@ import sys
 
 from rl_jax import cli
 from rl_jax import preempt
-from rl_jax.study import analyze, dose_figure, publish, runner, studies
+from rl_jax.study import dose_figure, publish, runner, studies, verdicts
 
 DEFAULT_ROOT = "/tmp/rl_jax_studies"
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = 1 if counts["failed"] else 0
   try:
     paths = runner.aggregate_study(plan, command, allow_mixed=args.allow_mixed)
-  except analyze.MixedRunsError as e:
+  except verdicts.MixedRunsError as e:
     print(f"[study] {study.name}: {e}", file=sys.stderr)
     return 2
   print("[study] wrote " + ", ".join(paths[k] for k in ("png", "md", "csv", "json", "verdict")))

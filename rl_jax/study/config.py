@@ -11,7 +11,7 @@ import os
 
 import ml_collections
 
-from configs import sweeps
+from rl_jax.study import sweeps
 from rl_jax.study import studies
 
 # The directory holding the `rl_jax` and `configs` packages: a source checkout, or site-packages when

@@ -2,7 +2,7 @@
 
 Declared in code beside the study (`rl_jax/study/studies.py`) and committed before its runs; the
 runner stamps every run with the commit it ran at and this protocol's hash (`Protocol.digest`), and
-the analysis (`rl_jax/study/analyze.py`) refuses to pool cells that differ in either.
+the analysis (`rl_jax/study/verdicts.py`) refuses to pool cells that differ in either.
 
 Per run (docs/results.md#protocol):
 - primary metric: mean held-out greedy accuracy over the last `last_k` scheduled evaluations on

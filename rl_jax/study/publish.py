@@ -20,7 +20,7 @@ from PIL import Image
 
 MAX_WIDTH = 1800
 FILES = ("verdict.md", "table.md")
-# Written by a protocol study's analysis (rl_jax/study/analyze.py): published when present.
+# Written by a protocol study's analysis (rl_jax/study/verdicts.py): published when present.
 PROTOCOL_FILES = ("per_seed.csv", "per_seed.json", "contrasts.json", "protocol.json", "dose_response.md")
 # Extra figures a study's analysis may draw (rl_jax/study/dose_figure.py): published small when present.
 EXTRA_FIGURES = ("dose_response.png",)

@@ -25,12 +25,12 @@ from typing import Any, Callable, Literal, Sequence
 
 import tqdm
 
-from configs import sweeps
+from rl_jax.study import sweeps
 from rl_jax import artifacts
 from rl_jax import analysis
 from rl_jax import preempt
 from rl_jax.analysis import aggregate, precursors, runs as runs_lib, tables
-from rl_jax.study import analyze as analyze_lib
+from rl_jax.study import verdicts as verdicts_lib
 from rl_jax.study import protocol as protocol_lib
 from rl_jax.study import studies
 from rl_jax.study.config import REPO_ROOT, load_base
@@ -248,7 +248,7 @@ def protocol_text(p: Plan) -> str:
   lines = [f"protocol {p.protocol}: primary metric = mean {proto.metric} over the last {proto.last_k} "
            f"evaluations (eval set >= {proto.min_eval_size}); {n} paired seeds; paired t + exact Wilcoxon signed-rank, "
            f"Holm over {len(proto.contrasts)} contrast(s), alpha {proto.alpha:g}; extra seeds: {proto.extra_seeds}"]
-  power, mde = analyze_lib.power_of(proto, n)
+  power, mde = verdicts_lib.power_of(proto, n)
   for c in proto.contrasts:
     q = f" ({c.question})" if c.question else ""
     lines.append(f"  contrast {c.name}{q}")
@@ -395,7 +395,7 @@ def groups_of(p: Plan) -> list[runs_lib.Group]:
 
 
 def verdict_skeleton(p: Plan, summaries: Sequence[aggregate.GroupSummary], command: str,
-                     groups: Sequence[runs_lib.Group] = (), result: analyze_lib.Analysis | None = None) -> str:
+                     groups: Sequence[runs_lib.Group] = (), result: verdicts_lib.Analysis | None = None) -> str:
   """verdict.md: the command, the numbers and per-panel orderings, and the verdict: mechanical from
   the protocol's analysis when the study has one, else a placeholder for a person."""
   wall = [(_read_json(os.path.join(launch.workdir, runs_lib.STUDY_FILE)) or {}).get("wall_s")
@@ -429,7 +429,7 @@ def verdict_skeleton(p: Plan, summaries: Sequence[aggregate.GroupSummary], comma
     verdicts = [f"- {r.contrast.name}: {r.verdict}" for r in result.contrasts]
     if result.rule is not None:
       verdicts.append(f"- rule `{result.protocol.rule}`: {result.rule[1]}")
-    lines += ["", analyze_lib.markdown(result), "## Verdict", "",
+    lines += ["", verdicts_lib.markdown(result), "## Verdict", "",
               "Read mechanically off the pre-registered analysis above:", "", *verdicts, ""]
     return "\n".join(lines)
   lines += ["", "## Verdict", "",
@@ -442,18 +442,18 @@ def aggregate_study(p: Plan, command: str = "", allow_mixed: bool = False) -> di
   """Writes ROOT/figure.png, ROOT/table.{md,csv,json} and ROOT/verdict.md (and, for a study with a
   protocol, ROOT/per_seed.{csv,json}, contrasts.json and protocol.json); returns the paths.
 
-  A protocol study refuses (`analyze.MixedRunsError`) to pool runs of other commits or protocols
+  A protocol study refuses (`verdicts.MixedRunsError`) to pool runs of other commits or protocols
   unless `allow_mixed`."""
   groups = groups_of(p)
   if not groups:
     raise FileNotFoundError(f"study {p.study.name}: no run under {p.root} logged metrics yet")
   result = None
   if p.study.protocol is not None:
-    scores, unscored = analyze_lib.score_launches(p.launches, p.study.protocol)
-    result = analyze_lib.analyze(p.study, scores, unscored, allow_mixed=allow_mixed)
+    scores, unscored = verdicts_lib.score_launches(p.launches, p.study.protocol)
+    result = verdicts_lib.analyze(p.study, scores, unscored, allow_mixed=allow_mixed)
   paths, summaries = analysis.compare(groups, p.root, title=f"{p.study.name}: {p.study.description}")
   if result is not None:
-    paths.update(analyze_lib.write(result, p.root))
+    paths.update(verdicts_lib.write(result, p.root))
   paths["verdict"] = os.path.join(p.root, "verdict.md")
   with open(paths["verdict"], "w") as f:
     f.write(verdict_skeleton(p, summaries, command, groups, result))

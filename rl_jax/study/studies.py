@@ -6,15 +6,16 @@ beside the constants they set and in docs/results.md. Budgets (steps, batch, eva
 cadence) are shared module constants, chosen so that a study's grid runs in about an hour on 2
 CPU cores (`python -m rl_jax.study STUDY --dry_run` prints the estimate from measured runs).
 
-Overrides use the vocabulary of configs/sweeps.py (dotted config keys; a dict value replaces
-a whole section, e.g. a quantization section that fits the tiny model).
+Built on the sweeps (`sweeps.py`, this package: the run grids' one home): their override vocabulary (dotted
+config keys; a dict value replaces a whole section, e.g. a quantization section that fits the tiny
+model), regimes and `apply_overrides`.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Sequence
 
-from configs import sweeps
+from rl_jax.study import sweeps
 from rl_jax.study.protocol import Contrast, Planning, Protocol
 
 Overrides = dict[str, Any]
@@ -254,7 +255,7 @@ _add(Study(
 
 
 # == Pre-registered studies (issue 24) =============================================================
-# Everything below is analysed by its protocol (rl_jax/study/protocol.py, rules.py, analyze.py): a
+# Everything below is analysed by its protocol (rl_jax/study/protocol.py, rules.py, verdicts.py): a
 # primary metric fixed before the runs, paired seeds, paired t + exact Wilcoxon with Holm over a study's
 # contrasts, a mechanical verdict. The studies above are the exploratory first round (docs/results.md).
 #

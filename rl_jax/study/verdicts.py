@@ -1,4 +1,4 @@
-"""The pre-registered analysis of a study: per-seed table, paired contrasts with Holm, rules, power.
+"""A study's verdicts under its pre-registered protocol: per-seed table, paired contrasts with Holm, rules, power.
 
 Reads the runs a study's plan names, scores each (`protocol.score_run`), refuses to pool runs
 whose commit or protocol digest differ (unless `allow_mixed`, and the report then says so),

@@ -4,7 +4,7 @@ Reads the `attribution/<source>/<stat>` rows the trainer logs every `rl.attribut
 (docs/math.md#mismatch-attribution). A run's figure is the mean over its logged steps; a group's
 is the mean over its runs with the standard error across them (seeds).
 
-  python -m rl_jax.analysis.attribution --workdirs 'ROOT/*/*/seed*' --out DIR [--stat kl]
+  python -m rl_jax.analysis.attribution_report --workdirs 'ROOT/*/*/seed*' --out DIR [--stat kl]
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def plot(groups: Sequence[Group], path: str, stat: str = "kl") -> str:
   """One bar group per run group, one bar per source (mean over runs, +-1 s.e.); log scale."""
   cols, rows = group_table(groups, stat)
   if not rows or not cols:
-    raise ValueError("attribution.plot: no run logged attribution/* (rl.attribution_every = 0?)")
+    raise ValueError("attribution_report.plot: no run logged attribution/* (rl.attribution_every = 0?)")
   fig, ax = plt.subplots(figsize=(max(7.0, len(rows) * (len(cols) + 1) * 0.4), 4.2))
   width = 0.8 / len(cols)
   x = np.arange(len(rows))
@@ -109,9 +109,9 @@ def plot(groups: Sequence[Group], path: str, stat: str = "kl") -> str:
   return path
 
 
-@cli.expected_errors("python -m rl_jax.analysis.attribution")
+@cli.expected_errors("python -m rl_jax.analysis.attribution_report")
 def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m rl_jax.analysis.attribution", description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(prog="python -m rl_jax.analysis.attribution_report", description=__doc__.split("\n")[0])
   p.add_argument("--workdirs", nargs="+", required=True, help="globs of workdirs (quote them)")
   p.add_argument("--out", required=True, help="output directory: attribution.png and attribution.md")
   p.add_argument("--stat", default="kl", choices=STATS)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from rl_jax.rl import meters
-from rl_jax.rl.methods import MAX_LOG_RATIO, RuleOutput
+from rl_jax.rl.loss.methods import MAX_LOG_RATIO, RuleOutput
 
 sg = jax.lax.stop_gradient
 
@@ -52,7 +52,7 @@ def diagnostic_stats(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Opt
       else a lower bound), when the sampler's top-k was given.
     drift/sc_share: ||G_sc|| / ||G|| of the logit-space gradients, score centering's share
       of the update (meters.sc_share), when score centering is on.
-    sampling_mask/outside_frac, sampling_mask/kept_mass_p: under `loss.sampling_mask='replay'`
+    sampling_mask/outside_frac, sampling_mask/kept_mass_p: under `loss.sampling_mask='kept_set'`
       (the loss adds their statistics; `mask_BT` is then the tokens inside the kept sets, so
       the means above are over those): the fraction of response tokens outside the trainer's
       rebuilt kept set (masked), and the trainer's mass p_theta(K) on the kept set.
@@ -155,7 +155,7 @@ def finalize_stats(st: dict[str, jax.Array]) -> dict[str, jax.Array]:
   if "lse/_log_r" in st:
     ess = jnp.exp(2.0 * st["lse/_log_r"] - st["lse/_2log_r"]) / jnp.maximum(n, 1.0)
     m["is_ess"] = jnp.where(n > 0, ess, 0.0)
-  if "sum/_outside" in st:  # loss.sampling_mask='replay': n counts the tokens in the kept sets
+  if "sum/_outside" in st:  # loss.sampling_mask='kept_set': n counts the tokens in the kept sets
     m["sampling_mask/outside_frac"] = st["sum/_outside"] / jnp.maximum(n + st["sum/_outside"], 1.0)
     m["sampling_mask/kept_mass_p"] = st["sum/_kept_mass_p"] / jnp.maximum(n, 1.0)
   if "sum/_log_ppl" in st:

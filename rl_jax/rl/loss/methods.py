@@ -1,4 +1,4 @@
-"""Registry of correction rules: per-token weights, clips, drops and masks of docs/math.md#correction-methods."""
+"""The correction rules of docs/math.md#correction-methods: per-token weights, clips, drops and masks, each registered."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 
 from rl_jax.config_utils import require
-from rl_jax.rl.registry import METHOD_REGISTRY, Param, register_method
+from rl_jax.rl.loss.registry import METHOD_REGISTRY, Param, register_method
 
 if TYPE_CHECKING:  # loss_config imports this module (to fill the registry) before LossConfig exists
-  from rl_jax.rl.loss_config import LossConfig
+  from rl_jax.rl.loss.loss_config import LossConfig
 
 sg = jax.lax.stop_gradient
 

@@ -2,17 +2,19 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Literal
 
 from rl_jax.config_utils import ConfigError, require
 from rl_jax.rl.advantages import AdvantageConfig  # re-exported: the config sections live together
-from rl_jax.rl import methods as _builtin_methods  # noqa: F401  (fills METHOD_REGISTRY before the class)
-from rl_jax.rl.registry import (METHOD_REGISTRY, add_registry_params, check_registry_params,
+from rl_jax.rl.loss import methods as _builtin_methods  # noqa: F401  (fills METHOD_REGISTRY before the class)
+from rl_jax.rl.loss.registry import (METHOD_REGISTRY, add_registry_params, check_registry_params,
                                 registry_fields_now, require_registered)
 
 ScoreCentering = Literal["none", "full", "topk"]
 Aggregation = Literal["batch_tokens", "constant", "seq_mean"]
-SamplingMask = Literal["none", "replay"]
+# "replay" is kept_set's old name, a deprecated alias ("replay" is routing replay's word).
+SamplingMask = Literal["none", "kept_set", "replay"]
 
 # The built-in methods (registered by rl_jax/rl/__init__.py, before this module), in registration
 # order, for sweeps and tests; `registered_methods()` also has those registered since.
@@ -62,11 +64,12 @@ class LossConfig:
       sequence in chunks of this many positions.
     sampling_mask: what the policies are when the sampler truncates (top-k / top-p;
       docs/math.md#truncated-sampling). 'none': p and q over the full temperature-scaled
-      vocabulary (the truncation is part of the behaviour, not of the target). 'replay': the
+      vocabulary (the truncation is part of the behaviour, not of the target). 'kept_set': the
       target is the truncated policy: the trainer restricts p to the kept set the sampler drew
       each token from (rebuilt from `Rollout.trunc_*`) and renormalizes it before every ratio,
       KL, score-centering term and entropy; a token outside the rebuilt set is masked and
-      counted (`sampling_mask/outside_frac`).
+      counted (`sampling_mask/outside_frac`). 'replay' is its deprecated old name: it warns
+      (DeprecationWarning) and the config holds 'kept_set', so it behaves identically.
     Method-owned fields (each method's thresholds: tis_high, cispo_low / cispo_high,
       mis_low / mis_high, ppo_*, dapo_*, gspo_*, topr_high, dppo_tv, minirl_eps_low /
       minirl_eps_high / minirl_tis_c and MiniRL's ablation switches minirl_train_infer_is /
@@ -105,13 +108,18 @@ class LossConfig:
     require(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
     require(self.chunk_size >= 0, "chunk_size",
             f"must be >= 0 (0 = unchunked), got {self.chunk_size}")
-    require(self.sampling_mask in ("none", "replay"), "sampling_mask",
-            f"must be 'none' or 'replay', got {self.sampling_mask!r}")
+    if self.sampling_mask == "replay":
+      warnings.warn("loss.sampling_mask='replay' is deprecated: the truncated-sampling target is now "
+                    "named 'kept_set' (it means the same; 'replay' names routing replay)",
+                    DeprecationWarning, stacklevel=3)
+      object.__setattr__(self, "sampling_mask", "kept_set")
+    require(self.sampling_mask in ("none", "kept_set"), "sampling_mask",
+            f"must be 'none' or 'kept_set', got {self.sampling_mask!r}")
 
   @property
-  def replay_mask(self) -> bool:
-    """Whether the target policy is the sampler's truncated one (`sampling_mask='replay'`)."""
-    return self.sampling_mask == "replay"
+  def kept_set_mask(self) -> bool:
+    """Whether the target policy is the sampler's truncated one (`sampling_mask='kept_set'`)."""
+    return self.sampling_mask == "kept_set"
 
   @property
   def needs_logp_old(self) -> bool:

@@ -8,12 +8,12 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from rl_jax.logprobs import (chunked_logprobs, gather_logprobs,  # re-exported: rl_jax.rl.losses.gather_logprobs
+from rl_jax.logprobs import (chunked_logprobs, gather_logprobs,  # re-exported: rl_jax.rl.loss.losses.gather_logprobs
                              truncated_logprobs)
 from rl_jax.rl import meters
-from rl_jax.rl import methods
-from rl_jax.rl.loss_config import LossConfig
-from rl_jax.rl.loss_diagnostics import diagnostic_stats, finalize_stats
+from rl_jax.rl.loss import methods
+from rl_jax.rl.loss.loss_config import LossConfig
+from rl_jax.rl.loss.loss_diagnostics import diagnostic_stats, finalize_stats
 
 sg = jax.lax.stop_gradient
 Metrics = dict[str, jax.Array]
@@ -144,7 +144,7 @@ def _loss_core(logp_BT, head_logp_BTK, entropy_BT, mask_BT, adv_B, logq_BT, cfg,
   whole recorded head (or None): the drift meter reads all of it, top-k score centering
   its first `cfg.topk` entries. y_in_head_BTK: one-hot of the sampled token in the head,
   for the `drift/sc_share` meter (without it y is taken to be outside the head).
-  trunc: under `sampling_mask='replay'`, (in_y_BT, log_mass_BT): whether y lies in the trainer's
+  trunc: under `sampling_mask='kept_set'`, (in_y_BT, log_mass_BT): whether y lies in the trainer's
   rebuilt kept set and log p(K). A response token outside it (or outside theta_old's, where
   logp_old is -inf) is masked out of the objective and the diagnostics, and counted
   (`sampling_mask/outside_frac`); the aggregation's denominator still counts it, so the loss
@@ -224,7 +224,7 @@ def rl_loss_from_logprobs(logp_BT: jax.Array, mask_BT: jax.Array, adv_B: jax.Arr
   their first `cfg.topk` entries; for 'full', all V ids). Given both (with or without
   centering), they also feed the drift meter. `entropy_BT` only feeds the `entropy`
   diagnostic; `y_in_head_BTK` (one-hot of y in the head) only `drift/sc_share`.
-  Under `cfg.sampling_mask='replay'` the inputs must already be the truncated policies' (log p~,
+  Under `cfg.sampling_mask='kept_set'` the inputs must already be the truncated policies' (log p~,
   log q~); with no vocabulary axis there is no kept set to rebuild, so masking the tokens outside
   it is the caller's (`rl_loss` does both).
   """
@@ -278,16 +278,16 @@ def _select_ids(targets_BT, topk_ids_BTK, topk_logq_BTK, cfg, v, b, t):
 
 
 def kept_set_args(cfg, trunc_thresh_BT, trunc_covered_BT, topk_ids_BTK, topk_logq_BTK, b, t):
-  """`truncated_logprobs`' per-position arguments under `sampling_mask='replay'`, else None.
+  """`truncated_logprobs`' per-position arguments under `sampling_mask='kept_set'`, else None.
 
   The head is the sampler's recorded top-k, an entry kept iff its (truncated) log q is finite
   (`TrainBatch.from_rollout` writes -1e30 outside the kept set); without it the kept set is
   rebuilt by the threshold alone.
   """
-  if not cfg.replay_mask:
+  if not cfg.kept_set_mask:
     return None
   if trunc_thresh_BT is None:
-    raise ValueError("loss.sampling_mask='replay' needs trunc_thresh_BT (the sampler's kept-set threshold "
+    raise ValueError("loss.sampling_mask='kept_set' needs trunc_thresh_BT (the sampler's kept-set threshold "
                      "per token, TrainBatch.from_rollout(truncated=True))")
   _check_bt("trunc_thresh_BT", trunc_thresh_BT, b, t)
   if topk_ids_BTK is None:
@@ -343,7 +343,7 @@ def rl_loss(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array, ad
     return_stats: return the diagnostics' sufficient statistics instead of the metrics
       (micro-batches combine them with `loss_diagnostics.combine_stats`).
     trunc_thresh_BT, trunc_covered_BT: the sampler's kept sets under
-      `cfg.sampling_mask='replay'` (`TrainBatch`; docs/math.md#truncated-sampling): p is then
+      `cfg.sampling_mask='kept_set'` (`TrainBatch`; docs/math.md#truncated-sampling): p is then
       truncated to the rebuilt set and renormalized; logq_BT / topk_logq_BTK must be the
       sampler's truncated ones (`TrainBatch.from_rollout(truncated=True)`).
 
