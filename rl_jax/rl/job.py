@@ -12,10 +12,11 @@ from rl_jax.metrics import LoggingConfig
 from rl_jax.models import ModelConfig
 from rl_jax.optim import OptimConfig
 from rl_jax.rl.loss_config import AdvantageConfig, LossConfig
+# Routing replay's one type (its values are the config's `rl.routing_replay`).
+from rl_jax.rl.step import Replay
 from rl_jax.sampler.checks import check_sampler_fits
 from rl_jax.sampler.config import SamplerConfig, sampler_config
 
-Replay = Literal["none", "R2", "R3"]
 Mode = Literal["sync", "async"]
 POldVersion = Literal["latest", "rollout"]
 StalePolicy = Literal["wait", "drop"]

@@ -260,11 +260,9 @@ class RLTrainer:
     return item
 
   def _old_forward(self, params, ro, rewards):
-    batch = TrainBatch.from_rollout(ro, self.programs.advantages(jnp.asarray(rewards)), with_topk=True,
-                                    truncated=self.job.loss.replay_mask)
-    sampler_ids = ro.expert_ids_BSLK if self.job.model.is_moe else None
     t = time.perf_counter()
-    return self.busy.track("trainer", self.programs.old_forward(params, batch, sampler_ids, ro.expert_valid_BS), t)
+    return self.busy.track("trainer", self.programs.forward_old(
+        params, ro, self.programs.advantages(jnp.asarray(rewards))), t)
 
   def completions(self, ro) -> list[str]:
     """Response texts on the host: the only place tokens leave the device."""
@@ -292,20 +290,9 @@ class RLTrainer:
     `old`: the p_old forward's outputs when they were computed at the rollout's version
     (`produce`); None runs it here at the policy `rl.p_old_version` names.
     """
-    # The sampler's top-k rides along whenever it was recorded: the loss's drift meter reads it
-    # (K more gathered ids per token), score centering too.
-    batch = TrainBatch.from_rollout(ro, self.programs.advantages(jnp.asarray(rewards)), with_topk=True,
-                                    truncated=self.job.loss.replay_mask)
     if old is None:
       old = self._old_forward(self._p_old_params(), ro, rewards)
-    logp_old, own_ids, m = old
-    batch = batch.replace(logp_old_BT=logp_old)
-    replay = self.job.rl.routing_replay
-    if replay == "R2":
-      batch = batch.replace(replay_ids_BSLK=own_ids, replay_mask_BS=batch.valid_BS)
-    elif replay == "R3":
-      batch = batch.replace(replay_ids_BSLK=ro.expert_ids_BSLK, replay_mask_BS=ro.expert_valid_BS)
-    return batch, m
+    return self.programs.prepare(None, ro, self.programs.advantages(jnp.asarray(rewards)), old)
 
   def _p_old_params(self):
     """The weights of the sync loop's p_old forward (emulated staleness: the rollout's version is
@@ -332,10 +319,7 @@ class RLTrainer:
     return m
 
   def minibatches(self, batch: TrainBatch):
-    n = self.job.rl.n_minibatches
-    rows = batch.rows // n
-    for i in range(n):
-      yield batch.slice_rows(i * rows, (i + 1) * rows)
+    return self.programs.minibatches(batch)
 
   def update(self, batch: TrainBatch, step: int) -> dict:
     """N optimizer updates on group-aligned mini-batches; raises on a non-finite step."""
