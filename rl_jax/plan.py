@@ -322,9 +322,8 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
   opt_state = abstract_opt_state(optimizer, params, mesh)
   b_global = rl.prompts_per_step * rl.group_size
   div = sh.batch_divisor(mesh)
-  if b_global % div or (b_global // rl.n_minibatches) % div:
-    raise SystemExit(f"config key 'rl.prompts_per_step': {b_global} responses ({b_global // rl.n_minibatches} "
-                     f"per mini-batch) do not split over the mesh's batch axes ({div})")
+  if not group:  # split groups: `run` checked the trainer's and the sampler's meshes together
+    job.check_mesh(mesh)
   # The trainer's own programs (rl_jax/rl/programs.py): the planner lowers exactly what runs.
   progs = programs_lib.build(job, mesh, graphdef, jax.tree.map(lambda x: x.sharding, params),
                              jax.tree.map(lambda x: x.sharding, opt_state), optimizer)
@@ -635,6 +634,7 @@ def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=No
   if split:
     # Async on split devices: the sampler's programs on its group, the trainer's on the rest.
     mesh, sampler_mesh = sh.split_meshes(job.mesh, _first_devices(mesh_size(config.mesh, devices)))
+    job.check_mesh(mesh, sampler_mesh)
     groups = [(sampler_mesh, tuple(p for p in programs if p in SAMPLER_PROGRAMS)),
               (mesh, tuple(p for p in programs if p not in SAMPLER_PROGRAMS))]
   else:

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rl_jax import microbatch
 from rl_jax import rollout as rollout_lib
 from rl_jax import sharding as sh
 from rl_jax.logprobs import gather_logprobs
@@ -204,17 +203,6 @@ def eval_configs(sampler: SamplerConfig, eval_temperature: float,
   return greedy, dataclasses.replace(greedy, greedy=False, temperature=eval_temperature)
 
 
-def microbatch_counts(job, mesh) -> tuple[int, int]:
-  """(p_old forward, update) micro-batch counts of `rl.forward_microbatch` (rows of the whole global
-  batch per forward) and `rl.update_microbatch` (rows of each mini-batch per accumulation step);
-  a ConfigError names a split that does not divide the rows or the mesh's batch axes."""
-  rl = job.rl
-  rows = rl.prompts_per_step * rl.group_size
-  div = sh.batch_divisor(mesh)
-  return (microbatch.count(rows, rl.forward_microbatch, "rl.forward_microbatch", div),
-          microbatch.count(rows // rl.n_minibatches, rl.update_microbatch, "rl.update_microbatch", div))
-
-
 def _step_programs(graphdef: nnx.GraphDef, loss: LossConfig, replay: step_lib.Replay, mesh, *, fwd_n: int = 1,
                    upd_n: int = 1, optimizer=None, aux_coef: float = 0.0, param_shardings=None,
                    opt_shardings=None) -> dict:
@@ -240,7 +228,7 @@ def build(job, mesh, graphdef: nnx.GraphDef, param_shardings, opt_shardings, opt
   """Every program of `job`'s RL step on `mesh` (the shardings are the params' and optimizer state's);
   rollouts are generated on `sampler_mesh` (default: `mesh`)."""
   rl = job.rl
-  fwd_n, upd_n = microbatch_counts(job, mesh)
+  fwd_n, upd_n = job.microbatch_counts(mesh)
   greedy, sampled = eval_configs(job.sampler, rl.eval_temperature, rl.eval_rows_in_flight)
   attribution, variants = None, ()
   if rl.attribution_every:
