@@ -315,8 +315,6 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
   from rl_jax import sharding as sh  # pylint: disable=g-import-not-at-top
   from rl_jax.optim import make_optimizer  # pylint: disable=g-import-not-at-top
   from rl_jax.rl import programs as programs_lib  # pylint: disable=g-import-not-at-top
-  from rl_jax.rl import step as step_lib  # pylint: disable=g-import-not-at-top
-  from rl_jax.rollout import expert_id_dtype  # pylint: disable=g-import-not-at-top
 
   mcfg, scfg, rl = job.model, job.sampler, job.rl
   graphdef, params = abstract_params(mcfg, mesh)
@@ -324,9 +322,8 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
   opt_state = abstract_opt_state(optimizer, params, mesh)
   b_global = rl.prompts_per_step * rl.group_size
   div = sh.batch_divisor(mesh)
-  if b_global % div or (b_global // rl.n_minibatches) % div:
-    raise SystemExit(f"config key 'rl.prompts_per_step': {b_global} responses ({b_global // rl.n_minibatches} "
-                     f"per mini-batch) do not split over the mesh's batch axes ({div})")
+  if not group:  # split groups: `run` checked the trainer's and the sampler's meshes together
+    job.check_mesh(mesh)
   # The trainer's own programs (rl_jax/rl/programs.py): the planner lowers exactly what runs.
   progs = programs_lib.build(job, mesh, graphdef, jax.tree.map(lambda x: x.sharding, params),
                              jax.tree.map(lambda x: x.sharding, opt_state), optimizer)
@@ -369,9 +366,7 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
   def plan_generate(name: str, kind: str, rows: int, state, n_state: int, cfg) -> None:
     """Generate (prefill + decode loop over a static KV cache) of `rows` prompts, one wave of
     `cfg.max_rows_in_flight` rows at a time."""
-    prompts = _sds(jax.ShapeDtypeStruct((rows, p), jnp.int32), sh.batch_sharding(mesh, 2))
-    pvalid = _sds(jax.ShapeDtypeStruct((rows, p), jnp.bool_), sh.batch_sharding(mesh, 2))
-    key = _sds(jax.eval_shape(lambda: jax.random.key(0)), sh.replicated(mesh))
+    prompts, pvalid, key = prompt_args(rows, p, mesh)
     g = ProgramPlan(name, args={"sampler weights": n_state, "batch": device_bytes((prompts, pvalid, key))},
                     resident={} if group == "sampler" else {
                         "params": n_params, "optimizer state": n_opt, **trainer_extra,
@@ -404,54 +399,31 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
         clean = jax.tree.map(_sds, *_lowered_out(progs.clean_weights, params))
       plan_generate(name, kind, rows, clean, device_bytes(clean), cfg)
 
-  # The train batch, laid out like the rollout (rows over the batch axes); expert ids compact
-  # like the sampler's record (uint8 up to 256 experts).
-  id_dtype = expert_id_dtype(mcfg.n_experts)
-
-  def batch_for(rows: int, with_logp_old: bool):
-    def arr(shape, dtype):
-      return _sds(jax.ShapeDtypeStruct(shape, dtype), sh.batch_sharding(mesh, len(shape)))
-    f = dict(prompt_len=p, tokens_BS=arr((rows, s), jnp.int32), positions_BS=arr((rows, s), jnp.int32),
-             valid_BS=arr((rows, s), jnp.bool_), response_BT=arr((rows, t), jnp.int32),
-             response_mask_BT=arr((rows, t), jnp.bool_), logq_BT=arr((rows, t), jnp.float32),
-             adv_B=arr((rows,), jnp.float32))
-    if with_logp_old:
-      f["logp_old_BT"] = arr((rows, t), jnp.float32)
-      if rl.routing_replay != "none":
-        f["replay_ids_BSLK"] = arr((rows, s, mcfg.n_moe_layers, mcfg.n_experts_per_tok), id_dtype)
-        f["replay_mask_BS"] = arr((rows, s), jnp.bool_)
-    if scfg.record_topk:   # the trainer passes the sampler's top-k whenever it was recorded
-      f["topk_ids_BTK"] = arr((rows, t, scfg.record_topk), jnp.int32)
-      f["topk_logq_BTK"] = arr((rows, t, scfg.record_topk), jnp.float32)
-    if job.loss.kept_set_mask:  # the sampler's kept sets (loss.sampling_mask='kept_set')
-      f["trunc_thresh_BT"] = arr((rows, t), jnp.float32)
-      f["trunc_covered_BT"] = arr((rows, t), jnp.bool_)
-    return step_lib.TrainBatch(**f), arr
-
-  batch, arr = batch_for(b_global, with_logp_old=False)
-  sampler_ids = sampler_valid = None
-  if mcfg.is_moe and scfg.record_experts:
-    sampler_ids = arr((b_global, s, mcfg.n_moe_layers, mcfg.n_experts_per_tok), id_dtype)
-    sampler_valid = arr((b_global, s), jnp.bool_)
+  # The train batch: `jax.eval_shape` of the trainer's own assembly (`StepPrograms.batch_shapes`)
+  # over the rollout the sampler's generate returns, laid out like the rollout (rows over the batch
+  # axes); the sampler's expert ids (compact: uint8 up to 256 experts) ride along.
+  if not {"old_forward", "update", "first_order"} & set(programs):
+    return [q for q in plans if q.name in programs]
+  batch_args = step_args(progs, params, sampler_state, mesh)
+  batch, sampler_ids, sampler_valid = batch_args["old_forward"]
   old = ProgramPlan("old_forward", args={"params": n_params,
                                          "batch": device_bytes((batch, sampler_ids, sampler_valid))},
                     resident={"optimizer state": n_opt, **({"sampler weights": n_sampler} if n_sampler else {}),
                               **trainer_extra})
   if "old_forward" in programs:
-    compile_program(old, progs.old_forward.lower(params, batch, sampler_ids, sampler_valid))
+    compile_program(old, progs.lower_old_forward(params, batch, sampler_ids, sampler_valid))
     old.flops_model = 2 * mm * b_dev * s + attn_flops(mcfg, b_dev * s, s / 2)
     old.comm_model = dispatch_comm(job, mesh, b_dev * s)
     plans.append(old)
 
   rows = b_global // rl.n_minibatches
-  full, _ = batch_for(b_global, with_logp_old=True)
-  mb, _ = batch_for(rows, with_logp_old=True)
+  full, (mb,) = batch_args["prepared"], batch_args["update"]
   n_mb, n_full = device_bytes(mb), device_bytes(full)
   fwd_flops = 2 * mm * (rows / div) * s + attn_flops(mcfg, (rows / div) * s, s / 2)
   # Forward-equivalents of each program (a backward pass ~ 2 forwards): the update is one forward and
   # one backward, the meter one forward and two pullbacks; remat adds a forward per backward.
   passes = {"update": (3, 4), "first_order": (5, 7)}
-  for name, fn in (("update", progs.update), ("first_order", progs.first_order)):
+  for name in ("update", "first_order"):
     if name not in programs:
       continue
     args = {"params": n_params, "batch": n_mb}
@@ -459,10 +431,10 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
                 **({"rest of the global batch": n_full - n_mb} if n_full > n_mb else {})}
     if name == "update":
       args["optimizer state"] = n_opt
-      lowered = fn.lower(params, opt_state, mb)
+      lowered = progs.lower_update(params, opt_state, mb)
     else:   # the meter reads the params before the update: the optimizer state stays resident
       resident["optimizer state"] = n_opt
-      lowered = fn.lower(params, mb)
+      lowered = progs.lower_first_order(params, mb)
     q = ProgramPlan(name, args=args, resident=resident)
     compile_program(q, lowered)
     q.flops_model = fwd_flops * passes[name][1 if mcfg.remat else 0]
@@ -471,6 +443,35 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
     q.comm_model = dispatch_comm(job, mesh, (rows / div) * s) * (1 + n_bwd * (2 if mcfg.remat else 1))
     plans.append(q)
   return [q for q in plans if q.name in programs]
+
+
+def prompt_args(rows: int, prompt_len: int, mesh):
+  """Abstract (prompts_BP, valid_BP, key) of a `generate` over `rows` prompts, rows over the batch axes."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from rl_jax import sharding as sh  # pylint: disable=g-import-not-at-top
+  prompts = _sds(jax.ShapeDtypeStruct((rows, prompt_len), jnp.int32), sh.batch_sharding(mesh, 2))
+  pvalid = _sds(jax.ShapeDtypeStruct((rows, prompt_len), jnp.bool_), sh.batch_sharding(mesh, 2))
+  return prompts, pvalid, _sds(jax.eval_shape(lambda: jax.random.key(0)), sh.replicated(mesh))
+
+
+def step_args(progs, params, sampler_state, mesh) -> dict:
+  """The abstract batch arguments of the trainer's programs, derived (not built): the rollout is
+  `jax.eval_shape` of the sampler's generate over the step's prompts, the batches are
+  `StepPrograms.batch_shapes` of it (the trainer's own `train_batch`, `prepare`, `minibatches`).
+  'old_forward': (batch, sampler expert ids, their valid mask); 'prepared': the step's batch;
+  'update' / 'first_order': (mini-batch,). Every array is laid out like the rollout's rows."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from rl_jax import sharding as sh  # pylint: disable=g-import-not-at-top
+  rl, scfg = progs.job.rl, progs.job.sampler
+  rows = rl.prompts_per_step * rl.group_size
+  ro = progs.rollout_shapes(sampler_state, *prompt_args(rows, scfg.max_prompt_len, mesh))
+  shapes = progs.batch_shapes(params, ro, jax.ShapeDtypeStruct((rows,), jnp.float32))
+  rows_sharded = lambda tree: jax.tree.map(lambda x: _sds(x, sh.batch_sharding(mesh, x.ndim)), tree)
+  old = rows_sharded((shapes["old_forward"], ro.expert_ids_BSLK, ro.expert_valid_BS))
+  mb = rows_sharded(shapes["minibatch"])
+  return {"old_forward": old, "prepared": rows_sharded(shapes["prepared"]), "update": (mb,), "first_order": (mb,)}
 
 
 def _lowered_out(fn, *args):
@@ -572,8 +573,7 @@ def _target_attention(call: dict, choice: str, platform: str, invariant: bool) -
     return attn.auto_impl(platform, dtype, call["b"], call["s"], call["c"], call["heads"], call["head_dim"],
                           **offsets, capability=(9, 0))
   if choice == "cudnn":
-    reason = attn._cudnn_reason(dtype, call["head_dim"], call["static_zero_offset"],  # pylint: disable=protected-access
-                                call["causal"], (9, 0))
+    reason = attn.cudnn_reason(dtype, call["head_dim"], call["static_zero_offset"], call["causal"], (9, 0))
     ok = platform == "gpu" and reason is None
     return "cudnn" if ok else "blocked"
   if choice == "splash":
@@ -634,6 +634,7 @@ def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=No
   if split:
     # Async on split devices: the sampler's programs on its group, the trainer's on the rest.
     mesh, sampler_mesh = sh.split_meshes(job.mesh, _first_devices(mesh_size(config.mesh, devices)))
+    job.check_mesh(mesh, sampler_mesh)
     groups = [(sampler_mesh, tuple(p for p in programs if p in SAMPLER_PROGRAMS)),
               (mesh, tuple(p for p in programs if p not in SAMPLER_PROGRAMS))]
   else:

@@ -55,7 +55,7 @@ def sections() -> dict[str, type]:
           "logging": LoggingConfig, "sft": SFTConfig}
 
 
-# How many steps' batches `check_max_len` tokenizes before any compute.
+# How many steps' batches `SFTJob.check_data` tokenizes before any compute.
 MAX_LEN_CHECK_STEPS = 64
 
 
@@ -79,6 +79,24 @@ class SFTJob:
                optim=ex.section(config, "optim", OptimConfig),
                sft=ex.section(config, "sft", SFTConfig),
                logging=ex.section(config, "logging", LoggingConfig))
+
+  # The job's cross-field checks, each run once before any compute (`validate`): against the
+  # devices' mesh and against the tokenized task.
+
+  def check_mesh(self, mesh) -> None:
+    """The batch splits over the mesh's batch axes."""
+    ex.check_batch(self.sft.batch_size, "sft.batch_size", mesh)
+
+  def check_data(self, task, tok) -> None:
+    """`sft.max_len` fits the sequences of the first steps' batches (host-side tokenization only)."""
+    s = self.sft
+    problems = task.make_problems(self.seed, "train", 0, min(s.steps, MAX_LEN_CHECK_STEPS) * s.batch_size)
+    seq = lambda p: len(data_lib.prompt_ids(task, tok, p)) + len(tok.encode(task.completion(p)))
+    longest = max(problems, key=seq)
+    # prompt + completion + eos is max_len + 1 tokens at most (inputs and targets overlap by all but one).
+    require(seq(longest) <= s.max_len, "sft.max_len",
+            f"{s.max_len} is too short for a training sequence of {seq(longest)} tokens (prompt + "
+            f"completion; {task.prompt(longest)!r}); set it to at least {seq(longest)}")
 
 
 def nll_loss(graphdef, params, batch, aux_coef: float):
@@ -120,27 +138,15 @@ def evaluate(job_task, tok, graphdef, params, seed: int, n: int, max_new: int, b
   return float(np.mean(rewards))
 
 
-def check_max_len(job: SFTJob, task, tok) -> None:
-  """`sft.max_len` fits the sequences of the first steps' batches (host-side tokenization only)."""
-  s = job.sft
-  problems = task.make_problems(job.seed, "train", 0, min(s.steps, MAX_LEN_CHECK_STEPS) * s.batch_size)
-  seq = lambda p: len(data_lib.prompt_ids(task, tok, p)) + len(tok.encode(task.completion(p)))
-  longest = max(problems, key=seq)
-  # prompt + completion + eos is max_len + 1 tokens at most (inputs and targets overlap by all but one).
-  require(seq(longest) <= s.max_len, "sft.max_len",
-          f"{s.max_len} is too short for a training sequence of {seq(longest)} tokens (prompt + "
-          f"completion; {task.prompt(longest)!r}); set it to at least {seq(longest)}")
-
-
 def validate(config: Any):
   """(job, mesh, task, tok): every config check of the SFT job, before any compute."""
   job = SFTJob.from_config(config)
   mesh = sh.make_mesh(job.mesh)
-  ex.check_batch(job.sft.batch_size, "sft.batch_size", mesh)
+  job.check_mesh(mesh)
   task = ex.make_task(job.task)
   tok = ex.make_tokenizer(task, job.model)
   ex.bind_task(task, tok, job.sft.max_len)
-  check_max_len(job, task, tok)
+  job.check_data(task, tok)
   return job, mesh, task, tok
 
 

@@ -113,14 +113,14 @@ def test_busy_fractions_of_the_async_loop(uninterrupted):
 
 def _preempted_in_step_1(config, workdir, monkeypatch) -> preempt.Preempted:
   """Runs `config` with a SIGTERM delivered while step 1 trains; returns the Preempted it raised."""
-  real = trainer_lib.RLTrainer._train_on
+  real = trainer_lib.RLTrainer.train_on
 
   def signal_during_step_1(self, item, t0, t1):
     if item.step == 1:
       os.kill(os.getpid(), signal.SIGTERM)
     return real(self, item, t0, t1)
   with monkeypatch.context() as m:
-    m.setattr(trainer_lib.RLTrainer, "_train_on", signal_during_step_1)
+    m.setattr(trainer_lib.RLTrainer, "train_on", signal_during_step_1)
     with pytest.raises(preempt.Preempted) as err:
       trainer_lib.run(config, str(workdir))
   return err.value
@@ -158,12 +158,12 @@ def test_crash_in_any_phase_resumes_to_the_uninterrupted_params(tmp_path, uninte
   in flight and ends on the uninterrupted parameters, each step trained once."""
   workdir = tmp_path / phase
   cfg = _config(**{**ONE_OFF, "rl.checkpoint_every": 1})
-  target = {"generation": "rollout", "between_generate_and_update": "_train_on", "save": "save"}[phase]
+  target = {"generation": "rollout", "between_generate_and_update": "train_on", "save": "save"}[phase]
   real = getattr(trainer_lib.RLTrainer, target)
 
   def crash(self, *args):
     step = args[0].step if hasattr(args[0], "step") else args[0]
-    if step == {"rollout": 3, "_train_on": 2, "save": 3}[target]:
+    if step == {"rollout": 3, "train_on": 2, "save": 3}[target]:
       if phase == "save":  # killed mid-write: orbax's unfinalized directory holds a partial file
         tmp = self.ckpt.directory / f"{step}.orbax-checkpoint-tmp-0"
         tmp.mkdir(parents=True)
@@ -251,7 +251,7 @@ def dropped(tmp_path_factory):
   """The drop run, with what it trained (step, version, prompt rows) and every stale check."""
   workdir = tmp_path_factory.mktemp("dropped")
   trained, checks, stream = [], [], []
-  real_train, real_stale = trainer_lib.RLTrainer._train_on, inflight_lib.is_stale
+  real_train, real_stale = trainer_lib.RLTrainer.train_on, inflight_lib.is_stale
 
   def record_train(self, item, t0, t1):
     if not stream:  # the run's whole prompt stream, in order, each prompt once per group member
@@ -266,7 +266,7 @@ def dropped(tmp_path_factory):
     checks.append((lag, real_stale(lag, k)))
     return checks[-1][1]
   with pytest.MonkeyPatch.context() as m:
-    m.setattr(trainer_lib.RLTrainer, "_train_on", record_train)
+    m.setattr(trainer_lib.RLTrainer, "train_on", record_train)
     m.setattr(inflight_lib, "is_stale", record_stale)
     trainer_lib.run(_config(**DROP), str(workdir))
   return workdir, trained, checks, stream

@@ -43,7 +43,7 @@ def test_sampler_output_is_compact(n_experts, itemsize):
   graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
   toks, valid = _prompts()
   program = functools.partial(gen.generate_program, graphdef, cfg=SCFG,
-                              kv_spec=gen._resolve_kv_spec(None, SCFG), mesh=None)  # pylint: disable=protected-access
+                              kv_spec=gen.resolve_kv_spec(None, SCFG), mesh=None)
   ro = jax.eval_shape(program, state, jnp.asarray(toks), jnp.asarray(valid), jax.random.key(0))
   assert ro.expert_ids_BSLK.dtype == expert_id_dtype(n_experts)
   assert ro.expert_ids_BSLK.dtype.itemsize == itemsize

@@ -52,8 +52,6 @@ LOCAL_IMPORTS = {
     ("rl_jax.plan", "rl_jax.plan_hw"): "start-up: as above (planner)",
     ("rl_jax.plan", "rl_jax.optim"): "start-up: as above (planner; optax)",
     ("rl_jax.plan", "rl_jax.rl.programs"): "start-up: as above (planner)",
-    ("rl_jax.plan", "rl_jax.rl.step"): "start-up: as above (planner)",
-    ("rl_jax.plan", "rl_jax.rollout"): "start-up: as above (planner)",
     ("rl_jax.plan", "rl_jax.rl.job"): "start-up: as above (planner)",
     ("rl_jax.quant.ops", "rl_jax.models.grouped_matmul"):
         "debt: an upward arrow (quant -> models); removed by issue 40 item 2 (a kernels layer)",

@@ -133,15 +133,48 @@ def test_planner_compiles_both_moe_dispatches_in_the_mesh_context(dispatch, fast
     assert old.comm_xla > 0
 
 
+def _shapes(tree):
+  return jax.tree.structure(tree), [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]
+
+
+def _derived_step_arguments_lower_like_the_trainers(tr):
+  """`plan.step_args` (the planner's batch: `jax.eval_shape` over the trainer's own `StepPrograms`
+  methods) against the batch `tr` prepares from a real rollout: same structure, shapes and dtypes,
+  and the same lowered text of the p_old forward, the update and the first-order meter."""
+  progs = tr.programs
+  _, ro = tr.rollout(0)
+  rewards = jax.numpy.linspace(0.0, 1.0, ro.tokens_BS.shape[0])
+  batch, _ = tr.prepare(ro, rewards)
+  mb = next(tr.minibatches(batch))
+  real = {"old_forward": (progs.train_batch(ro, progs.advantages(rewards)), ro.expert_ids_BSLK, ro.expert_valid_BS),
+          "prepared": batch, "update": (mb,)}
+  sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+  params, opt_state = (jax.tree.map(sds, tr.state[k]) for k in ("params", "opt_state"))
+  with sh.mesh_context(tr.mesh):
+    derived = plan.step_args(progs, params, jax.tree.map(sds, tr.sampler_state), tr.mesh)
+    for name in real:
+      assert _shapes(derived[name]) == _shapes(real[name]), name
+    text = {side: {"old_forward": progs.lower_old_forward(params, *args["old_forward"]).as_text(),
+                   "update": progs.lower_update(params, opt_state, *args["update"]).as_text(),
+                   "first_order": progs.lower_first_order(params, *args["update"]).as_text()}
+            for side, args in (("trainer", real), ("planner", derived))}
+  for name, want in text["trainer"].items():
+    assert text["planner"][name] == want, name
+  return batch
+
+
 def test_planner_compiles_the_programs_the_trainer_runs(tmp_path, fast_compile):
   """The planner lowers the trainer's own programs (rl_jax/rl/programs.py) on the trainer's mesh:
   for the `:test` config the compiled p_old forward and update, lowered from abstract shapes, are
   the trainer's, lowered from its real arrays in the mesh context its loop runs them in (same
-  fingerprint of the compiled HLO)."""
+  fingerprint of the compiled HLO). Its batch is derived, not built: `plan.step_args` has the
+  trainer's structure, shapes and dtypes and lowers the p_old forward, the update and the meter
+  to the trainer's program text (`_derived_step_arguments_lower_like_the_trainers`)."""
   from rl_jax.rl.trainer import RLTrainer  # pylint: disable=g-import-not-at-top
   config = countdown_tiny.get_config("test")
   config.warm_start.source = "none"
   with RLTrainer(config, str(tmp_path / "run")) as tr:
+    _derived_step_arguments_lower_like_the_trainers(tr)
     _, ro = tr.rollout(0)
     batch, _ = tr.prepare(ro, jax.numpy.linspace(0.0, 1.0, ro.tokens_BS.shape[0]))
     sampler_ids = ro.expert_ids_BSLK if tr.job.model.is_moe else None
@@ -153,6 +186,21 @@ def test_planner_compiles_the_programs_the_trainer_runs(tmp_path, fast_compile):
     want = {k: plan.fingerprint(v.compile()) for k, v in lowered.items()}
     plans = plan.plan_step(tr.job, tr.mesh, programs=("old_forward", "update"))
   assert {p.name: p.fingerprint for p in plans} == want
+
+
+@pytest.mark.slow  # ~10 s; the default case (no replay) is in the test above
+def test_planner_derives_the_trainers_step_arguments_under_r2(tmp_path, fast_compile):
+  """R2: the prepared batch carries theta_old's own expert ids (in the p_old forward's dtype), derived
+  by the planner through the same `StepPrograms.prepare` (`with_replay`). One mini-batch: the
+  trainer's eager row slice of a batch-sharded array into mini-batches comes out replicated, which
+  the planner's batch-sharded mini-batch is not (docs/architecture.md, the planner)."""
+  from rl_jax.rl.trainer import RLTrainer  # pylint: disable=g-import-not-at-top
+  config = countdown_tiny.get_config("test")
+  config.warm_start.source = "none"
+  config.rl.routing_replay = "R2"
+  with RLTrainer(config, str(tmp_path / "run")) as tr:
+    batch = _derived_step_arguments_lower_like_the_trainers(tr)
+  assert batch.replay_ids_BSLK is not None
 
 
 def test_async_split_plans_each_group_on_its_own_devices(fast_compile):

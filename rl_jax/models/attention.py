@@ -108,7 +108,7 @@ def auto_impl(backend: str, dtype, b: int, s: int, c: int, heads: int, head_dim:
   `capability`: the GPU's compute capability (cuDNN's head-dim limit). The measured basis is in
   the comments above (_AUTO_BLOCKED_MIN_SC, _AUTO_MAX_SCORE_BYTES).
   """
-  if backend == "gpu" and _cudnn_reason(jnp.dtype(dtype), head_dim, static_zero_offset, causal, capability) is None:
+  if backend == "gpu" and cudnn_reason(jnp.dtype(dtype), head_dim, static_zero_offset, causal, capability) is None:
     return "cudnn"
   if backend == "tpu" and (static_offset or not causal):
     return "splash"
@@ -481,8 +481,8 @@ def _blocked_attention(q_BSGRD, k, v, kv_valid_BC, q_offset, causal, kv_layout, 
 # ---------------------------------------------------------------------------------------------
 # cudnn
 
-def _cudnn_reason(dtype, head_dim: int, static_zero_offset: bool, causal: bool,
-                  capability: tuple[int, int]) -> str | None:
+def cudnn_reason(dtype, head_dim: int, static_zero_offset: bool, causal: bool,
+                 capability: tuple[int, int]) -> str | None:
   """Why cuDNN attention cannot take q / k / v of `dtype` (one dtype for all three) on a GPU."""
   if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"cuDNN flash attention takes bf16 / fp16 q, k, v of one dtype (got {dtype})"
@@ -503,7 +503,7 @@ def _cudnn_unsupported(q_BSGRD, k, v, kv_valid_BC, q_offset, causal, kv_layout) 
   dtypes = {jnp.dtype(x.dtype) for x in (q_BSGRD, k, v)}
   if len(dtypes) != 1:
     return f"cuDNN flash attention takes bf16 / fp16 q, k, v of one dtype (got {q_BSGRD.dtype}, {k.dtype}, {v.dtype})"
-  return _cudnn_reason(dtypes.pop(), q_BSGRD.shape[-1], _is_static_zero(q_offset), causal, _capability())
+  return cudnn_reason(dtypes.pop(), q_BSGRD.shape[-1], _is_static_zero(q_offset), causal, _capability())
 
 
 def _contiguous_runs(valid_BC):

@@ -4,19 +4,30 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rl_jax import data as data_lib
 from rl_jax import experiment as ex
+from rl_jax import microbatch
 from rl_jax import sharding as sh
 from rl_jax import sft as sft_lib
-from rl_jax.config_utils import flat_defaults, from_dict, require
+from rl_jax import workdir as wd
+from rl_jax.config_utils import ConfigError, flat_defaults, from_dict, require
 from rl_jax.metrics import LoggingConfig
-from rl_jax.models import ModelConfig
+from rl_jax.models import ModelConfig, families
 from rl_jax.optim import OptimConfig
+from rl_jax.quant import kv as qkv
+from rl_jax.quant.params import quantize_params
 from rl_jax.rl.loss.loss_config import AdvantageConfig, LossConfig
-from rl_jax.sampler.checks import check_sampler_fits
+# Routing replay's one type (its values are the config's `rl.routing_replay`).
+from rl_jax.rl.step import Replay
 from rl_jax.sampler.config import SamplerConfig, sampler_config
 
-Replay = Literal["none", "R2", "R3"]
 Mode = Literal["sync", "async"]
+# How many steps' train prompts `RLJob.check_data` tokenizes before any compute (the whole eval set too).
+PROMPT_CHECK_STEPS = 64
 POldVersion = Literal["latest", "rollout"]
 StalePolicy = Literal["wait", "drop"]
 
@@ -191,9 +202,16 @@ class RLJob:
     out means when a run resumes: `RunDir.open(defaults=...)`)."""
     return flat_defaults(sections())
 
+  # Every cross-field check of an RL job is a method below, each run once before any compute: `check`
+  # (the config alone, by `from_config`), `check_mesh` (against the devices' meshes: the trainer and
+  # the planner), `check_start` (the warm start's path: the command line's) and `check_data` (against
+  # the tokenizer and the task's prompts). Shape asserts inside jitted programs stay with them.
+
   def check(self) -> None:
     """Cross-section combinations that cannot work fail here, before any compute."""
     s, l = self.sampler, self.loss
+    require(self.mesh.sampler_devices == 0 or self.rl.mode == "async", "mesh.sampler_devices",
+            f"{self.mesh.sampler_devices} needs rl.mode='async' (the sync loop runs both on every device)")
     require(abs(s.temperature - l.temperature) < 1e-12, "loss.temperature",
             f"{l.temperature} differs from sampler.temperature={s.temperature}: the trainer must "
             "score tokens at the sampler's temperature (docs/math.md#log-prob-conventions)")
@@ -218,6 +236,81 @@ class RLJob:
     require(self.rl.group_size >= 2 or self.advantage.mode not in GROUP_RELATIVE, "rl.group_size",
             f"1 with advantage.mode={self.advantage.mode!r}: a group of one has zero advantage "
             "everywhere (nothing to learn); use group_size >= 2 or advantage.mode='raw'")
+
+  def check_mesh(self, mesh, sampler_mesh=None) -> None:
+    """The batches split over the meshes' batch axes: the trainer's `mesh` (its mini-batches, the
+    evaluation, the attributed rows, the micro-batches) and the sampler's (`sampler_mesh`, default
+    `mesh`: the step's rollouts)."""
+    rl = self.rl
+    b, g, n = rl.prompts_per_step, rl.group_size, rl.n_minibatches
+    div = sh.batch_divisor(mesh)
+    if (b // n) * g % div:
+      raise ConfigError(f"config key 'rl.prompts_per_step': mini-batches of {(b // n) * g} "
+                        f"responses do not split over the mesh's batch axes ({div})")
+    sampler_div = sh.batch_divisor(mesh if sampler_mesh is None else sampler_mesh)
+    if b * g % sampler_div:
+      raise ConfigError(f"config key 'rl.prompts_per_step': {b * g} responses do not split over the "
+                        f"sampler mesh's batch axes ({sampler_div})")
+    ex.check_batch(rl.eval_size, "rl.eval_size", mesh)
+    if rl.attribution_every:
+      ex.check_batch(rl.attribution_rows, "rl.attribution_rows", mesh)
+    self.microbatch_counts(mesh)
+
+  def microbatch_counts(self, mesh) -> tuple[int, int]:
+    """(p_old forward, update) micro-batch counts of `rl.forward_microbatch` (rows of the whole global
+    batch per forward) and `rl.update_microbatch` (rows of each mini-batch per accumulation step);
+    a ConfigError names a split that does not divide the rows or the mesh's batch axes."""
+    rl = self.rl
+    rows = rl.prompts_per_step * rl.group_size
+    div = sh.batch_divisor(mesh)
+    return (microbatch.count(rows, rl.forward_microbatch, "rl.forward_microbatch", div),
+            microbatch.count(rows // rl.n_minibatches, rl.update_microbatch, "rl.update_microbatch", div))
+
+  def check_start(self) -> None:
+    """The warm start's source exists (read-only: nothing is created). Not part of `check`: configs
+    ship with the path left for the command line."""
+    ws = self.warm_start
+    require(ws.source not in ("hf", "sft") or bool(ws.path), "warm_start.path",
+            f"empty: warm_start.source={ws.source!r} needs the checkpoint directory "
+            "to start from (--config.warm_start.path=...)")
+    if ws.source == "hf":
+      root = wd.as_path(ws.path, "warm_start.path")
+      if not (root / "config.json").exists():
+        raise ConfigError(f"config key 'warm_start.path': {root} has no config.json (a typo?)")
+    elif ws.source == "sft":
+      root = wd.as_path(ws.path, "warm_start.path")
+      if not wd.has_checkpoint(root):
+        raise ConfigError(f"config key 'warm_start.path': no SFT checkpoint in {root} (a typo? "
+                          "warm_start.source='auto' makes one)")
+
+  def check_data(self, task, tok) -> None:
+    """The sampler's special tokens are the tokenizer's, and every prompt the run will see fits
+    `sampler.max_prompt_len` (the train prompts of the first steps and the whole eval set:
+    host-side tokenization only, no compute)."""
+    s, rl = self.sampler, self.rl
+    for key, want in (("eos_id", tok.eos_id), ("pad_id", tok.pad_id)):
+      require(getattr(s, key) == want, f"sampler.{key}",
+              f"{getattr(s, key)} differs from the tokenizer's {key} {want}")
+    count = min(rl.steps, PROMPT_CHECK_STEPS) * rl.prompts_per_step
+    for split, n in (("train", count), ("eval", rl.eval_size)):
+      problems = task.make_problems(self.seed, split, 0, n)
+      longest = max(problems, key=lambda p: len(data_lib.prompt_ids(task, tok, p)))
+      length = len(data_lib.prompt_ids(task, tok, longest))
+      require(length <= s.max_prompt_len, "sampler.max_prompt_len",
+              f"{s.max_prompt_len} is shorter than a {split} prompt of {length} tokens "
+              f"({task.prompt(longest)!r}); set it to at least {length}")
+
+
+def check_sampler_fits(model_cfg: ModelConfig, s: SamplerConfig) -> None:
+  """Quantization block sizes must divide the model's shapes: checked abstractly (no memory)."""
+  _, state = nnx.split(families.abstract_model(model_cfg))
+  jax.eval_shape(lambda p: quantize_params(p, s.quant), nnx.to_pure_dict(state))
+  if s.quant.kv.format not in ("fp32", "bf16"):
+    block = s.quant.kv.block_size if s.quant.kv.granularity == "block" else None
+    require(block is None or model_cfg.head_dim % block == 0, "sampler.quant.kv.block_size",
+            f"{block} does not divide model.head_dim={model_cfg.head_dim}")
+    slab = jax.ShapeDtypeStruct((1, 1, model_cfg.n_kv_heads, model_cfg.head_dim), jnp.float32)
+    jax.eval_shape(lambda x: qkv.kv_quantize(x, s.quant.kv), slab)
 
 
 def sections() -> dict[str, type]:

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rl_jax import microbatch
 from rl_jax import rollout as rollout_lib
 from rl_jax import sharding as sh
 from rl_jax.logprobs import gather_logprobs
@@ -35,9 +34,12 @@ class StepPrograms:
 
   `old_forward(params, batch, sampler_ids, sampler_valid)`, `update(params, opt_state, mb)`
   (donates both), `first_order(params, mb)`, `probe(params, mb, sampler_ids, sampler_valid)` and
-  `advantages(rewards)` are `jax.jit`s: call them, or `.lower(...)` them with abstract
-  arguments (rl_jax.plan). `job` is None for `build_local`'s programs, which leave out what
-  their arguments do not define (None fields).
+  `advantages(rewards)` are `jax.jit`s: call them, or lower them with abstract arguments through
+  the `lower_*` methods (rl_jax.plan). The step's host side is here too, so the trainer, the
+  planner and the notebooks assemble one batch: `train_batch`, `forward_old`, `prepare` (p_old
+  and the routing-replay choice), `minibatches`, and their abstract twins `batch_shapes`.
+  `job` is None for `build_local`'s programs, which leave out what their arguments do not define
+  (None fields).
   """
   job: Any
   mesh: Any
@@ -62,8 +64,9 @@ class StepPrograms:
   sampler_cfg: SamplerConfig | None = None
   quant_plan: Any = None
   loss_cfg: LossConfig | None = None
-  replay: str = "none"
+  replay: step_lib.Replay = "none"
   probe: Any = None
+  n_minibatches: int = 1
 
   # -- the sampler -------------------------------------------------------------------------
 
@@ -73,8 +76,8 @@ class StepPrograms:
                                         self.quant_plan)
 
   def lower_sync(self, params, delta):
-    return sampler_weights._sync.lower(params, delta, qcfg=self.sampler_cfg.quant,  # pylint: disable=protected-access
-                                       dtype=self.sampler_cfg.dtype, plan=self.quant_plan)
+    """`sync`'s program lowered for these (possibly abstract) arguments."""
+    return sampler_weights.lower_sync(params, delta, self.sampler_cfg.quant, self.sampler_cfg.dtype, self.quant_plan)
 
   def clean_weights(self, params):
     """The float32 evaluation weights (no noise, no quantization)."""
@@ -99,17 +102,14 @@ class StepPrograms:
     return gen.generate(graphdef, state, prompts_BP, valid_BP, key, cfg, mesh=self._generate_mesh(kind))
 
   def lower_generate(self, state, prompts_BP, valid_BP, key, kind: str = "rollout"):
+    """`generate`'s program of `kind` lowered for these (possibly abstract) arguments."""
     graphdef, cfg = self._generate_args(kind)
-    kv_spec = gen._resolve_kv_spec(None, cfg)  # pylint: disable=protected-access
-    return gen._generate.lower(graphdef, state, prompts_BP, valid_BP, key, cfg=cfg,  # pylint: disable=protected-access
-                               kv_spec=kv_spec, mesh=self._generate_mesh(kind))
+    return gen.lower_generate(graphdef, state, prompts_BP, valid_BP, key, cfg, mesh=self._generate_mesh(kind))
 
   def rollout_shapes(self, state, prompts_BP, valid_BP, key):
     """The abstract Rollout of a rollout `generate` (shapes and dtypes; nothing runs)."""
     graphdef, cfg = self._generate_args("rollout")
-    kv_spec = gen._resolve_kv_spec(None, cfg)  # pylint: disable=protected-access
-    return jax.eval_shape(functools.partial(gen._generate, graphdef, cfg=cfg, kv_spec=kv_spec,  # pylint: disable=protected-access
-                                            mesh=self.sampler_mesh), state, prompts_BP, valid_BP, key)
+    return gen.rollout_shapes(graphdef, state, prompts_BP, valid_BP, key, cfg, mesh=self.sampler_mesh)
 
   # -- the trainer -------------------------------------------------------------------------
 
@@ -119,20 +119,55 @@ class StepPrograms:
     `loss.sampling_mask='kept_set'`."""
     return step_lib.TrainBatch.from_rollout(ro, adv_B, with_topk=True, truncated=self.loss_cfg.kept_set_mask)
 
+  def forward_old(self, params, ro: rollout_lib.Rollout, adv_B):
+    """The p_old forward of `ro`'s batch at `params`: (log p_old, theta_old's own experts, the
+    mismatch metrics); the sampler's expert ids ride along (R3, routing agreement)."""
+    return self.old_forward(params, self.train_batch(ro, adv_B), ro.expert_ids_BSLK, ro.expert_valid_BS)
+
+  def lower_old_forward(self, params, batch: step_lib.TrainBatch, sampler_ids_BSLK, sampler_valid_BS):
+    """`old_forward` lowered for these (possibly abstract) arguments."""
+    return self.old_forward.lower(params, batch, sampler_ids_BSLK, sampler_valid_BS)
+
   def prepare(self, params, ro: rollout_lib.Rollout, adv_B, old=None) -> tuple[step_lib.TrainBatch, dict]:
-    """The TrainBatch of a global step (`train_batch`) with p_old from `old_forward` at `params` (or
-    `old`, its outputs computed earlier) and the replay routes (R2: theta_old's own experts, R3:
-    the sampler's), and the p_old forward's metrics: what `RLTrainer.prepare` builds."""
-    batch = self.train_batch(ro, adv_B)
+    """The TrainBatch of a global step (`train_batch`) with p_old from `forward_old` at `params` (or
+    `old`, its outputs computed earlier) and the routing replay's routes (`with_replay`), and the
+    p_old forward's metrics: the batch every update of the step trains on."""
     if old is None:
-      old = self.old_forward(params, batch, ro.expert_ids_BSLK, ro.expert_valid_BS)
+      old = self.forward_old(params, ro, adv_B)
     logp_old, own_ids, m = old
-    batch = batch.replace(logp_old_BT=logp_old)
+    return self.with_replay(self.train_batch(ro, adv_B).replace(logp_old_BT=logp_old), ro, own_ids), m
+
+  def with_replay(self, batch: step_lib.TrainBatch, ro: rollout_lib.Rollout, own_ids_BSLK) -> step_lib.TrainBatch:
+    """The routing replay's choice (`rl.routing_replay`), in this one place: R2 replays theta_old's
+    own experts (`own_ids_BSLK`, from the p_old forward), R3 the sampler's (`ro`), 'none' neither."""
     if self.replay == "R2":
-      batch = batch.replace(replay_ids_BSLK=own_ids, replay_mask_BS=batch.valid_BS)
-    elif self.replay == "R3":
-      batch = batch.replace(replay_ids_BSLK=ro.expert_ids_BSLK, replay_mask_BS=ro.expert_valid_BS)
-    return batch, m
+      return batch.replace(replay_ids_BSLK=own_ids_BSLK, replay_mask_BS=batch.valid_BS)
+    if self.replay == "R3":
+      return batch.replace(replay_ids_BSLK=ro.expert_ids_BSLK, replay_mask_BS=ro.expert_valid_BS)
+    return batch
+
+  def minibatches(self, batch: step_lib.TrainBatch):
+    """The `rl.n_minibatches` group-aligned mini-batches of a global step's batch, in update order."""
+    rows = batch.rows // self.n_minibatches
+    for i in range(self.n_minibatches):
+      yield batch.slice_rows(i * rows, (i + 1) * rows)
+
+  def batch_shapes(self, params, ro: rollout_lib.Rollout, adv_B) -> dict:
+    """The abstract arguments of the trainer's programs for an (abstract) rollout, by `jax.eval_shape`
+    over the same methods the trainer calls (nothing runs): 'old_forward' the p_old forward's batch
+    (`train_batch`), 'prepared' the step's batch (`prepare`), 'minibatch' the first of its
+    `minibatches`."""
+    old = jax.eval_shape(self.train_batch, ro, adv_B)
+    full = jax.eval_shape(lambda p, r, a: self.prepare(p, r, a)[0], params, ro, adv_B)
+    return {"old_forward": old, "prepared": full, "minibatch": jax.eval_shape(lambda b: next(self.minibatches(b)), full)}
+
+  def lower_update(self, params, opt_state, mb: step_lib.TrainBatch):
+    """`update` lowered for these (possibly abstract) arguments."""
+    return self.update.lower(params, opt_state, mb)
+
+  def lower_first_order(self, params, mb: step_lib.TrainBatch):
+    """`first_order` lowered for these (possibly abstract) arguments."""
+    return self.first_order.lower(params, mb)
 
 
 def routing_agreement_per_layer(trainer_ids_BSLK: jax.Array, sampler_ids_BSLK: jax.Array,
@@ -168,18 +203,7 @@ def eval_configs(sampler: SamplerConfig, eval_temperature: float,
   return greedy, dataclasses.replace(greedy, greedy=False, temperature=eval_temperature)
 
 
-def microbatch_counts(job, mesh) -> tuple[int, int]:
-  """(p_old forward, update) micro-batch counts of `rl.forward_microbatch` (rows of the whole global
-  batch per forward) and `rl.update_microbatch` (rows of each mini-batch per accumulation step);
-  a ConfigError names a split that does not divide the rows or the mesh's batch axes."""
-  rl = job.rl
-  rows = rl.prompts_per_step * rl.group_size
-  div = sh.batch_divisor(mesh)
-  return (microbatch.count(rows, rl.forward_microbatch, "rl.forward_microbatch", div),
-          microbatch.count(rows // rl.n_minibatches, rl.update_microbatch, "rl.update_microbatch", div))
-
-
-def _step_programs(graphdef: nnx.GraphDef, loss: LossConfig, replay: str, mesh, *, fwd_n: int = 1,
+def _step_programs(graphdef: nnx.GraphDef, loss: LossConfig, replay: step_lib.Replay, mesh, *, fwd_n: int = 1,
                    upd_n: int = 1, optimizer=None, aux_coef: float = 0.0, param_shardings=None,
                    opt_shardings=None) -> dict:
   """The trainer-side programs of `graphdef` under `loss` (`build` and `build_local` both take them
@@ -204,7 +228,7 @@ def build(job, mesh, graphdef: nnx.GraphDef, param_shardings, opt_shardings, opt
   """Every program of `job`'s RL step on `mesh` (the shardings are the params' and optimizer state's);
   rollouts are generated on `sampler_mesh` (default: `mesh`)."""
   rl = job.rl
-  fwd_n, upd_n = microbatch_counts(job, mesh)
+  fwd_n, upd_n = job.microbatch_counts(mesh)
   greedy, sampled = eval_configs(job.sampler, rl.eval_temperature, rl.eval_rows_in_flight)
   attribution, variants = None, ()
   if rl.attribution_every:
@@ -227,11 +251,11 @@ def build(job, mesh, graphdef: nnx.GraphDef, param_shardings, opt_shardings, opt
                          out_shardings=sh.batch_sharding(mesh, 1)),
       attribution=attribution, attribution_variants=variants,
       sampler_cfg=job.sampler, quant_plan=sampler_weights.quant_plan(job.model), loss_cfg=job.loss,
-      replay=rl.routing_replay)
+      replay=rl.routing_replay, n_minibatches=rl.n_minibatches)
 
 
 def build_local(graphdef: nnx.GraphDef | None = None, loss: LossConfig | None = None, *, model=None,
-                sampler: SamplerConfig | None = None, replay: str = "none", optimizer=None,
+                sampler: SamplerConfig | None = None, replay: step_lib.Replay = "none", optimizer=None,
                 aux_coef: float = 0.0) -> StepPrograms:
   """`build`'s programs without a job, on a one-device mesh (notebooks: `rl_jax.explore`).
 

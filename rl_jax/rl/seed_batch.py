@@ -39,7 +39,7 @@ def vmapped(programs) -> dict[str, Any]:
   (no leaf is shared), the mesh is not used: one device holds every seed.
   """
   job = programs.job
-  kv_spec = gen._resolve_kv_spec(None, job.sampler)  # pylint: disable=protected-access
+  kv_spec = gen.resolve_kv_spec(None, job.sampler)
   generate = functools.partial(gen.generate_program, programs.sampler_graphdef, cfg=job.sampler,
                                kv_spec=kv_spec, mesh=None)
   cfg = dict(graphdef=programs.graphdef, loss_cfg=job.loss)

@@ -23,6 +23,8 @@ from rl_jax.rl.loss.loss_config import LossConfig
 from rl_jax.rl.loss.loss_diagnostics import finalize_stats, reduce_stacked
 from rl_jax.rl.loss.losses import kept_set_args, normalizer, rl_loss, rl_loss_from_hidden
 
+# Routing replay (docs/math.md#routing-replay): 'none', 'R2' (theta_old's own experts), 'R3' (the
+# sampler's); the one type of `rl.routing_replay` (rl/job.py) and of the programs' `replay`.
 Replay = Literal["none", "R2", "R3"]
 # Keyword arguments of the step functions that are configuration (static under jit).
 STATIC = ("graphdef", "loss_cfg", "aux_coef", "optimizer", "replay", "microbatches")

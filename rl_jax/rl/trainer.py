@@ -1,9 +1,8 @@
-"""RL job loop: sample, score, p_old forward, N updates, sync (or the async pipeline); pieces in job/step/evaluate."""
+"""RL job scheduler: the run's state and step pieces over `StepPrograms`; the sync / async steps in drive_sync / drive_async."""
 from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import time
 from typing import Any
 
@@ -12,43 +11,39 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
-from rl_jax import artifacts
 from rl_jax import data as data_lib
 from rl_jax import experiment as ex
 from rl_jax import preempt
 from rl_jax import rollout as rollout_lib
 from rl_jax import sharding as sh
 from rl_jax.checkpoint import Checkpointer
-from rl_jax.config_utils import ConfigError, require
 from rl_jax import workdir as wd
 from rl_jax.metrics import MetricsWriter, read_metrics, resolve_wandb_mode
 from rl_jax.optim import make_optimizer
-from rl_jax.rl import mismatch_attribution as attribution_lib
+from rl_jax.rl import drive_async
+from rl_jax.rl import drive_sync
 from rl_jax.rl import evaluate as evaluate_lib
 from rl_jax.rl import inflight as inflight_lib
+from rl_jax.rl import mismatch_attribution as attribution_lib
 from rl_jax.rl import programs as programs_lib
-from rl_jax.rl import plots
+from rl_jax.rl import resume
 from rl_jax.rl import source_metrics
+from rl_jax.rl import summary as summary_lib
 # The schema lives in job.py; re-exported so `trainer.RLJob` & co. keep resolving.
 from rl_jax.rl.job import RLConfig, RLJob, WarmStartConfig  # noqa: F401
 from rl_jax.rl.step import TrainBatch
-from rl_jax.rl.warm_start import check_sft_section, check_sft_warm_start, warm_start
+from rl_jax.rl.warm_start import check_sft_section, warm_start
 from rl_jax.sampler import weights as sampler_weights
 
 
-# How many steps' train prompts `_check_prompts` tokenizes before any compute (the whole eval set too).
-PROMPT_CHECK_STEPS = 64
-
-
-def _check_dir(path: str, key: str, needs: str) -> None:
-  """A warm-start directory that must exist and hold `needs` (read-only: nothing is created)."""
-  root = wd.as_path(path, key)
-  if not (root / needs).exists():
-    raise ConfigError(f"config key '{key}': {root} has no {needs} (a typo?)")
-
-
 class RLTrainer:
-  """Holds the trainer and sampler state of one RL run; `run()` is the job."""
+  """Holds the trainer and sampler state of one RL run; `run()` is the job.
+
+  A scheduler: the step's programs and its batch assembly are `StepPrograms`' (rl/programs.py), the
+  sync and async global steps are `drive_sync.step` / `drive_async.step` over the pieces below
+  (`rollout`, `produce`, `train_on`, `sync_sampler`), checkpoints are rl/resume.py's, the held-out
+  evaluation rl/evaluate.py's and summary.json rl/summary.py's.
+  """
 
   def __init__(self, config: Any, workdir: Any):
     """Validates the whole config, then opens (locks, checks) the workdir, then computes.
@@ -61,29 +56,12 @@ class RLTrainer:
     self.config = config
     self.config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     self.job = job = RLJob.from_config(config)
-    require(job.mesh.sampler_devices == 0 or job.rl.mode == "async", "mesh.sampler_devices",
-            f"{job.mesh.sampler_devices} needs rl.mode='async' (the sync loop runs both on every device)")
     # The trainer's mesh and the sampler's: one and the same unless async splits the devices.
     self.mesh, self.sampler_mesh = sh.split_meshes(job.mesh)
-    b, g, n = job.rl.prompts_per_step, job.rl.group_size, job.rl.n_minibatches
-    div = sh.batch_divisor(self.mesh)
-    if (b // n) * g % div:
-      raise ConfigError(f"config key 'rl.prompts_per_step': mini-batches of {(b // n) * g} "
-                        f"responses do not split over the mesh's batch axes ({div})")
-    if b * g % sh.batch_divisor(self.sampler_mesh):
-      raise ConfigError(f"config key 'rl.prompts_per_step': {b * g} responses do not split over the "
-                        f"sampler mesh's batch axes ({sh.batch_divisor(self.sampler_mesh)})")
-    ex.check_batch(job.rl.eval_size, "rl.eval_size", self.mesh)
-    if job.rl.attribution_every:
-      ex.check_batch(job.rl.attribution_rows, "rl.attribution_rows", self.mesh)
-    programs_lib.microbatch_counts(job, self.mesh)   # a bad micro-batch split fails before any compute
+    job.check_mesh(self.mesh, self.sampler_mesh)   # a batch that does not split fails before any compute
     self.task = ex.make_task(job.task)
-    # Checked here, not in RLJob: configs ship with the path left for the command line.
-    require(job.warm_start.source not in ("hf", "sft") or bool(job.warm_start.path), "warm_start.path",
-            f"empty: warm_start.source={job.warm_start.source!r} needs the checkpoint directory "
-            "to start from (--config.warm_start.path=...)")
+    job.check_start()
     if job.warm_start.source == "hf":
-      _check_dir(job.warm_start.path, "warm_start.path", "config.json")
       from rl_jax.models import hf_stage  # pylint: disable=g-import-not-at-top
       from rl_jax.tasks.hf_tokenizer import HFTokenizer  # pylint: disable=g-import-not-at-top
       # A remote checkpoint is read from a host-local copy (the loader memory-maps it); the stored
@@ -94,11 +72,8 @@ class RLTrainer:
     else:
       self.tok = ex.make_tokenizer(self.task, job.model)
     ex.bind_task(self.task, self.tok, job.sampler.max_prompt_len)   # a dataset: read, render, filter
-    self._check_tokens()
-    self._check_prompts()
-    if job.warm_start.source == "sft":
-      check_sft_warm_start(job.warm_start.path)
-    elif job.warm_start.source == "auto":
+    job.check_data(self.task, self.tok)
+    if job.warm_start.source == "auto":
       check_sft_section(config, self.task, self.tok)
     # Resolved once here, so 'online' without credentials warns before any compute.
     self.logging_cfg = dataclasses.replace(job.logging,
@@ -139,10 +114,7 @@ class RLTrainer:
     meta = {}
     if self.resuming:
       # The newest step that restores; a corrupt newer one is moved aside (Checkpointer.restore).
-      self.state, meta, self.start_step = self.ckpt.restore(self.state)
-      if "data" in meta and hasattr(self.task, "check_data_state"):
-        self.task.check_data_state(meta["data"], self.start_step * job.rl.prompts_per_step)
-      print(f"[rl] resumed from step {self.start_step} in {self.ckpt.directory}")
+      self.state, meta, self.start_step = resume.restore(self)
     self.programs = programs_lib.build(
         job, self.mesh, self.graphdef, jax.tree.map(lambda x: x.sharding, self.state["params"]),
         jax.tree.map(lambda x: x.sharding, self.state["opt_state"]), self.optimizer,
@@ -157,7 +129,7 @@ class RLTrainer:
     # restored from the checkpoint on resume, so nothing in flight is lost or trained twice.
     self.queue: collections.deque = collections.deque()
     if self.resuming and meta.get("inflight_steps"):
-      self._restore_inflight(meta)
+      self.queue.extend(resume.restore_inflight(self, meta))
 
   def close(self) -> None:
     """Closes the checkpointer and releases the workdir lock (idempotent; `run()` calls it)."""
@@ -176,25 +148,6 @@ class RLTrainer:
 
   # -- set-up ---------------------------------------------------------------------------------
 
-  def _check_tokens(self) -> None:
-    s = self.job.sampler
-    for key, want in (("eos_id", self.tok.eos_id), ("pad_id", self.tok.pad_id)):
-      require(getattr(s, key) == want, f"sampler.{key}",
-              f"{getattr(s, key)} differs from the tokenizer's {key} {want}")
-
-  def _check_prompts(self) -> None:
-    """Every prompt the run will see fits `sampler.max_prompt_len` (the train prompts of the first
-    steps and the whole eval set: host-side tokenization only, no compute)."""
-    rl, limit = self.job.rl, self.job.sampler.max_prompt_len
-    count = min(rl.steps, PROMPT_CHECK_STEPS) * rl.prompts_per_step
-    for split, n in (("train", count), ("eval", rl.eval_size)):
-      problems = self.task.make_problems(self.job.seed, split, 0, n)
-      longest = max(problems, key=lambda p: len(data_lib.prompt_ids(self.task, self.tok, p)))
-      length = len(data_lib.prompt_ids(self.task, self.tok, longest))
-      require(length <= limit, "sampler.max_prompt_len",
-              f"{limit} is shorter than a {split} prompt of {length} tokens "
-              f"({self.task.prompt(longest)!r}); set it to at least {length}")
-
   def _warm_start(self):
     return warm_start(self.job, self.config, str(self.run_dir.path("warm_start")), self.mesh)
 
@@ -206,9 +159,9 @@ class RLTrainer:
     With split devices the params are first copied to the sampler's (dispatched, not waited
     for: the copy reads the params before the next update, which donates them, overwrites them).
     """
-    self.sampler_state = self._sampler_weights(self.state.get("sampler_src", self.state["params"]))
+    self.sampler_state = self.weights_for_sampler(self.state.get("sampler_src", self.state["params"]))
 
-  def _sampler_weights(self, src):
+  def weights_for_sampler(self, src):
     """The sampler's weights from the trainer params `src` (copied to its devices first when split)."""
     t = time.perf_counter()
     if self._sampler_shardings is None:
@@ -260,11 +213,9 @@ class RLTrainer:
     return item
 
   def _old_forward(self, params, ro, rewards):
-    batch = TrainBatch.from_rollout(ro, self.programs.advantages(jnp.asarray(rewards)), with_topk=True,
-                                    truncated=self.job.loss.kept_set_mask)
-    sampler_ids = ro.expert_ids_BSLK if self.job.model.is_moe else None
     t = time.perf_counter()
-    return self.busy.track("trainer", self.programs.old_forward(params, batch, sampler_ids, ro.expert_valid_BS), t)
+    return self.busy.track("trainer", self.programs.forward_old(
+        params, ro, self.programs.advantages(jnp.asarray(rewards))), t)
 
   def completions(self, ro) -> list[str]:
     """Response texts on the host: the only place tokens leave the device."""
@@ -292,20 +243,9 @@ class RLTrainer:
     `old`: the p_old forward's outputs when they were computed at the rollout's version
     (`produce`); None runs it here at the policy `rl.p_old_version` names.
     """
-    # The sampler's top-k rides along whenever it was recorded: the loss's drift meter reads it
-    # (K more gathered ids per token), score centering too.
-    batch = TrainBatch.from_rollout(ro, self.programs.advantages(jnp.asarray(rewards)), with_topk=True,
-                                    truncated=self.job.loss.kept_set_mask)
     if old is None:
       old = self._old_forward(self._p_old_params(), ro, rewards)
-    logp_old, own_ids, m = old
-    batch = batch.replace(logp_old_BT=logp_old)
-    replay = self.job.rl.routing_replay
-    if replay == "R2":
-      batch = batch.replace(replay_ids_BSLK=own_ids, replay_mask_BS=batch.valid_BS)
-    elif replay == "R3":
-      batch = batch.replace(replay_ids_BSLK=ro.expert_ids_BSLK, replay_mask_BS=ro.expert_valid_BS)
-    return batch, m
+    return self.programs.prepare(None, ro, self.programs.advantages(jnp.asarray(rewards)), old)
 
   def _p_old_params(self):
     """The weights of the sync loop's p_old forward (emulated staleness: the rollout's version is
@@ -332,10 +272,7 @@ class RLTrainer:
     return m
 
   def minibatches(self, batch: TrainBatch):
-    n = self.job.rl.n_minibatches
-    rows = batch.rows // n
-    for i in range(n):
-      yield batch.slice_rows(i * rows, (i + 1) * rows)
+    return self.programs.minibatches(batch)
 
   def update(self, batch: TrainBatch, step: int) -> dict:
     """N optimizer updates on group-aligned mini-batches; raises on a non-finite step."""
@@ -365,96 +302,15 @@ class RLTrainer:
     self.busy.reset()
     start = time.perf_counter()
     if self.job.rl.mode == "async" and self.job.rl.max_staleness > 0:
-      row = self._async_step(step)
+      row = drive_async.step(self, step)
     else:
-      row = self._sync_step(step)
+      row = drive_sync.step(self, step)
     row.update(self.busy.fractions(start, time.perf_counter()))
     return row
 
-  def _sync_step(self, step: int) -> dict:
-    """Generate, score, train, then sync the sampler (every `rl.staleness` steps)."""
-    t0 = time.perf_counter()
-    problems, ro = self.rollout(step)
-    item = self.produce(step, step, problems, ro)
-    t1 = time.perf_counter()
-    row = self._train_on(item, t0, t1)
-    t3 = time.perf_counter()
-    if (step + 1) % self.job.rl.staleness == 0:
-      if "sampler_src" in self.state:
-        self.state["sampler_src"] = jax.tree.map(jnp.copy, self.state["params"])
-      self.sync_sampler()
-      jax.block_until_ready(self.sampler_state)
-      self.busy.observed("sampler", self.sampler_state)
-    row["time/sync_s"] = time.perf_counter() - t3
-    return row
-
-  def _async_step(self, step: int) -> dict:
-    """Step s trains the rollout generated at version s - K while the sampler generates s + K.
-
-    Order of dispatch: the sampler's weights of version s (before update s donates the params),
-    the generation of step s + K on the sampler's devices, then the trainer's p_old forward and
-    updates on its own; only then does the host wait for the new tokens and score them.
-
-    `rl.stale_policy='drop'` with `rl.sampler_sync_every = S > 1`: the sampler refreshes its
-    weights only at the start of every S-th step and otherwise generates with the ones it holds
-    (no wait for the trainer), so a rollout can arrive more than K versions behind; at the step
-    that would train it such a rollout is dropped and its prompts regenerated, before anything
-    else, with the trainer's current weights (docs/architecture.md#asynchronous-rl).
-    """
-    rl = self.job.rl
-    k, every = rl.max_staleness, rl.sampler_sync_every
-    p_old_at_rollout = rl.p_old_version == "rollout"
-    t0 = time.perf_counter()
-    if not self.queue:  # a fresh run: steps 0..K-1 come from the initial weights (version 0)
-      for s in range(step, min(step + k, rl.steps)):
-        problems, ro = self.rollout(s)
-        self.queue.append(self.produce(s, step, problems, ro,
-                                       self.state["params"] if p_old_at_rollout else None))
-    item = self.queue.popleft()
-    assert item.step == step, (item.step, step)
-    dropped = waits = 0
-    fresh = None  # the weights of version `step`, when a regeneration already made them
-    if inflight_lib.is_stale(item.lag, k):  # only under 'drop': 'wait' never lets the lag pass K
-      dropped, (item, fresh) = 1, self._regenerate(step)
-      waits += 1
-    ahead = step + k
-    keep = None
-    if ahead < rl.steps:
-      if step % every == 0:  # every step under 'wait'
-        if "sampler_src" in self.state:
-          self.state["sampler_src"] = jax.tree.map(jnp.copy, self.state["params"])
-        if fresh is None:
-          self.sync_sampler()  # version `step`
-        else:  # the same params, synced once already (bit for bit what sync_sampler would make)
-          self.sampler_state = fresh
-        waits += 1
-      if p_old_at_rollout:  # the params of the version generating step + K, for its p_old
-        keep = (self.state["sampler_src"] if "sampler_src" in self.state
-                else jax.tree.map(jnp.copy, self.state["params"]))  # update donates the params
-      ahead_rollout = self.rollout(ahead)
-    t1 = time.perf_counter()
-    row = self._train_on(item, t0, t1)
-    t3 = time.perf_counter()
-    if ahead < rl.steps:
-      version = inflight_lib.pipeline_version(step, every)
-      self.queue.append(self.produce(ahead, version, *ahead_rollout, keep))
-    # The host's wait for the sampler after the trainer finished (0 when generation kept up).
-    row["time/sampler_wait_s"] = time.perf_counter() - t3
-    row["async/dropped"], row["async/waits"] = float(dropped), float(waits)
-    return row
-
-  def _regenerate(self, step: int):
-    """The rollout of `step` (its prompts and key) again, from the trainer's current weights, and
-    those sampler weights: a one-off sync that leaves the sampler's own weights, and their refresh
-    schedule, as they were. Waited for here, so the sampler's devices hold nothing else yet."""
-    params = self.state["params"]
-    weights = self._sampler_weights(params)
-    problems, ro = self.rollout(step, weights)
-    item = self.produce(step, step, problems, ro, params if self.job.rl.p_old_version == "rollout" else None)
-    return item, weights
-
-  def _train_on(self, item: inflight_lib.InFlight, t0: float, t1: float) -> dict:
-    """p_old, the meter and the N updates of `item`'s step; its metrics row."""
+  def train_on(self, item: inflight_lib.InFlight, t0: float, t1: float) -> dict:
+    """p_old, the meter and the N updates of `item`'s step (the drivers' common part); its metrics
+    row (`t0` / `t1`: when its generation was dispatched / scored)."""
     step, ro, rewards = item.step, item.ro, item.rewards
     batch, m_dev = self.prepare(ro, rewards, item.old)
     m_old = sh.to_host(m_dev)
@@ -505,32 +361,7 @@ class RLTrainer:
 
   def save(self, step: int) -> None:
     """The state at `step` and, async, the rollouts in flight (generated, not yet trained on)."""
-    items = dict(self.state)
-    meta = {"step": step, "seed": self.job.seed, "job": "rl"}
-    if hasattr(self.task, "data_state"):  # the position in the data files (checked on resume)
-      meta["data"] = self.task.data_state(step * self.job.rl.prompts_per_step)
-    if self.queue:
-      items["inflight"] = {str(i): inflight_lib.to_tree(it) for i, it in enumerate(self.queue)}
-      meta.update(inflight_steps=[it.step for it in self.queue], inflight_versions=[it.version for it in self.queue])
-    self.ckpt.save(step, items, meta)
-
-  def _restore_inflight(self, meta: dict) -> None:
-    """The queue saved with the restored step (its abstract layout from the programs' shapes)."""
-    steps, versions = meta["inflight_steps"], meta["inflight_versions"]
-    _, ids, valid = self.prompts(steps[0])
-    ids, valid = rollout_lib.repeat_prompts((ids, valid), self.job.rl.group_size)
-    with sh.mesh_context(self.sampler_mesh):
-      ro = self.programs.rollout_shapes(self.sampler_state, ids, valid, jax.random.key(0))
-    rewards = jax.ShapeDtypeStruct((ids.shape[0],), jnp.float32)
-    old_params = self.state["params"] if self.job.rl.p_old_version == "rollout" else None
-    shapes = jax.eval_shape(lambda r, w: inflight_lib.to_tree(inflight_lib.InFlight(
-        0, 0, r, w, None if old_params is None else self._old_forward(old_params, r, w))), ro, rewards)
-    targets = {"inflight": {str(i): inflight_lib.target(shapes, self.mesh) for i in range(len(steps))}}
-    items, _, _ = self.ckpt.restore(targets, step=self.start_step)
-    prompt_len = self.job.sampler.max_prompt_len
-    self.queue.extend(inflight_lib.from_tree(items["inflight"][str(i)], s, v, prompt_len)
-                      for i, (s, v) in enumerate(zip(steps, versions)))
-    print(f"[rl] restored {len(steps)} rollout(s) in flight (steps {steps}, versions {versions})")
+    resume.save(self, step)
 
   # -- the job ---------------------------------------------------------------------------------
 
@@ -583,48 +414,8 @@ class RLTrainer:
       self.close()
 
   def summarize(self) -> dict:
-    """summary.json from metrics.jsonl (each step once, so means are over the run's steps)."""
-    rows = read_metrics(self.workdir)
-    evals = [r for r in rows if "eval_greedy_accuracy" in r]
-    summary = {}
-    for name in ("greedy_accuracy", "sampled_accuracy", "pass_at_k"):
-      have = [r[f"eval_{name}"] for r in evals if f"eval_{name}" in r]
-      if have:  # the first eval is the warm start's (step 0)
-        summary.update({f"start_eval_{name}": have[0], f"final_eval_{name}": have[-1],
-                        f"gain_eval_{name}": have[-1] - have[0]})
-    train = [r for r in rows if "reward" in r]
-    if train:
-      summary.update(final_reward=train[-1]["reward"], mean_kl_k1=float(np.mean([r["mismatch/kl_k1"] for r in train])),
-                     steps=train[-1]["step"])
-      attributed = [r for r in train if "attribution/total/kl" in r]
-      if attributed:  # per source its mean KL(q_s || p) over the steps that attributed
-        keys = dict.fromkeys(k for r in attributed for k in r if k.startswith("attribution/") and k.endswith("/kl"))
-        summary["attribution_kl"] = {k.split("/")[1]: float(np.mean([r[k] for r in attributed if k in r]))
-                                     for k in keys}
-      if any(r.get("async/lag") for r in train):
-        # The version-lag distribution: steps per lag, and the share of response tokens at each
-        # (every row of a step shares its rollout's lag; tokens = mean length x rows).
-        lags = [int(r.get("async/lag", 0)) for r in train]
-        tokens = np.asarray([r["response_length"] for r in train])
-        summary["lag_steps"] = {str(k): lags.count(k) for k in sorted(set(lags))}
-        summary["lag_token_share"] = {str(k): float(tokens[np.asarray(lags) == k].sum() / tokens.sum())
-                                      for k in sorted(set(lags))}
-      busy = [r for r in train if "async/sampler_busy" in r]
-      if len(busy) > 1:  # step 1 onwards: the first step's spans include compilation
-        busy = busy[1:]
-      for key in ("sampler_busy", "trainer_busy", "busy_overlap"):
-        if busy:
-          summary[f"{key}_mean"] = float(np.mean([r[f"async/{key}"] for r in busy]))
-      if any("async/dropped" in r for r in train):
-        summary["async_dropped_total"] = int(sum(r.get("async/dropped", 0) for r in train))
-        summary["async_waits_total"] = int(sum(r.get("async/waits", 0) for r in train))
-    if jax.process_index() == 0:
-      self.run_dir.path(artifacts.SUMMARY).write_text(json.dumps(summary, indent=1))
-      if self.job.rl.plot and rows:
-        plots.plot_run(rows, self.run_dir.path("rl_curves.png"))
-      print("[rl] " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                for k, v in summary.items()))
-    return summary
+    """summary.json (and rl_curves.png) from metrics.jsonl (rl_jax/rl/summary.py)."""
+    return summary_lib.write(self.run_dir, read_metrics(self.workdir), self.job.rl.plot)
 
 
 def run(config: Any, workdir: Any) -> dict:

@@ -7,7 +7,6 @@ import ml_collections
 from flax import nnx
 
 from rl_jax import experiment as ex
-from rl_jax import workdir as wd
 from rl_jax.checkpoint import Checkpointer
 from rl_jax.config_utils import ConfigError
 from rl_jax.models.config import EXECUTION_FIELDS
@@ -33,15 +32,7 @@ def check_sft_section(config: Any, task: Any, tok: Any) -> None:
   exists already and it will not run: a bad key is an error in the config either way)."""
   from rl_jax import sft  # pylint: disable=g-import-not-at-top
   job = sft.SFTJob.from_config(sft_config(config))
-  sft.check_max_len(job, task, tok)
-
-
-def check_sft_warm_start(path: str) -> None:
-  """warm_start.source='sft': `path` must hold a checkpoint; a typo is named and nothing is created."""
-  root = wd.as_path(path, "warm_start.path")
-  if not wd.has_checkpoint(root):
-    raise ConfigError(f"config key 'warm_start.path': no SFT checkpoint in {root} (a typo? "
-                      "warm_start.source='auto' makes one)")
+  job.check_data(task, tok)
 
 
 def warm_start(job: RLJob, config: Any, workdir: str, mesh) -> tuple[nnx.GraphDef, dict]:

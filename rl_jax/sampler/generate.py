@@ -227,7 +227,7 @@ def check_prompts(prompts_BP, prompt_valid_BP, cfg: SamplerConfig) -> None:
     raise ValueError(f"prompt row {int(empty[0])} is empty: every prompt needs at least one token")
 
 
-def _resolve_kv_spec(kv_spec, cfg: SamplerConfig):
+def resolve_kv_spec(kv_spec, cfg: SamplerConfig):
   """The KV-cache format: `kv_spec` if given, else `cfg.quant.kv`; fp32 -> None.
 
   None makes `init_cache` store K/V in the sampler's compute dtype (what an fp32 or a
@@ -272,7 +272,7 @@ def generate(graphdef: nnx.GraphDef, sampler_state: Any, prompts_BP, prompt_vali
   prompts on the host); `_generate` is the jitted program for use inside other jits.
   """
   check_prompts(prompts_BP, prompt_valid_BP, cfg)
-  kv_spec = _resolve_kv_spec(kv_spec, cfg)
+  kv_spec = resolve_kv_spec(kv_spec, cfg)
   prompts_BP = jnp.asarray(prompts_BP, jnp.int32)
   prompt_valid_BP = jnp.asarray(prompt_valid_BP, bool)
   if mesh is not None:
@@ -284,3 +284,18 @@ def generate(graphdef: nnx.GraphDef, sampler_state: Any, prompts_BP, prompt_vali
       max_new_B = shard_batch(jnp.asarray(max_new_B, jnp.int32), mesh)
   return _generate(graphdef, sampler_state, prompts_BP, prompt_valid_BP, key, max_new_B, cfg=cfg, kv_spec=kv_spec,
                    mesh=mesh)
+
+
+def lower_generate(graphdef: nnx.GraphDef, sampler_state: Any, prompts_BP, prompt_valid_BP, key: jax.Array,
+                   cfg: SamplerConfig, mesh: Mesh | None = None):
+  """`generate`'s jitted program lowered for these (possibly abstract) arguments, with the KV-cache
+  format of `cfg` (`jax.stages.Lowered`: the planner compiles it, the tests compare its text)."""
+  return _generate.lower(graphdef, sampler_state, prompts_BP, prompt_valid_BP, key, cfg=cfg,
+                         kv_spec=resolve_kv_spec(None, cfg), mesh=mesh)
+
+
+def rollout_shapes(graphdef: nnx.GraphDef, sampler_state: Any, prompts_BP, prompt_valid_BP, key: jax.Array,
+                   cfg: SamplerConfig, mesh: Mesh | None = None) -> Rollout:
+  """The abstract Rollout (shapes and dtypes) `generate` would return; nothing runs."""
+  return jax.eval_shape(functools.partial(_generate, graphdef, cfg=cfg, kv_spec=resolve_kv_spec(None, cfg),
+                                          mesh=mesh), sampler_state, prompts_BP, prompt_valid_BP, key)

@@ -97,6 +97,12 @@ def sync_weights(params_state: Any, delta: Any | None, qcfg: Any, dtype: str, pl
   return _sync(params_state, delta, qcfg, dtype, plan)
 
 
+def lower_sync(params_state: Any, delta: Any | None, qcfg: Any, dtype: str, plan: Any = None):
+  """`sync_weights`' program lowered for these (possibly abstract) arguments (`jax.stages.Lowered`):
+  what the planner compiles and the tests compare."""
+  return _sync.lower(params_state, delta, qcfg=qcfg, dtype=dtype, plan=plan)
+
+
 @functools.lru_cache(maxsize=None)
 def quant_plan(model_cfg: ModelConfig):
   """The `quant.params.QuantPlan` of the model of `model_cfg` (its parameter tags, read from the
