@@ -213,6 +213,7 @@ class RLTrainer:
     return item
 
   def _old_forward(self, params, ro, rewards):
+    """`StepPrograms.forward_old` of the rollout at `params`, timed on the trainer's busy clock."""
     t = time.perf_counter()
     return self.busy.track("trainer", self.programs.forward_old(
         params, ro, self.programs.advantages(jnp.asarray(rewards))), t)
@@ -272,6 +273,7 @@ class RLTrainer:
     return m
 
   def minibatches(self, batch: TrainBatch):
+    """The step's group-aligned mini-batches (`StepPrograms.minibatches`)."""
     return self.programs.minibatches(batch)
 
   def update(self, batch: TrainBatch, step: int) -> dict:
