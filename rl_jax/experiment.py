@@ -1,4 +1,6 @@
-"""Shared job plumbing: config sections -> dataclasses, model / tokenizer / mesh construction."""
+"""Shared plumbing of the SFT and RL jobs, in three parts: config sections -> dataclasses (`TaskConfig`,
+`section`, `check_top_level`, `check_batch`); task and tokenizer construction; parameters and optimizer
+state initialized on the mesh (`init_params`, `abstract_state`, `init_opt_state`, their shardings)."""
 from __future__ import annotations
 
 import dataclasses
