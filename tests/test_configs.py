@@ -26,9 +26,9 @@ from rl_jax import workdir as wd
 from rl_jax.config_utils import ConfigError
 from rl_jax.models import hf
 from rl_jax.models.config import EXECUTION_FIELDS, ModelConfig
+from rl_jax.models import quantize as quant_params
 from rl_jax.models.presets import PRESETS, abstract_state
-from rl_jax.quant import kv as qkv
-from rl_jax.quant import params as quant_params
+from rl_jax.ops import kv_quant as qkv
 from rl_jax.rl.loss_config import METHODS
 from rl_jax.rl.trainer import RLJob
 from rl_jax.sampler import weights as sampler_weights

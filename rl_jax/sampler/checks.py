@@ -7,8 +7,8 @@ from flax import nnx
 
 from rl_jax.config_utils import require
 from rl_jax.models import ModelConfig, families
-from rl_jax.quant import kv as qkv
-from rl_jax.quant.params import quantize_params
+from rl_jax.models.quantize import quantize_params
+from rl_jax.ops import kv_quant as qkv
 from rl_jax.sampler.config import SamplerConfig
 
 
