@@ -819,7 +819,7 @@ def _rl_rows(sz: Sizes, runs: int, steps: int = 10):
     if "error" in state:
       raise RuntimeError(f"trainer set-up failed: {state['error']}")
     if "trainer" not in state:
-      from configs import countdown_tiny
+      from rl_jax.configs import countdown_tiny
       from rl_jax.rl import trainer as trainer_lib
       cfg = countdown_tiny.get_config("test")
       cfg.warm_start.source = "none"

@@ -1,8 +1,8 @@
 """Sweeps as code: (name, overrides) grids over configs/countdown_tiny.py; the CLI prints one command per run.
 
 Usage:
-  python -m configs.sweeps                   # lists the sweeps
-  python -m configs.sweeps mismatch [--root=/tmp/rl_jax_sweeps] [--warm_start=DIR] | sh
+  python -m rl_jax.configs.sweeps                # lists the sweeps
+  python -m rl_jax.configs.sweeps mismatch [--root=/tmp/rl_jax_sweeps] [--warm_start=DIR] | sh
 
 Each run is `python -m rl_jax.main --config=configs/countdown_tiny.py --workdir=ROOT/SWEEP/NAME
 --config.a.b=v ...`. ml_collections only overrides keys the config file has, with values
@@ -27,8 +27,8 @@ from typing import Any, Callable
 
 import ml_collections
 
-from configs import countdown_tiny
-from configs import qwen3_30b_a3b_minirl
+from rl_jax.configs import countdown_tiny
+from rl_jax.configs import qwen3_30b_a3b_minirl
 from rl_jax.rl.loss_config import registered_methods  # every registered loss method, in registration order
 
 BASE = "configs/countdown_tiny.py"
@@ -232,7 +232,7 @@ def commands(sweep: str, root: str = "/tmp/rl_jax_sweeps", warm_start: str | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m configs.sweeps", description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m rl_jax.configs.sweeps", description=__doc__.split("\n")[0])
   parser.add_argument("sweep", nargs="?", choices=sorted(SWEEPS))
   parser.add_argument("--root", default="/tmp/rl_jax_sweeps", help="workdirs are ROOT/SWEEP/NAME")
   parser.add_argument("--warm_start", default=None, help="shared SFT warm-start directory")

@@ -8,8 +8,8 @@ import pytest
 from conftest import ragged_prompts
 from flax import nnx
 
-from configs import countdown_tiny
 from rl_jax.config_utils import ConfigError
+from rl_jax.configs import countdown_tiny
 from rl_jax.logprobs import next_token_logq
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.transformer import Transformer
@@ -166,7 +166,7 @@ def test_attribution_config_errors_name_the_key(override, key):
 # Builds a trainer and compiles the step's programs and the attribution: minutes on 2 busy cores.
 @pytest.mark.slow
 def test_trainer_logs_attribution_of_the_run_sources(tmp_path):
-  from configs import sweeps
+  from rl_jax.configs import sweeps
   from rl_jax.rl import trainer as trainer_lib
   cfg = countdown_tiny.get_config("test")
   cfg.warm_start.source = "none"

@@ -442,7 +442,7 @@ def test_comm_bytes_match_compiled_collectives(dispatch):
 def test_sft_job_runs_with_the_shard_map_dispatch(tmp_path):
   """The jobs enter the mesh context the shard_map dispatch needs (sharding.mesh_context):
   an SFT run on an expert=2 mesh trains with `model.moe_dispatch=shard_map` and ends finite."""
-  from configs import sft_countdown_tiny  # pylint: disable=g-import-not-at-top
+  from rl_jax.configs import sft_countdown_tiny  # pylint: disable=g-import-not-at-top
   from rl_jax import sft  # pylint: disable=g-import-not-at-top
   cfg = sft_countdown_tiny.get_config("test")
   cfg.model.moe_dispatch = "shard_map"

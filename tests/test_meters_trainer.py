@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from configs import countdown_tiny
-from configs import sweeps
+from rl_jax.configs import countdown_tiny
+from rl_jax.configs import sweeps
 from rl_jax.rl import trainer as trainer_lib
 
 

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from configs import countdown_tiny
-from configs import sweeps
 from rl_jax import sharding as sh
+from rl_jax.configs import countdown_tiny
+from rl_jax.configs import sweeps
 from rl_jax.models import families
 from rl_jax.rl import programs as programs_lib
 from rl_jax.rl import step as step_lib

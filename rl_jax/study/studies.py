@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from configs import sweeps
+from rl_jax.configs import sweeps
 from rl_jax.study.protocol import Contrast, Planning, Protocol
 
 Overrides = dict[str, Any]
