@@ -44,7 +44,7 @@
 #              lax.ragged_dot (errors vs ragged_dot on float32 inputs at HIGHEST precision;
 #              times vs ragged_dot on the same inputs, which XLA:GPU expands densely), and the
 #              MoE experts' forward+backward wired to it (model.expert_matmul="grouped") vs the slab;
-#   attention  rl_jax.models.attention.attention(impl=blocked / cudnn / splash / auto) vs impl="xla"
+#   attention  rl_jax.ops.attention.attention(impl=blocked / cudnn / splash / auto) vs impl="xla"
 #              (errors vs xla on float32 inputs at HIGHEST precision, times vs xla on the same
 #              bf16 inputs); skipped with the module's reason where an impl cannot run;
 #   sampler    the quantized sampler's decode loop, Pallas kernels (backend="pallas": qmatmul for
@@ -425,11 +425,11 @@ def _attention_rows(sz: Sizes, runs: int):
 
   try:
     from rl_jax import impl_log
-    from rl_jax.models import attention as A
+    from rl_jax.ops import attention as A
   except ImportError as exc:
     for impl in ("blocked", "cudnn", "splash"):
       def missing(exc=exc):
-        raise Skip(f"rl_jax.models.attention missing ({exc})")
+        raise Skip(f"rl_jax.ops.attention missing ({exc})")
       yield f"attention {impl}", missing
     return
 

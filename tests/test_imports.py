@@ -44,7 +44,7 @@ LOCAL_IMPORTS = {
     ("rl_jax.plan", "rl_jax.models.families"): "start-up: as above (planner)",
     ("rl_jax.plan", "rl_jax.models.expert_parallel"): "start-up: as above (planner)",
     ("rl_jax.plan", "rl_jax.models.moe"): "start-up: as above (planner)",
-    ("rl_jax.plan", "rl_jax.models.attention"): "start-up: as above (planner; attention's auto rule per device)",
+    ("rl_jax.plan", "rl_jax.ops.attention"): "start-up: as above (planner; attention's auto rule per device)",
     ("rl_jax.plan", "rl_jax.sampler.continuous"): "start-up: as above (planner; the continuous engine's slot count)",
     ("rl_jax.plan", "rl_jax.microbatch"): "start-up: as above (planner)",
     ("rl_jax.plan", "rl_jax.plan_hw"): "start-up: as above (planner)",

@@ -64,7 +64,7 @@ class ModelConfig:
   # experts' activations, each ~tokens x top-k x d_model) to one chunk's, forward and backward
   # (each chunk rematerialized), which at 32K-token responses is most of a layer's memory.
   moe_seq_chunk: int = 0
-  # Attention kernel (rl_jax/models/attention.py, `auto_impl`): "auto" (cuDNN on GPU where the mask
+  # Attention kernel (rl_jax/ops/attention.py, `auto_impl`): "auto" (cuDNN on GPU where the mask
   # and dtype allow, splash on TPU, else XLA, or the blocked lax-loop attention where it wins (CPU,
   # from 512 x 512 scores) or memory forces it), or one of "xla" (materialized [S, C] scores),
   # "blocked", "cudnn", "splash" (the last two fall back to blocked, saying so once, where they

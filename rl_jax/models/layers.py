@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rl_jax.models.attention import MASK_VALUE, attention
 from rl_jax.models.config import ModelConfig
+from rl_jax.ops.attention import MASK_VALUE, attention
 from rl_jax.ops.linear import linear
 
 # Dimension letters in array names (S tokens of this forward, C cache slots attention reads,
@@ -114,7 +114,7 @@ class Attention(nnx.Module):
 
     The query at slot `cache_index + i` (i without a cache) reads key slot c iff c <= its slot
     and `kv_valid_BC[b, c]`: the mask is never materialized ([B, S, C] would be 1 GiB per row at
-    32k tokens); `rl_jax.models.attention` runs it (`ModelConfig.attention`).
+    32k tokens); `rl_jax.ops.attention` runs it (`ModelConfig.attention`).
     """
     cfg = self.cfg
     hd = cfg.head_dim
