@@ -5,8 +5,11 @@ setup(
     name="rl_jax",
     version="0.1.0",
     description="JAX research codebase for stable RL of (MoE) LMs under training-inference mismatch",
-    # configs/ ships too: notebooks and the study runner import experiment configs as a package.
-    packages=find_packages(include=["rl_jax", "rl_jax.*", "configs"]),
+    # configs/ ships too, as `rl_jax.configs` (the folder stays at the top of the repository):
+    # notebooks, tests and the study runner import experiment configs as a package, and nothing
+    # named `configs` lands in site-packages beside a user's own.
+    packages=find_packages(include=["rl_jax", "rl_jax.*"]) + ["rl_jax.configs"],
+    package_dir={"rl_jax.configs": "configs"},
     python_requires=">=3.11",
     install_requires=[
         # jax 0.10.x resolves on Python 3.11, 0.12.x on 3.12.

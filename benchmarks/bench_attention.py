@@ -15,7 +15,7 @@
 # medians and minima and the median process CPU time are reported.
 #
 # Measured (jax 0.10.2, XLA:CPU, 2 shared cores, load ~1-3; flash blocks 256 x 256):
-# see the table in rl_jax/models/attention.py next to _AUTO_FLASH_MIN_SC.
+# see the table in rl_jax/ops/attention.py next to _AUTO_FLASH_MIN_SC.
 from __future__ import annotations
 
 import argparse
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl_jax.models.attention import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, attention
+from rl_jax.ops.attention import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, attention
 
 
 def _inputs(b: int, s: int, g: int, r: int, d: int, seed: int = 0):

@@ -15,9 +15,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from rl_jax.quant import kv as qkv
+from rl_jax.models.quantize import quantize_params, quantized_nbytes, tree_nbytes
+from rl_jax.ops import kv_quant as qkv
 from rl_jax.quant.config import KVSpec, QuantConfig, WeightSpec
-from rl_jax.quant.params import quantize_params, quantized_nbytes, tree_nbytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,7 +57,7 @@ import time
 import jax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configs import countdown_tiny  # pylint: disable=g-import-not-at-top,wrong-import-position
+from rl_jax.configs import countdown_tiny  # pylint: disable=g-import-not-at-top,wrong-import-position
 from rl_jax.rl.job import RLConfig  # pylint: disable=g-import-not-at-top,wrong-import-position
 from rl_jax.rl.trainer import RLTrainer  # pylint: disable=g-import-not-at-top,wrong-import-position
 

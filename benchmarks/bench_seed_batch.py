@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs import countdown_tiny
 from rl_jax import rollout as rollout_lib
+from rl_jax.configs import countdown_tiny
 from rl_jax.rl import seed_batch
 from rl_jax.rl.trainer import RLTrainer
 

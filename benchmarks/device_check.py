@@ -37,14 +37,14 @@
 # Prints ONE table (and writes device_check.md / device_check.json to --out): per row the
 # name, status (ok / FAIL / skipped: reason), max error, tolerance, the median time of the
 # checked program, the median time of its reference, and their ratio. Sections in detail:
-#   quant      rl_jax/quant/kernels.py: the four codecs (bit-exact vs formats.*_ref: the error
+#   quant      rl_jax/ops/quant_kernels.py: the four codecs (bit-exact vs formats.*_ref: the error
 #              is the number of differing elements, tolerance 0) and qmatmul (vs the f32 HIGHEST
 #              matmul of the dequantized operands, i.e. ops.qmatmul's xla path);
-#   gmm        rl_jax/models/grouped_matmul.py impl="pallas" forward and forward+backward vs
+#   gmm        rl_jax/ops/grouped_matmul.py impl="pallas" forward and forward+backward vs
 #              lax.ragged_dot (errors vs ragged_dot on float32 inputs at HIGHEST precision;
 #              times vs ragged_dot on the same inputs, which XLA:GPU expands densely), and the
 #              MoE experts' forward+backward wired to it (model.expert_matmul="grouped") vs the slab;
-#   attention  rl_jax.models.attention.attention(impl=blocked / cudnn / splash / auto) vs impl="xla"
+#   attention  rl_jax.ops.attention.attention(impl=blocked / cudnn / splash / auto) vs impl="xla"
 #              (errors vs xla on float32 inputs at HIGHEST precision, times vs xla on the same
 #              bf16 inputs); skipped with the module's reason where an impl cannot run;
 #   sampler    the quantized sampler's decode loop, Pallas kernels (backend="pallas": qmatmul for
@@ -215,7 +215,7 @@ def _rel_err(out, ref, scale) -> jax.Array:
 
 
 def _kernel_opts() -> dict:
-  # As rl_jax.quant.ops: no Pallas compiler on CPU (interpret), Triton wants power-of-two blocks.
+  # As rl_jax.ops.quantized: no Pallas compiler on CPU (interpret), Triton wants power-of-two blocks.
   platform = jax.default_backend()
   return dict(interpret=platform == "cpu", pow2=platform == "gpu")
 
@@ -229,7 +229,7 @@ CODEC_CASES = [("int8", None, "fp32"), ("fp4", 32, "e8m0")]
 
 def _codec_rows(sz: Sizes, runs: int):
   from rl_jax.quant import formats as F
-  from rl_jax.quant import kernels as K
+  from rl_jax.ops import quant_kernels as K
   opts = _kernel_opts()
   rng = np.random.default_rng(0)
   # Rows of very different magnitudes (activations), one all-zero row (a padding token).
@@ -267,8 +267,8 @@ def _codec_rows(sz: Sizes, runs: int):
 
 def _qmatmul_rows(sz: Sizes, runs: int):
   from rl_jax.quant import formats as F
-  from rl_jax.quant import kernels as K
-  from rl_jax.quant import ops
+  from rl_jax.ops import quant_kernels as K
+  from rl_jax.ops import quantized as ops
   from rl_jax.quant.config import ActivationSpec, WeightSpec
   cases = [("W8A8 int8", WeightSpec("int8"), ActivationSpec("int8")),
            ("W8A8 fp8", WeightSpec("fp8"), ActivationSpec("fp8")),
@@ -312,7 +312,7 @@ def _qmatmul_rows(sz: Sizes, runs: int):
 
 
 def _gmm_rows(sz: Sizes, runs: int):
-  from rl_jax.models import grouped_matmul as G
+  from rl_jax.ops import grouped_matmul as G
   m, d, f, e = sz.gmm_m, sz.gmm_d, sz.gmm_f, sz.gmm_e
   rng = np.random.default_rng(2)
   # Skewed loads with two empty experts (what a router produces), summing to M.
@@ -425,11 +425,11 @@ def _attention_rows(sz: Sizes, runs: int):
 
   try:
     from rl_jax import impl_log
-    from rl_jax.models import attention as A
+    from rl_jax.ops import attention as A
   except ImportError as exc:
     for impl in ("blocked", "cudnn", "splash"):
       def missing(exc=exc):
-        raise Skip(f"rl_jax.models.attention missing ({exc})")
+        raise Skip(f"rl_jax.ops.attention missing ({exc})")
       yield f"attention {impl}", missing
     return
 
@@ -819,7 +819,7 @@ def _rl_rows(sz: Sizes, runs: int, steps: int = 10):
     if "error" in state:
       raise RuntimeError(f"trainer set-up failed: {state['error']}")
     if "trainer" not in state:
-      from configs import countdown_tiny
+      from rl_jax.configs import countdown_tiny
       from rl_jax.rl import trainer as trainer_lib
       cfg = countdown_tiny.get_config("test")
       cfg.warm_start.source = "none"
@@ -891,10 +891,10 @@ def _lower_rows():
   0.10, where a `pallas_call` without them went to Mosaic GPU (`jax_pallas_use_mosaic_gpu`), a
   kernel that fails its lowering is also tried with the flag flipped, for the note.
   """
-  from rl_jax.models import grouped_matmul as G
+  from rl_jax.ops import grouped_matmul as G
   from rl_jax.quant import formats as F
-  from rl_jax.quant import kernels as K
-  from rl_jax.quant import ops
+  from rl_jax.ops import quant_kernels as K
+  from rl_jax.ops import quantized as ops
   from rl_jax.quant.config import ActivationSpec, WeightSpec
   sz, opts = FULL, dict(interpret=False, pow2=True)
   sds = jax.ShapeDtypeStruct

@@ -20,8 +20,8 @@ See rl_jax/study/sweeps.py for the grid. `:test` is a seconds-long variant used 
 """
 import ml_collections
 
-from configs import common
-from configs import sft_countdown_tiny
+from rl_jax.configs import common
+from rl_jax.configs import sft_countdown_tiny
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -18,7 +18,7 @@ docs/results.md#a-warm-start-with-room-to-fall. `:test` gives countdown_tiny's s
 """
 import ml_collections
 
-from configs import countdown_tiny
+from rl_jax.configs import countdown_tiny
 
 SFT_STEPS = 300
 

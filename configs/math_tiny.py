@@ -21,7 +21,7 @@ config shows the data -> template -> sampler -> verifier -> per-source metrics p
 """
 import ml_collections
 
-from configs import common
+from rl_jax.configs import common
 
 DATA = "/tmp/rl_jax_math"
 

@@ -55,7 +55,7 @@ import dataclasses
 
 import ml_collections
 
-from configs import common
+from rl_jax.configs import common
 from rl_jax.models.presets import PRESETS
 
 # Qwen3's chat tokenizer: <|im_end|> ends an assistant turn, <|endoftext|> pads.

@@ -35,8 +35,8 @@ with R2 / R3 and clipping.
 """
 import ml_collections
 
-from configs import common
-from configs import qwen3_30b_a3b_minirl as minirl
+from rl_jax.configs import common
+from rl_jax.configs import qwen3_30b_a3b_minirl as minirl
 
 # Verifier processes per host: 128 completions per step at ~2-5 ms per math-verify call.
 VERIFIER_WORKERS = 8

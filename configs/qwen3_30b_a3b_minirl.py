@@ -58,8 +58,8 @@ N>=4 collapses.
 """
 import ml_collections
 
-from configs import common
-from configs import qwen3_0p6b_countdown as small
+from rl_jax.configs import common
+from rl_jax.configs import qwen3_0p6b_countdown as small
 
 N_CHOICES = (1, 2, 4, 8)
 # [MiniRL]'s recommendation: on-policy needs no replay; R2 replays the trainer's own theta_old

@@ -7,7 +7,7 @@ Hardware: 2 CPU cores. Runtime: about a minute. Expected: held-out greedy accura
 """
 import ml_collections
 
-from configs import common
+from rl_jax.configs import common
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -1,5 +1,5 @@
 """Trace-time record of the implementation each dispatch point chose (attention, expert matmul, quantized linears)."""
-# The model's dispatch points (models/attention.py, models/moe.py, quant/ops.py) resolve `auto`
+# The model's dispatch points (ops/attention.py, models/moe.py, ops/quantized.py, ops/linear.py) resolve `auto`
 # choices while jax traces, from the backend, dtypes and shapes. Each calls `record(point,
 # choice)`; inside `recording()` the choices are collected, so a test or a benchmark can say
 # which implementations a compiled program holds without reading its HLO. Outside `recording()`

@@ -562,7 +562,7 @@ def expert_matmul_note(model_cfg, device: str) -> str:
 def _target_attention(call: dict, choice: str, platform: str, invariant: bool) -> str:
   """The attention implementation `platform` runs for one recorded call (impl_log "attention_call")."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from rl_jax.models import attention as attn  # pylint: disable=g-import-not-at-top
+  from rl_jax.ops import attention as attn  # pylint: disable=g-import-not-at-top
   if invariant:
     return "blocked (batch-invariant)"
   choice = "blocked" if choice == "flash" else choice

@@ -9,14 +9,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from configs import countdown_tiny
-from rl_jax.study import sweeps
 from rl_jax import preempt
 from rl_jax.checkpoint import Checkpointer
 from rl_jax.config_utils import ConfigError
+from rl_jax.configs import countdown_tiny
 from rl_jax.metrics import read_metrics
 from rl_jax.rl import inflight as inflight_lib
 from rl_jax.rl import trainer as trainer_lib
+from rl_jax.study import sweeps
 
 ASYNC = {"rl.mode": "async", "mesh.sampler_devices": 4}
 

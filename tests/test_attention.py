@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_jax.models import attention as attn
 from rl_jax.models import layers
+from rl_jax.ops import attention as attn
 
 B, G, R, D = 3, 2, 2, 8
 

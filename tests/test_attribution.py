@@ -8,8 +8,8 @@ import pytest
 from conftest import ragged_prompts
 from flax import nnx
 
-from configs import countdown_tiny
 from rl_jax.config_utils import ConfigError
+from rl_jax.configs import countdown_tiny
 from rl_jax.logprobs import next_token_logq
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.transformer import Transformer

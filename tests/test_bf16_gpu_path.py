@@ -4,12 +4,12 @@ import jax
 import numpy as np
 import pytest
 
-from configs import countdown_tiny
-from configs import qwen3_30b_a3b_minirl
 from rl_jax import impl_log
 from rl_jax import sharding as sh
-from rl_jax.models import attention as attn
+from rl_jax.configs import countdown_tiny
+from rl_jax.configs import qwen3_30b_a3b_minirl
 from rl_jax.models import moe
+from rl_jax.ops import attention as attn
 from rl_jax.rl import trainer as trainer_lib
 
 # The execution and method choices of the 30B MiniRL config's `:n4` that this test carries over.

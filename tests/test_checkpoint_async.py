@@ -13,7 +13,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from orbax.checkpoint._src.path import atomicity
 from orbax.checkpoint._src.serialization import jax_array_handlers
 
-from rl_jax.checkpoint import Checkpointer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax: a step is written here, then renamed to <step>

@@ -17,22 +17,22 @@ from absl import flags
 from jax.sharding import AbstractMesh, PartitionSpec as P
 from ml_collections import config_flags
 
-from configs import countdown_tiny
-from configs import qwen3_30b_a3b_minirl
-from rl_jax.study import sweeps
 from rl_jax import config_schema
 from rl_jax import sharding as sh
 from rl_jax import workdir as wd
 from rl_jax.config_utils import ConfigError
+from rl_jax.configs import countdown_tiny
+from rl_jax.configs import qwen3_30b_a3b_minirl
 from rl_jax.models import hf
+from rl_jax.models import quantize as quant_params
 from rl_jax.models.config import EXECUTION_FIELDS, ModelConfig
 from rl_jax.models.presets import PRESETS, abstract_state
-from rl_jax.quant import kv as qkv
-from rl_jax.quant import params as quant_params
+from rl_jax.ops import kv_quant as qkv
 from rl_jax.rl.loss.loss_config import METHODS
 from rl_jax.rl.trainer import RLJob
 from rl_jax.sampler import weights as sampler_weights
 from rl_jax.sft import SFTJob
+from rl_jax.study import sweeps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOT_CONFIGS = {"__init__.py", "common.py"}
@@ -57,7 +57,7 @@ GPU_CONFIGS = {"qwen3_0p6b_countdown.py": ("qwen3-0.6b", 8, 0.596e9),
 
 
 def _module(fname):
-  return importlib.import_module(f"configs.{fname[:-3]}")
+  return importlib.import_module(f"rl_jax.configs.{fname[:-3]}")
 
 
 def _validate(config):

@@ -216,7 +216,7 @@ def test_per_source_metrics_split_the_batch_by_source():
 
 def test_preview_renders_prompts_and_accepts_the_reference_answers(data):
   import io
-  from configs import math_tiny
+  from rl_jax.configs import math_tiny
   from rl_jax.tasks.__main__ import preview
   cfg = math_tiny.get_config("test")
   cfg.task.train_files = f"{data}/train_arith_add.jsonl,{data}/train_arith_mul.parquet"

@@ -168,7 +168,7 @@ def test_launch_scripts_parse():
 COMPARE = textwrap.dedent("""
     import sys
     import jax, numpy as np
-    from configs import countdown_tiny
+    from rl_jax.configs import countdown_tiny
     from rl_jax.rl.trainer import RLTrainer
     def config():
       c = countdown_tiny.get_config("test")

@@ -19,7 +19,8 @@ from rl_jax.config_utils import ConfigError
 from rl_jax.models import ModelConfig, Transformer
 from rl_jax.models import expert_parallel as ep_lib
 from rl_jax.models import moe as moe_lib
-from rl_jax.quant import ops
+from rl_jax.ops import quantized as ops
+from rl_jax.ops.linear import dense
 from rl_jax.quant.config import WeightSpec
 
 # Tiny programs: compiling dominates, so XLA's backend optimizations are skipped (IEEE either way).
@@ -207,7 +208,7 @@ def test_quantized_experts_equal_dropless():
   qs = [ops.quantize_weight(w, WeightSpec("int8"), backend="xla") for w in _experts(4)]
   want = moe_lib.dropless_experts(x, ids, gates, *qs, 8)
   # The dequantized weights times the rows: the same float32 sums in another order.
-  deq = [ops.dense(q, jnp.float32) for q in qs]
+  deq = [dense(q, jnp.float32) for q in qs]
   bound = tol.swiglu_experts_bounds(x, ids, gates, *deq, np.zeros((64, 8)))["y"]
   with jax.set_mesh(mesh):
     for name in ("a2a", "all_gather"):
@@ -441,7 +442,7 @@ def test_comm_bytes_match_compiled_collectives(dispatch):
 def test_sft_job_runs_with_the_shard_map_dispatch(tmp_path):
   """The jobs enter the mesh context the shard_map dispatch needs (sharding.mesh_context):
   an SFT run on an expert=2 mesh trains with `model.moe_dispatch=shard_map` and ends finite."""
-  from configs import sft_countdown_tiny  # pylint: disable=g-import-not-at-top
+  from rl_jax.configs import sft_countdown_tiny  # pylint: disable=g-import-not-at-top
   from rl_jax import sft  # pylint: disable=g-import-not-at-top
   cfg = sft_countdown_tiny.get_config("test")
   cfg.model.moe_dispatch = "shard_map"

@@ -425,9 +425,9 @@ def test_reader_checkpointer_leaves_a_mistyped_path_uncreated(tmp_path):
 # raise `Computed`; the two that need real checkpoints replace the sampler/update step and the
 # evaluation with cheap fakes, so what runs is the job's loop, checkpoints and metrics.
 
-from configs import countdown_tiny  # pylint: disable=g-import-not-at-top,wrong-import-position
-from rl_jax.study import sweeps  # pylint: disable=g-import-not-at-top,wrong-import-position
+from rl_jax.configs import countdown_tiny  # pylint: disable=g-import-not-at-top,wrong-import-position
 from rl_jax.rl import trainer as trainer_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from rl_jax.study import sweeps  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 class Computed(Exception):

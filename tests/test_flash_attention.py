@@ -1,4 +1,4 @@
-"""rl_jax.models.attention: xla is today's attention bit for bit; blocked (ex-"flash"), cudnn's wiring and splash equal it."""
+"""rl_jax.ops.attention: xla is today's attention bit for bit; blocked (ex-"flash"), cudnn's wiring and splash equal it."""
 # The tests reach the implementations behind `attention` (cudnn's wiring, splash, the loop bounds).
 # pylint: disable=protected-access
 import functools
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_jax.models import attention as attn
+from rl_jax.ops import attention as attn
 
 # Tiny programs: XLA's backend optimizations cost more than they save (conftest.fast_compile);
 # the memory test turns them back on for its own compile.

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_jax.models import grouped_matmul as G
+from rl_jax.ops import grouped_matmul as G
 
 # 16-row / 16-column tiles, so small shapes exercise every path: M=45 (not a multiple of
 # 16), D=40 (3 reduction steps, the last one zero-padded), F=20 (2 column tiles).

@@ -36,8 +36,6 @@ LOCAL_IMPORTS = {
         "start-up: the CLI imports the RL trainer only when the job is rl",
     ("rl_jax.models.families", "rl_jax.models.transformer"):
         "start-up: the family registry is read by config checks and the planner without the model code",
-    ("rl_jax.models.kv_cache", "rl_jax.quant.kv"):
-        "debt: no circle (quant is below models); only quantized caches use it",
     ("rl_jax.plan", "rl_jax.experiment"):
         "start-up: the planner parses flags and prints help without jax / the model stack",
     ("rl_jax.plan", "rl_jax.sharding"): "start-up: as above (planner)",
@@ -46,17 +44,13 @@ LOCAL_IMPORTS = {
     ("rl_jax.plan", "rl_jax.models.families"): "start-up: as above (planner)",
     ("rl_jax.plan", "rl_jax.models.expert_parallel"): "start-up: as above (planner)",
     ("rl_jax.plan", "rl_jax.models.moe"): "start-up: as above (planner)",
-    ("rl_jax.plan", "rl_jax.models.attention"): "start-up: as above (planner; attention's auto rule per device)",
+    ("rl_jax.plan", "rl_jax.ops.attention"): "start-up: as above (planner; attention's auto rule per device)",
     ("rl_jax.plan", "rl_jax.sampler.continuous"): "start-up: as above (planner; the continuous engine's slot count)",
     ("rl_jax.plan", "rl_jax.microbatch"): "start-up: as above (planner)",
     ("rl_jax.plan", "rl_jax.plan_hw"): "start-up: as above (planner)",
     ("rl_jax.plan", "rl_jax.optim"): "start-up: as above (planner; optax)",
     ("rl_jax.plan", "rl_jax.rl.programs"): "start-up: as above (planner)",
     ("rl_jax.plan", "rl_jax.rl.job"): "start-up: as above (planner)",
-    ("rl_jax.quant.ops", "rl_jax.models.grouped_matmul"):
-        "debt: an upward arrow (quant -> models); removed by issue 40 item 2 (a kernels layer)",
-    ("rl_jax.quant.params", "rl_jax.models.families"):
-        "debt: an upward arrow (quant -> models); removed by issue 40 item 2 (a kernels layer)",
     ("rl_jax.rl.trainer", "rl_jax.models.hf_stage"):
         "start-up: only a warm start from a Hugging Face checkpoint needs it",
     ("rl_jax.rl.trainer", "rl_jax.tasks.hf_tokenizer"):
@@ -67,19 +61,17 @@ LOCAL_IMPORTS = {
         "debt: rl.job imports sft at module level since issue 40 (a), so this hides nothing; issue 40 item 3",
     ("rl_jax.rl.warm_start", "rl_jax.models.hf"):
         "start-up: only a Hugging Face warm start loads the safetensors reader",
-    ("rl_jax.sampler.weights", "rl_jax.quant.params"):
+    ("rl_jax.sampler.weights", "rl_jax.models.quantize"):
         "start-up: only a quantized sampler needs the parameter quantizer",
     ("rl_jax.study.config", "rl_jax.rl.warm_start"):
         "start-up: the study runner lists and launches runs without importing the RL stack",
 }
 # A ratchet: function-local imports of rl_jax modules (statement x module). 56 before issue 40.
-MAX_LOCAL_IMPORTS = 51
+MAX_LOCAL_IMPORTS = 47
 
 # Imports from a lower layer into a higher one that are known debt: (importer, imported) -> why.
-UPWARD_DEBT = {
-    ("rl_jax.quant.ops", "rl_jax.models.grouped_matmul"): "issue 40 item 2: a kernels layer below both",
-    ("rl_jax.quant.params", "rl_jax.models.families"): "issue 40 item 2: a kernels layer below both",
-}
+# Empty since issue 40 item 2 (the kernels layer `ops` under `models`, above `quant`).
+UPWARD_DEBT: dict[tuple[str, str], str] = {}
 
 
 def _modules() -> dict[str, pathlib.Path]:

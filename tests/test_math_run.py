@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from conftest import run_clean_and_killed
 
-from configs import math_tiny
-from configs import qwen3_30b_a3b_math
-from configs import qwen3_30b_a3b_minirl
+from rl_jax.configs import math_tiny
+from rl_jax.configs import qwen3_30b_a3b_math
+from rl_jax.configs import qwen3_30b_a3b_minirl
 from rl_jax.rl import trainer as trainer_lib
 from rl_jax.rl.trainer import RLJob
 from rl_jax.tasks import arith, get_task

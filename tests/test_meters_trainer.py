@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from configs import countdown_tiny
-from rl_jax.study import sweeps
+from rl_jax.configs import countdown_tiny
 from rl_jax.rl import trainer as trainer_lib
+from rl_jax.study import sweeps
 
 
 # Builds a trainer and compiles sampler, p_old forward, update and the meter: minutes on 2 busy cores.

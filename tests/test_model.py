@@ -61,7 +61,7 @@ def test_expert_matmul_auto_resolves_by_backend():
   assert resolve("auto", "gpu", "float16") == "grouped"
   assert resolve("auto") == "slab"  # this CPU run: today's path, the default
   assert [resolve(c, "gpu") for c in ("slab", "ragged_dot", "grouped")] == ["slab", "ragged_dot", "grouped"]
-  from rl_jax import batch_invariant  # pylint: disable=g-import-not-at-top
+  from rl_jax.ops import batch_invariant  # pylint: disable=g-import-not-at-top
   with batch_invariant.scope(True):
     assert resolve("auto", "gpu") == "slab"  # the zero-mismatch mode's products are the slab's
   with pytest.raises(ConfigError, match="model.expert_matmul"):

@@ -57,7 +57,7 @@ def test_notebook_is_valid_stripped_and_compiles(path):
     assert cell["outputs"] == [] and cell["execution_count"] is None, f"cell {i} has outputs"
     # IPython magics / shell escapes are not Python: none are used, so none may slip in.
     assert not any(l.lstrip().startswith(("%", "!")) for l in src.splitlines()), f"cell {i}"
-    # Notebooks import rl_jax (and configs) as installed packages.
+    # Notebooks import rl_jax (its configs included, as rl_jax.configs) as an installed package.
     assert "sys.path" not in src, f"cell {i} patches sys.path"
     compile(src, f"{os.path.basename(path)}[cell {i}]", "exec")
   assert code > 0 and tagged == 1, f"{path}: needs exactly one code cell tagged 'parameters'"
@@ -78,7 +78,10 @@ def test_notebook_rl_jax_names_resolve(path):
   tree = ast.parse(src)
   aliases = {}
   for node in ast.walk(tree):
-    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("rl_jax", "configs")):
+    if isinstance(node, (ast.Import, ast.ImportFrom)):  # installed, the configs are rl_jax.configs
+      assert "configs" not in {(a.name if isinstance(node, ast.Import) else node.module or "").split(".")[0]
+                               for a in node.names}, ast.unparse(node)
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rl_jax"):
       mod = importlib.import_module(node.module)
       for a in node.names:
         obj = getattr(mod, a.name, None)

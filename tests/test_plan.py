@@ -2,11 +2,11 @@
 import jax
 import pytest
 
-from configs import countdown_tiny
 from rl_jax import experiment as ex
 from rl_jax import plan
 from rl_jax import plan_hw
 from rl_jax import sharding as sh
+from rl_jax.configs import countdown_tiny
 from rl_jax.optim import make_optimizer
 from rl_jax.rl.job import RLJob
 

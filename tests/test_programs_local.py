@@ -7,13 +7,13 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from configs import countdown_tiny
-from rl_jax.study import sweeps
 from rl_jax import sharding as sh
+from rl_jax.configs import countdown_tiny
 from rl_jax.models import families
 from rl_jax.rl import programs as programs_lib
 from rl_jax.rl import step as step_lib
 from rl_jax.rl.job import RLJob
+from rl_jax.study import sweeps
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 

@@ -8,9 +8,9 @@ import pytest
 
 from rl_jax.config_utils import ConfigError
 from rl_jax.quant import formats as F
-from rl_jax.quant import kernels as K
-from rl_jax.quant import kv as qkv
-from rl_jax.quant import ops
+from rl_jax.ops import quant_kernels as K
+from rl_jax.ops import kv_quant as qkv
+from rl_jax.ops import quantized as ops
 from rl_jax.quant.config import ActivationSpec, KVSpec, WeightSpec
 
 

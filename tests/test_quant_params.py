@@ -13,9 +13,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rl_jax.config_utils import ConfigError, from_dict
-from rl_jax.quant import ActivationSpec, KVSpec, QTensor, QuantConfig, WeightSpec, ops
-from rl_jax.quant import params as quant_params
-from rl_jax.quant.params import plan_of, quantize_params
+from rl_jax.models import quantize as quant_params
+from rl_jax.models.quantize import plan_of, quantize_params
+from rl_jax.ops import quantized as ops
+from rl_jax.ops.linear import linear as ops_linear, ragged_linear
+from rl_jax.quant import ActivationSpec, KVSpec, QTensor, QuantConfig, WeightSpec
 
 # --------------------------------------------------------------------------- config
 
@@ -237,7 +239,7 @@ class _Tiny(nnx.Module):
     self.scale = nnx.Param(jnp.ones((D,)))
 
   def __call__(self, x):
-    return ops.linear(x * self.scale.get_value(), self.wq.get_value())
+    return ops_linear(x * self.scale.get_value(), self.wq.get_value())
 
 
 def test_quantize_params_on_nnx_state():
@@ -313,7 +315,7 @@ def test_ragged_qmatmul_matches_per_expert_matmul(aspec):
   @jax.jit
   def run(x, w):
     qt = ops.quantize_weight(w, WeightSpec("fp8"), act=aspec, backend="xla")
-    return ops.ragged_linear(x, qt, sizes), ops.fake_quantize_activations(x, qt), ops.dequantize_weight(qt)
+    return ragged_linear(x, qt, sizes), ops.fake_quantize_activations(x, qt), ops.dequantize_weight(qt)
 
   out, xd, wd = run(x, w)
   xd, wd = np.asarray(xd, np.float64), np.asarray(wd, np.float64)
@@ -337,9 +339,9 @@ def test_memory_targets_on_qwen3_shapes():
 
 
 def test_qtensor_does_not_import_ops():
-  """The storage type stands alone: quant.ops imports qtensor, never the other way round."""
+  """The storage type stands alone: the kernels (rl_jax.ops) import qtensor, never the other way round."""
   code = ("import sys, rl_jax.quant.qtensor, rl_jax.quant; "
-          "assert 'rl_jax.quant.ops' not in sys.modules, sorted(sys.modules)")
+          "assert 'rl_jax.ops' not in sys.modules, sorted(sys.modules)")
   subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
 
 
@@ -358,7 +360,7 @@ def test_ragged_qmatmul_runs_the_grouped_kernel_at_16_bits_for_bf16_rows(fmt, as
   @jax.jit
   def run(x, w):
     qt = ops.quantize_weight(w, WeightSpec(fmt), act=aspec, backend="xla")
-    return (ops.ragged_linear(x, qt, sizes, impl="pallas"), ops.fake_quantize_activations(x, qt).astype(jnp.bfloat16),
+    return (ragged_linear(x, qt, sizes, impl="pallas"), ops.fake_quantize_activations(x, qt).astype(jnp.bfloat16),
             ops.dequantize_weight(qt, jnp.bfloat16))
 
   with impl_log.recording() as log:
@@ -372,7 +374,7 @@ def test_ragged_qmatmul_runs_the_grouped_kernel_at_16_bits_for_bf16_rows(fmt, as
   assert np.all(err <= 2.0**-8 * np.abs(ref) + 2 * D * 2.0**-24 * scale), err.max()
   # float32 rows keep float32 operands at HIGHEST (and XLA:CPU's ragged_dot keeps them for bf16).
   with impl_log.recording() as log:
-    jax.jit(lambda x, w: ops.ragged_linear(x, ops.quantize_weight(w, WeightSpec(fmt), backend="xla"), sizes,
+    jax.jit(lambda x, w: ragged_linear(x, ops.quantize_weight(w, WeightSpec(fmt), backend="xla"), sizes,
                                            impl="pallas"))(x.astype(jnp.float32), w)
-    jax.jit(lambda x, w: ops.ragged_linear(x, ops.quantize_weight(w, WeightSpec(fmt), backend="xla"), sizes))(x, w)
+    jax.jit(lambda x, w: ragged_linear(x, ops.quantize_weight(w, WeightSpec(fmt), backend="xla"), sizes))(x, w)
   assert dict(log["experts"]) == {"quantized grouped float32": 1, "quantized ragged_dot float32": 1}

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from conftest import run_clean_and_killed
 
-from configs import countdown_tiny
-from rl_jax.study import sweeps
 from rl_jax.checkpoint import Checkpointer
 from rl_jax.config_utils import ConfigError
+from rl_jax.configs import countdown_tiny
 from rl_jax.metrics import read_metrics
 from rl_jax.rl import step as step_lib
 from rl_jax.rl import trainer as trainer_lib
+from rl_jax.study import sweeps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

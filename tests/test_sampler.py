@@ -317,7 +317,7 @@ def test_rollout_is_a_pytree():
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 def test_quantized_kv_cache_follows_the_backend_switch(model, monkeypatch, fmt):
   """QuantConfig.backend reaches the KV-cache kernels; 'pallas' (interpret mode here) == 'xla'."""
-  from rl_jax.quant import ops  # pylint: disable=g-import-not-at-top
+  from rl_jax.ops import quantized as ops  # pylint: disable=g-import-not-at-top
   from rl_jax.quant.config import KVSpec  # pylint: disable=g-import-not-at-top
   seen = []
   real = ops.quantize_rows

@@ -7,9 +7,9 @@ from flax import nnx
 
 from rl_jax.config_utils import ConfigError
 from rl_jax.models.config import ModelConfig
+from rl_jax.models.quantize import quantize_params
 from rl_jax.models.transformer import Transformer
 from rl_jax.quant.config import QuantConfig
-from rl_jax.quant.params import quantize_params
 from rl_jax.quant.qtensor import QTensor
 from rl_jax.sampler import weights as W
 

@@ -9,9 +9,10 @@ from flax import nnx
 
 from rl_jax.config_utils import ConfigError
 from rl_jax.models import ModelConfig, Transformer
+from rl_jax.models.quantize import quantize_params
 from rl_jax.models.transformer import stack_layers
-from rl_jax.quant import ActivationSpec, KVSpec, QTensor, QuantConfig, WeightSpec, ops
-from rl_jax.quant.params import quantize_params
+from rl_jax.ops import quantized as ops
+from rl_jax.quant import ActivationSpec, KVSpec, QTensor, QuantConfig, WeightSpec
 
 # Every contraction dim (d_model 32, heads 4 x 8, d_ff 64, moe_d_ff 32) divides the blocks below.
 _BASE = dict(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,

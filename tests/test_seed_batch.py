@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import countdown_tiny
 from rl_jax import rollout as rollout_lib
+from rl_jax.configs import countdown_tiny
 from rl_jax.rl import seed_batch
 from rl_jax.rl import trainer as trainer_lib
 

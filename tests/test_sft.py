@@ -5,10 +5,10 @@ import jax
 import numpy as np
 import pytest
 
-from configs import sft_countdown_tiny
 from rl_jax import sft
 from rl_jax.config_utils import ConfigError
 from rl_jax.config_utils import from_dict
+from rl_jax.configs import sft_countdown_tiny
 from rl_jax.models import ModelConfig
 from rl_jax.metrics import read_metrics
 

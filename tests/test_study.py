@@ -275,12 +275,14 @@ def test_micro_study_on_two_processes_per_run(tmp_path):
 
 @pytest.mark.slow   # a pip install into a temporary directory: ~20 s
 def test_study_runner_plans_from_an_installed_package(tmp_path):
-  """No source checkout needed: from a plain install (rl_jax and configs in site-packages) and another
-  working directory, the runner finds the base configs and plans the runs."""
+  """No source checkout needed: from a plain install (rl_jax with its configs as rl_jax.configs, nothing
+  named `configs` at the top of site-packages) and another working directory, the runner finds the
+  base configs and plans the runs."""
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   target = tmp_path / "site"
   subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                   "--target", str(target), repo], check=True, timeout=600)
+  assert (target / "rl_jax" / "configs" / "common.py").exists() and not (target / "configs").exists()
   env = dict(os.environ, PYTHONPATH=str(target))
   out = subprocess.run([sys.executable, "-m", "rl_jax.study", "micro", "--root", str(tmp_path / "root"),
                         "--dry_run"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

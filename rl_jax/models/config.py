@@ -53,7 +53,7 @@ class ModelConfig:
   moe_a2a: Literal["padded", "ragged"] = "padded"
   # The local experts' matmuls (docs/architecture.md#expert-dispatch): "slab" (an [E, C, D] capacity
   # slab, then rounds of it: plain XLA ops, no dense expansion), "grouped" (the Pallas grouped
-  # matmul of expert-sorted rows, models/grouped_matmul.py, with its own VJP; interpreted on CPU),
+  # matmul of expert-sorted rows, ops/grouped_matmul.py, with its own VJP; interpreted on CPU),
   # "ragged_dot" (lax.ragged_dot, the reference: native on TPU, dense [rows, E * F] on XLA:CPU/GPU),
   # or "auto" (grouped on GPU for bf16 / f16 compute, ragged_dot on TPU, slab on CPU, for float32
   # on GPU and in the zero-mismatch mode, from jax.default_backend() at trace time). Quantized
@@ -64,7 +64,7 @@ class ModelConfig:
   # experts' activations, each ~tokens x top-k x d_model) to one chunk's, forward and backward
   # (each chunk rematerialized), which at 32K-token responses is most of a layer's memory.
   moe_seq_chunk: int = 0
-  # Attention kernel (rl_jax/models/attention.py, `auto_impl`): "auto" (cuDNN on GPU where the mask
+  # Attention kernel (rl_jax/ops/attention.py, `auto_impl`): "auto" (cuDNN on GPU where the mask
   # and dtype allow, splash on TPU, else XLA, or the blocked lax-loop attention where it wins (CPU,
   # from 512 x 512 scores) or memory forces it), or one of "xla" (materialized [S, C] scores),
   # "blocked", "cudnn", "splash" (the last two fall back to blocked, saying so once, where they
@@ -74,7 +74,7 @@ class ModelConfig:
   # same way whatever else it holds, so an fp32 sampler's log q equals the trainer's log p_old bit
   # for bit (on the shapes tests/test_zero_mismatch.py pins). Attention: blocked with 1-slot query
   # blocks and fixed key blocks everywhere (trainer, prefill, decode); every product a fixed-order
-  # accumulation (rl_jax/batch_invariant.py). Slow: a certificate, not a training setting.
+  # accumulation (rl_jax/ops/batch_invariant.py). Slow: a certificate, not a training setting.
   batch_invariant: bool = False
   rope_theta: float = 1_000_000.0
   # Block-construction switches (set by the family; docs/architecture.md#extending).

@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 from rl_jax.config_utils import ConfigError
 from rl_jax.models import expert_rows
-from rl_jax.quant.ops import ragged_linear
+from rl_jax.ops.linear import ragged_linear
 from rl_jax.quant.qtensor import QTensor
 
 # Mesh axes (rl_jax/sharding.py names; repeated, not imported, so the model stays importable

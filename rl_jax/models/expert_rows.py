@@ -9,9 +9,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from rl_jax import batch_invariant as invariant
 from rl_jax import impl_log
-from rl_jax.quant.ops import ragged_linear
+from rl_jax.ops import batch_invariant as invariant
+from rl_jax.ops.linear import ragged_linear
 from rl_jax.quant.qtensor import QTensor
 
 
@@ -23,7 +23,7 @@ from rl_jax.quant.qtensor import QTensor
 CAPACITY_TIERS = (1.25, 2.0)
 
 
-# `_ragged_rows`' grouped-product impl (quant.ops.ragged_linear) per resolved expert matmul; the
+# `_ragged_rows`' grouped-product impl (ops.linear.ragged_linear) per resolved expert matmul; the
 # slab path's quantized weights keep ragged_dot.
 _ROW_IMPL = {"slab": "ragged_dot", "ragged_dot": "ragged_dot", "grouped": "pallas"}
 
@@ -201,7 +201,7 @@ def dropless_rows(x_GnD, ids_GnK, w_gate, w_up, w_down, n_experts: int,
         x, ids, *ws_rounds[:3])
 
   if matmul != "slab" or any(isinstance(w, QTensor) for w in (w_gate, w_up, w_down)):
-    return ragged(x_GnD, ids_GnK, w_gate, w_up, w_down, None)  # quant.ops.ragged_linear records it
+    return ragged(x_GnD, ids_GnK, w_gate, w_up, w_down, None)  # ops.linear.ragged_linear records it
   impl_log.record("experts", f"slab {jnp.dtype(x_GnD.dtype).name}")
   tiers = capacity_tiers(rows if n_assignments is None else n_assignments, n_experts, max_slots=rows)
   branches = [slab(c) for c in tiers]

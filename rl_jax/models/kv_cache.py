@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from rl_jax.models.config import ModelConfig
+from rl_jax.ops import kv_quant as qkv
 
 
 @jax.tree_util.register_dataclass
@@ -55,7 +56,6 @@ class LayerKV:
       v = write_slots(self.v, v_BGSD.astype(self.v.dtype), index, axis=2)
       new = dataclasses.replace(self, k=k, v=v)
       return new, k.astype(dtype), v.astype(dtype)
-    from rl_jax.quant import kv as qkv  # pylint: disable=g-import-not-at-top
     kq, ks = qkv.kv_quantize(k_BGSD, self.spec, self.backend)
     vq, vs = qkv.kv_quantize(v_BGSD, self.spec, self.backend)
     new = dataclasses.replace(
@@ -101,7 +101,6 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, kv
     shape_t = (batch, cfg.n_kv_heads, cfg.head_dim, max_len)  # keys transposed
     layers = [LayerKV(jnp.zeros(shape_t, cdt), jnp.zeros(shape, cdt)) for _ in range(cfg.n_layers)]
     return stack_cache(cfg, layers) if cfg.scan_layers else layers
-  from rl_jax.quant import kv as qkv  # pylint: disable=g-import-not-at-top
   # Quantizing a zero slab gives the stored layout (packing, dtypes, scale shape).
   vals, scales = jax.eval_shape(lambda x: qkv.kv_quantize(x, kv_spec, "xla"),
                                 jax.ShapeDtypeStruct(shape, dtype))

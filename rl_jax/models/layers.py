@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rl_jax.models.attention import MASK_VALUE, attention
 from rl_jax.models.config import ModelConfig
-from rl_jax.quant.ops import linear
+from rl_jax.ops.attention import MASK_VALUE, attention
+from rl_jax.ops.linear import linear
 
 # Dimension letters in array names (S tokens of this forward, C cache slots attention reads,
 # R query heads per kv head, F ffn width, N flattened B * S tokens, ...): the one list is
@@ -27,7 +27,7 @@ def param(rngs: nnx.Rngs, shape, axes, cfg: ModelConfig, std: float | None = Non
   """A normal-initialized parameter annotated with logical axis names (see sharding.py) and tags:
   `expert=True` on routed-expert stacks (`presets.count_params` reads it), `quantize=True` on a
   linear weight `[in, out]` / `[experts, in, out]` and `lm_head=True` on the output projection
-  (`quant.params.plan_of` reads them: what the sampler quantizes)."""
+  (`models.quantize.plan_of` reads them: what the sampler quantizes)."""
   std = cfg.init_std if std is None else std
   value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
   return nnx.Param(value.astype(dtype_of(cfg.param_dtype)), axes=axes, **tags)
@@ -114,7 +114,7 @@ class Attention(nnx.Module):
 
     The query at slot `cache_index + i` (i without a cache) reads key slot c iff c <= its slot
     and `kv_valid_BC[b, c]`: the mask is never materialized ([B, S, C] would be 1 GiB per row at
-    32k tokens); `rl_jax.models.attention` runs it (`ModelConfig.attention`).
+    32k tokens); `rl_jax.ops.attention` runs it (`ModelConfig.attention`).
     """
     cfg = self.cfg
     hd = cfg.head_dim

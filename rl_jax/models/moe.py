@@ -9,7 +9,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from rl_jax import batch_invariant as invariant
 from rl_jax.config_utils import ConfigError
 from rl_jax.models import expert_parallel as ep_lib
 from rl_jax.models.config import EXPERT_MATMULS, ModelConfig
@@ -17,6 +16,7 @@ from rl_jax.models.expert_parallel import BATCH_AXES
 from rl_jax.models.expert_rows import (  # noqa: F401  (also read as moe.<name>, as before the move)
     CAPACITY_TIERS, _capacity_experts, capacity_slots, capacity_tiers, dropless_rows, ragged_experts)
 from rl_jax.models.layers import param
+from rl_jax.ops import batch_invariant as invariant
 from rl_jax.quant.qtensor import QTensor
 
 

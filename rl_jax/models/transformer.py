@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rl_jax import batch_invariant as invariant
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.expert_parallel import BATCH_AXES
 from rl_jax.models.kv_cache import cache_len
 from rl_jax.models.layers import MLP, Attention, RMSNorm, dtype_of, param
 from rl_jax.models.moe import MoE
-from rl_jax.quant.ops import dense, linear
+from rl_jax.ops import batch_invariant as invariant
+from rl_jax.ops.linear import dense, linear
 
 
 @jax.tree_util.register_dataclass
@@ -237,7 +237,7 @@ class Transformer(nnx.Module):
     if replay_ids_BSLK is not None and replay_mask_BS is None:
       replay_mask_BS = jnp.ones((b, s), bool)
 
-    # The embedding is never quantized (quant.params leaves it a plain array).
+    # The embedding is never quantized (models.quantize leaves it a plain array).
     x_BSD = constrain_batch(jnp.take(self.embedding.get_value(), tokens_BS, axis=0).astype(dtype))
     args = (positions_BS, kv_valid_BC, valid_BS, cache_index, replay_ids_BSLK, replay_mask_BS)
     if cfg.scan_layers:

@@ -1,8 +1,9 @@
-"""Sampler quantization: number formats, QTensor storage, Pallas kernels and jnp references.
+"""Sampler quantization's types: number formats (with their jnp reference math), QTensor storage, QuantConfig.
 
-The package exports only the config and storage types, so importing it (the sampler's
-config does) pulls in no kernels; the math is imported by module: `quant.ops` (quantize,
-dequantize, the model's `linear` / `ragged_linear` dispatch), `quant.params`, `quant.kv`.
+Below the kernels layer: `rl_jax.ops` imports this package, never the other way round. The
+math on these types lives there (`ops.quantized`: quantize, dequantize, quantized matmuls;
+`ops.quant_kernels`: their Pallas kernels; `ops.kv_quant`: the KV cache's codec), and a model's
+parameter tree is quantized by `models.quantize` (it reads the models' parameter tags).
 """
 from rl_jax.quant.config import (ActivationSpec, FormatSpec, KVSpec, QuantConfig,  # noqa: F401
                                  WeightSpec)

@@ -35,7 +35,7 @@ class QTensor:
   per output channel), scale dtype, the activation quantization attached for W+A
   matmuls (`act_format` None = weight-only), and the kernel backend.
 
-  Storage only: the math on it (dequantize, matmuls) lives in `quant/ops.py`, which
+  Storage only: the math on it (dequantize, matmuls) lives in `ops/quantized.py`, which
   imports this module and never the other way round.
   """
   values: jax.Array

@@ -17,9 +17,9 @@ from rl_jax import workdir as wd
 from rl_jax.config_utils import ConfigError, flat_defaults, from_dict, require
 from rl_jax.metrics import LoggingConfig
 from rl_jax.models import ModelConfig, families
+from rl_jax.models.quantize import quantize_params
+from rl_jax.ops import kv_quant as qkv
 from rl_jax.optim import OptimConfig
-from rl_jax.quant import kv as qkv
-from rl_jax.quant.params import quantize_params
 from rl_jax.rl.loss.loss_config import AdvantageConfig, LossConfig
 # Routing replay's one type (its values are the config's `rl.routing_replay`).
 from rl_jax.rl.step import Replay

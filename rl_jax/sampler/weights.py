@@ -69,7 +69,7 @@ def _sync(params_state, delta, qcfg, dtype, plan=None):
     state = jax.tree.map(lambda w, d: (w.astype(jnp.float32) + d).astype(w.dtype) if _is_float(w) else w,
                          state, delta)
   if qcfg is not None and not _is_noop_quant(qcfg):
-    from rl_jax.quant.params import quantize_params  # pylint: disable=g-import-not-at-top
+    from rl_jax.models.quantize import quantize_params  # pylint: disable=g-import-not-at-top
     state = quantize_params(state, qcfg, plan)
   target = dtype_of(dtype)
   # QTensors keep their own storage and scale dtypes; only plain float leaves are cast.
@@ -91,7 +91,7 @@ def sync_weights(params_state: Any, delta: Any | None, qcfg: Any, dtype: str, pl
   `QuantConfig` (weights / activations are quantized by `quantize_params`; the KV-cache
   section is used by `generate` through `init_cache(kv_spec=qcfg.kv)`), or None. `plan`
   (`quant_plan(model_cfg)`) names the leaves to quantize by the model's parameter tags; a pure
-  dict without one is matched by name (`quant.params.tagged_names`).
+  dict without one is matched by name (`models.quantize.tagged_names`).
   The trainer's parameters are not donated: the trainer keeps using them.
   """
   return _sync(params_state, delta, qcfg, dtype, plan)
@@ -105,9 +105,9 @@ def lower_sync(params_state: Any, delta: Any | None, qcfg: Any, dtype: str, plan
 
 @functools.lru_cache(maxsize=None)
 def quant_plan(model_cfg: ModelConfig):
-  """The `quant.params.QuantPlan` of the model of `model_cfg` (its parameter tags, read from the
+  """The `models.quantize.QuantPlan` of the model of `model_cfg` (its parameter tags, read from the
   abstract model: nothing allocated); its paths are `nnx.to_pure_dict`'s of the trainer's state."""
-  from rl_jax.quant.params import plan_of  # pylint: disable=g-import-not-at-top
+  from rl_jax.models.quantize import plan_of  # pylint: disable=g-import-not-at-top
   return plan_of(nnx.state(families.abstract_model(model_cfg)))
 
 

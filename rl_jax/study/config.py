@@ -11,17 +11,28 @@ import os
 
 import ml_collections
 
-from rl_jax.study import sweeps
 from rl_jax.study import studies
+from rl_jax.study import sweeps
 
-# The directory holding the `rl_jax` and `configs` packages: a source checkout, or site-packages when
-# installed (setup.py ships both, the config files included), so base configs and launches resolve either way.
+# The directory holding the `rl_jax` package: a source checkout (configs/ beside rl_jax/), or
+# site-packages when installed (setup.py ships configs/ as rl_jax/configs), so base configs and
+# launches resolve either way (`config_file`).
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def config_file(base: str) -> str:
+  """`path[:arg]` as `--config` takes it from REPO_ROOT: `configs/X.py` names the checkout's file,
+  or, installed (no configs/ beside rl_jax/), the same file under rl_jax/configs/."""
+  path, sep, arg = base.partition(":")
+  head, _, rest = path.partition("/")
+  if head == "configs" and not os.path.isdir(os.path.join(REPO_ROOT, "configs")):
+    path = os.path.join("rl_jax", "configs", rest)
+  return path + sep + arg
 
 
 def load_base(base: str) -> ml_collections.ConfigDict:
   """`path[:arg]` (relative to the repository root, as `--config` takes it) -> its get_config(arg)."""
-  path, _, arg = base.partition(":")
+  path, _, arg = config_file(base).partition(":")
   full = path if os.path.isabs(path) else os.path.join(REPO_ROOT, path)
   if not os.path.exists(full):
     raise FileNotFoundError(f"study base config {base!r}: no file {full}")

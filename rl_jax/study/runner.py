@@ -25,15 +25,15 @@ from typing import Any, Callable, Literal, Sequence
 
 import tqdm
 
-from rl_jax.study import sweeps
-from rl_jax import artifacts
 from rl_jax import analysis
+from rl_jax import artifacts
 from rl_jax import preempt
 from rl_jax.analysis import aggregate, precursors, runs as runs_lib, tables
-from rl_jax.study import verdicts as verdicts_lib
 from rl_jax.study import protocol as protocol_lib
 from rl_jax.study import studies
-from rl_jax.study.config import REPO_ROOT, load_base
+from rl_jax.study import sweeps
+from rl_jax.study import verdicts as verdicts_lib
+from rl_jax.study.config import REPO_ROOT, config_file, load_base
 
 CONFIG_FILE = "rl_jax/study/config.py"   # relative to REPO_ROOT, where every launch runs
 WARM_START_DONE = "study_warm_start.json"
@@ -161,7 +161,7 @@ def plan(study: studies.Study, root: str, seeds: int | None = None, steps: int |
       workdir = os.path.join(root, run.panel, run.line, f"seed{seed}")
       argv = list(entry)
       if sweeps.flag_expressible(overrides, base):
-        argv += [f"--config={study.base}", f"--workdir={workdir}"]
+        argv += [f"--config={config_file(study.base)}", f"--workdir={workdir}"]
         argv += [f"--config.{k}={_flag_value(v)}" for k, v in overrides.items()]
       else:
         argv += [f"--config={CONFIG_FILE}:{study.name}/{run.name}", f"--workdir={workdir}"]

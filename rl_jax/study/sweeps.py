@@ -32,8 +32,8 @@ from typing import Any, Callable
 
 import ml_collections
 
-from configs import countdown_tiny
-from configs import qwen3_30b_a3b_minirl
+from rl_jax.configs import countdown_tiny
+from rl_jax.configs import qwen3_30b_a3b_minirl
 from rl_jax.rl.loss.loss_config import registered_methods  # every registered loss method, in registration order
 
 BASE = "configs/countdown_tiny.py"

@@ -37,7 +37,7 @@ def reference_configs() -> tuple[ModelConfig, ...]:
   """One tiny config per registered family with every block switch on (q/k norm, q/k/v biases, a
   dense and an MoE layer, a shared expert, an untied head): every kind of parameter the blocks
   create, for what is read off the parameters' tags without a model at hand
-  (`quant.params.tagged_names`). A new switch that adds a parameter is turned on here too."""
+  (`models.quantize.tagged_names`). A new switch that adds a parameter is turned on here too."""
   return tuple(ModelConfig(family=name, vocab_size=8, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4,
                            d_ff=8, n_experts=2, n_experts_per_tok=1, moe_d_ff=8, mlp_only_layers=(0,),
                            shared_expert_d_ff=8, qk_norm=True, qkv_bias=True, tie_embeddings=False)

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rl_jax.config_utils import ConfigError
+from rl_jax.models import families
+from rl_jax.ops import quantized
 from rl_jax.quant import formats as F
-from rl_jax.quant import ops
 from rl_jax.quant.config import QuantConfig
 from rl_jax.quant.qtensor import QTensor
 
@@ -127,8 +128,6 @@ def tagged_names() -> Mapping[str, str]:
   `families.reference_configs()` (each family with every block switch on); a name tagged in one
   place and untagged in another maps to "ambiguous", and such a leaf needs a plan.
   """
-  # The models import this package (quant.ops), so they are imported when first needed.
-  from rl_jax.models import families  # pylint: disable=g-import-not-at-top
   seen: dict[str, set] = {}
   for cfg in families.reference_configs():
     flat = jax.tree_util.tree_flatten_with_path(nnx.state(families.abstract_model(cfg), nnx.Param),
@@ -217,7 +216,7 @@ def quantize_params(params: Any, qcfg: QuantConfig, plan: QuantPlan | None = Non
     seen.add(keys)
     if qcfg.weights.quantized:
       check_weight(path_str(path), tuple(leaf.shape), qcfg, table[keys])
-    return ops.quantize_weight(leaf, qcfg.weights, act=qcfg.activations, backend=qcfg.backend)
+    return quantized.quantize_weight(leaf, qcfg.weights, act=qcfg.activations, backend=qcfg.backend)
 
   out = jax.tree_util.tree_map_with_path(one, params)
   missing = sorted("/".join(map(str, p)) for p in table.keys() - seen)

@@ -4,11 +4,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rl_jax import batch_invariant as invariant
 from rl_jax import impl_log
 from rl_jax.config_utils import ConfigError
+from rl_jax.ops import quant_kernels as kernels
+from rl_jax.ops.grouped_matmul import grouped_product
 from rl_jax.quant import formats as F
-from rl_jax.quant import kernels
 from rl_jax.quant.qtensor import QTensor
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -161,18 +161,6 @@ def qmatmul(x_sK: jax.Array, qt: QTensor) -> jax.Array:
   return out.reshape(lead + (n,)).astype(x_sK.dtype)
 
 
-def _grouped(x_NK, w_EKN, group_sizes_E, impl: str, **kw) -> jax.Array:
-  """`lax.ragged_dot` ("ragged_dot") or the Pallas grouped matmul ("pallas", no dense expansion)."""
-  if impl == "ragged_dot":
-    return jax.lax.ragged_dot(x_NK, w_EKN, group_sizes_E, **kw)
-  if impl != "pallas":
-    raise ValueError(f"grouped matmul impl must be 'ragged_dot' or 'pallas', got {impl!r}")
-  # Imported here: rl_jax.models imports this module (moe.py), so a top-level import would cycle.
-  from rl_jax.models import grouped_matmul  # pylint: disable=g-import-not-at-top
-  kw.pop("precision", None)  # the kernel runs float32 operands at HIGHEST itself
-  return grouped_matmul.grouped_matmul(x_NK, w_EKN, group_sizes_E, impl="pallas", **kw)
-
-
 def ragged_qmatmul(x_NK: jax.Array, qt: QTensor, group_sizes_E: jax.Array,
                    impl: str = "ragged_dot") -> jax.Array:
   """`lax.ragged_dot` of expert-sorted rows with a quantized `[E, K, N]` weight -> `[rows, N]`.
@@ -196,31 +184,6 @@ def ragged_qmatmul(x_NK: jax.Array, qt: QTensor, group_sizes_E: jax.Array,
   impl_log.record("experts", f"quantized {'grouped' if impl == 'pallas' else impl} {jnp.dtype(op_dtype).name}")
   kw = dict(preferred_element_type=jnp.float32) if sixteen else dict(precision=_HIGHEST,
                                                                       preferred_element_type=jnp.float32)
-  out = _grouped(fake_quantize_activations(x_NK, qt).astype(op_dtype), dequantize_weight(qt, op_dtype),
+  out = grouped_product(fake_quantize_activations(x_NK, qt).astype(op_dtype), dequantize_weight(qt, op_dtype),
                  group_sizes_E, impl, **kw)
   return out.astype(x_NK.dtype)
-
-
-def linear(x_sK: jax.Array, w) -> jax.Array:
-  """`x[..., K] @ w[K, N]` in x's dtype, for a plain array or a QTensor (the model's linears)."""
-  if isinstance(w, QTensor):
-    return qmatmul(x_sK, w)
-  if invariant.active():  # the zero-mismatch mode (rl_jax/batch_invariant.py)
-    return invariant.ordered_dot(x_sK, w)
-  return jnp.dot(x_sK, w.astype(x_sK.dtype))
-
-
-def ragged_linear(x_NK: jax.Array, w, group_sizes_E: jax.Array, impl: str = "ragged_dot") -> jax.Array:
-  """`lax.ragged_dot(x, w[E, K, N], group_sizes)` in x's dtype, for a plain array or a QTensor;
-  `impl` "pallas" computes it with the Pallas grouped matmul (models/grouped_matmul.py)."""
-  if isinstance(w, QTensor):
-    return ragged_qmatmul(x_NK, w, group_sizes_E, impl)
-  impl_log.record("experts", f"{'grouped' if impl == 'pallas' else impl} {jnp.dtype(x_NK.dtype).name}")
-  return _grouped(x_NK, w.astype(x_NK.dtype), group_sizes_E, impl)
-
-
-def dense(w, dtype) -> jax.Array:
-  """`w` as a plain array in `dtype` (dequantized when it is a QTensor)."""
-  if isinstance(w, QTensor):
-    return dequantize_weight(w, dtype)
-  return w.astype(dtype)

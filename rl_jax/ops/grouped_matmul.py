@@ -268,3 +268,15 @@ def _gmm_bwd(static, res, dy_MF):
 
 
 _gmm_vjp.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def grouped_product(x_NK: jax.Array, w_EKN: jax.Array, group_sizes_E: jax.Array, impl: str,
+                    **kw) -> jax.Array:
+  """The experts' product as `ops.linear` / `ops.quantized` run it: `lax.ragged_dot` with `kw` as
+  given ("ragged_dot"), or the Pallas grouped matmul ("pallas", no dense expansion)."""
+  if impl == "ragged_dot":
+    return jax.lax.ragged_dot(x_NK, w_EKN, group_sizes_E, **kw)
+  if impl != "pallas":
+    raise ValueError(f"grouped matmul impl must be 'ragged_dot' or 'pallas', got {impl!r}")
+  kw.pop("precision", None)  # the kernel runs float32 operands at HIGHEST itself
+  return grouped_matmul(x_NK, w_EKN, group_sizes_E, impl="pallas", **kw)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from rl_jax.config_utils import ConfigError
 from rl_jax.quant import formats as F
-from rl_jax.quant import ops
+from rl_jax.ops import quantized
 
 
 def _layout(spec, d: int) -> tuple[F.Format, int | None]:
@@ -40,7 +40,7 @@ def kv_quantize(x_BSGD: jax.Array, spec, backend: str = "auto"
     return x_BSGD.astype(fmt.storage_dtype), None
   *lead, d = x_BSGD.shape
   fmt, block = _layout(spec, d)
-  codes, scales = ops.quantize_rows(x_BSGD.reshape(-1, d), fmt, block, spec.scale_dtype, backend)
+  codes, scales = quantized.quantize_rows(x_BSGD.reshape(-1, d), fmt, block, spec.scale_dtype, backend)
   return codes.reshape(*lead, -1), scales.reshape(*lead, -1)
 
 
@@ -53,7 +53,7 @@ def kv_dequantize(values: jax.Array, scales: jax.Array | None, spec, dtype=jnp.f
   *lead, dc = values.shape
   d = dc * 2 if fmt.packed else dc
   fmt, block = _layout(spec, d)
-  out = ops.dequantize_rows(values.reshape(-1, dc), scales.reshape(-1, scales.shape[-1]), fmt,
+  out = quantized.dequantize_rows(values.reshape(-1, dc), scales.reshape(-1, scales.shape[-1]), fmt,
                             block, spec.scale_dtype, d, dtype, backend)
   return out.reshape(*lead, d)
 

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from rl_jax import impl_log
-from rl_jax.batch_invariant import ordered_sum
+from rl_jax.ops.batch_invariant import ordered_sum
 
 # "flash": the deprecated name of "blocked" (a warning, then blocked).
 IMPLEMENTATIONS = ("auto", "xla", "blocked", "cudnn", "splash", "flash")
@@ -315,7 +315,7 @@ class _Blocks:
 
 def _qk(q_BGQD, k_BGKD, ordered: bool):
   """f32 scores q k^T of one block; `ordered`: accumulated over D in index order, elementwise (a
-  dot's XLA:CPU kernel, and so its rounding, depends on the shapes around it: rl_jax/batch_invariant.py)."""
+  dot's XLA:CPU kernel, and so its rounding, depends on the shapes around it: rl_jax/ops/batch_invariant.py)."""
   if not ordered:
     return jnp.einsum("bgqd,bgkd->bgqk", q_BGQD, k_BGKD, preferred_element_type=jnp.float32)
   q, k = q_BGQD.astype(jnp.float32), k_BGKD.astype(jnp.float32)
