@@ -26,6 +26,7 @@ from rl_jax.optim import make_optimizer
 from rl_jax.rl import attribution as attribution_lib
 from rl_jax.rl import evaluate as evaluate_lib
 from rl_jax.rl import inflight as inflight_lib
+from rl_jax.rl import inflight_updates
 from rl_jax.rl import programs as programs_lib
 from rl_jax.rl import plots
 from rl_jax.rl import source_metrics
@@ -364,7 +365,9 @@ class RLTrainer:
     fractions over the step's wall time (`async/*_busy`, inflight.BusyClock)."""
     self.busy.reset()
     start = time.perf_counter()
-    if self.job.rl.mode == "async" and self.job.rl.max_staleness > 0:
+    if self.job.rl.inflight_updates:  # async, the rollouts generated in chunks across versions
+      row = inflight_updates.async_step(self, step)
+    elif self.job.rl.mode == "async" and self.job.rl.max_staleness > 0:
       row = self._async_step(step)
     else:
       row = self._sync_step(step)
@@ -510,8 +513,13 @@ class RLTrainer:
     if hasattr(self.task, "data_state"):  # the position in the data files (checked on resume)
       meta["data"] = self.task.data_state(step * self.job.rl.prompts_per_step)
     if self.queue:
-      items["inflight"] = {str(i): inflight_lib.to_tree(it) for i, it in enumerate(self.queue)}
+      # In-flight updates: rollouts still in generation (their engine carries), else whole ones.
+      to_tree = ((lambda it: inflight_updates.to_tree(it, self.mesh)) if self.job.rl.inflight_updates
+                 else inflight_lib.to_tree)
+      items["inflight"] = {str(i): to_tree(it) for i, it in enumerate(self.queue)}
       meta.update(inflight_steps=[it.step for it in self.queue], inflight_versions=[it.version for it in self.queue])
+      if self.job.rl.inflight_updates:
+        meta["inflight_advanced"] = [it.advanced for it in self.queue]
     self.ckpt.save(step, items, meta)
 
   def _restore_inflight(self, meta: dict) -> None:
@@ -519,6 +527,9 @@ class RLTrainer:
     steps, versions = meta["inflight_steps"], meta["inflight_versions"]
     _, ids, valid = self.prompts(steps[0])
     ids, valid = rollout_lib.repeat_prompts((ids, valid), self.job.rl.group_size)
+    if self.job.rl.inflight_updates:
+      self._restore_partial(meta, ids, valid)
+      return
     with sh.mesh_context(self.sampler_mesh):
       ro = self.programs.rollout_shapes(self.sampler_state, ids, valid, jax.random.key(0))
     rewards = jax.ShapeDtypeStruct((ids.shape[0],), jnp.float32)
@@ -531,6 +542,20 @@ class RLTrainer:
     self.queue.extend(inflight_lib.from_tree(items["inflight"][str(i)], s, v, prompt_len)
                       for i, (s, v) in enumerate(zip(steps, versions)))
     print(f"[rl] restored {len(steps)} rollout(s) in flight (steps {steps}, versions {versions})")
+
+  def _restore_partial(self, meta: dict, ids, valid) -> None:
+    """The rollouts in generation saved with the restored step (in-flight updates): each engine carry
+    as it was after its last chunk, so the run goes on as the uninterrupted one did."""
+    steps, versions, advanced = meta["inflight_steps"], meta["inflight_versions"], meta["inflight_advanced"]
+    with sh.mesh_context(self.sampler_mesh):
+      abstract = self.programs.rollout_carry_shapes(self.sampler_state, ids, valid, jax.random.key(0))
+    one = inflight_updates.restore_targets(self, abstract, self.job.rl.p_old_version == "rollout")
+    items, _, _ = self.ckpt.restore({"inflight": {str(i): one for i in range(len(steps))}}, step=self.start_step)
+    g = self.job.rl.group_size
+    for i, (s, v, a) in enumerate(zip(steps, versions, advanced)):
+      problems = [p for p in self.prompts(s)[0] for _ in range(g)]
+      self.queue.append(inflight_updates.from_tree(self, items["inflight"][str(i)], abstract, s, v, a, problems))
+    print(f"[rl] restored {len(steps)} rollout(s) in generation (steps {steps}, versions {versions})")
 
   # -- the job ---------------------------------------------------------------------------------
 
