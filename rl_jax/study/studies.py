@@ -492,3 +492,47 @@ def _dose_response() -> Study:
 
 
 _add(_dose_response())
+
+
+# -- in-flight weight updates as a mismatch source (issue 41) -----------------------------------------
+# Declared, not yet run; exploratory (no protocol). Beside `rl.staleness` (the sampler refreshed every
+# K' steps) and the async lag (a whole rollout generated K versions back), `inflight(k)` is the async
+# loop whose rollouts change weights while they are generated: the rollout of step s begins at version
+# s - K and takes every newer version between chunks of `INFLIGHT_CHUNK` engine iterations, its tail
+# sampled by version s (docs/architecture.md#in-flight-weight-updates). Each panel pairs it with the
+# same async lag without in-flight updates, both on the continuous engine (with weights that never
+# change the two give the same run bit for bit: tests/test_inflight_updates.py), so a line's difference
+# between the two panels is what the in-flight swaps do. Countdown's 12-token responses over 128 rows
+# in 128 slots take 12 iterations (row b's token j at iteration j): chunks of 4 give a full-length row
+# of K = 2 a third of its tokens at each lag 2, 1, 0, and one of K = 4 a third at each lag 4, 3, 2.
+INFLIGHT_LAGS = (2, 4)
+INFLIGHT_CHUNK = 4
+INFLIGHT_SEEDS = 3
+
+
+def async_lag(k: int) -> Overrides:
+  """The async loop at lag K on the continuous engine, clean fp32 sampler."""
+  return dict(FP32, **{"rl.mode": "async", "rl.max_staleness": k, "sampler.engine": "continuous"})
+
+
+def inflight(k: int, chunk: int = INFLIGHT_CHUNK) -> Overrides:
+  """`async_lag(k)` with in-flight weight updates every `chunk` engine iterations: the study knob of
+  the mismatch source (a line or panel overrides with it, as with `stale(k)`)."""
+  return dict(async_lag(k), **{"rl.inflight_updates": True, "rl.inflight_chunk": chunk})
+
+
+def _inflight_updates() -> Study:
+  lr = RECIPE_LR
+  panels = tuple(p for k in INFLIGHT_LAGS for p in ((f"async_{k}", dict(recipe(lr), **async_lag(k))),
+                                                    (f"inflight_{k}", dict(recipe(lr), **inflight(k)))))
+  return Study(
+      name="inflight_updates",
+      description=f"In-flight weight updates (chunks of {INFLIGHT_CHUNK} engine iterations) against the same "
+                  f"async lag K = {', '.join(map(str, INFLIGHT_LAGS))} without them, PG and SC, "
+                  f"{INFLIGHT_SEEDS} seeds, from the sharper warm start; the papers' recipe at lr {lr:g}, "
+                  f"{DOSE_STEPS} steps. Exploratory; declared, not yet run.",
+      base=DOSE_BASE, panels=panels, lines=(("pg", _m("pg")), ("sc", _SC)), seeds=INFLIGHT_SEEDS,
+      steps=DOSE_STEPS)
+
+
+_add(_inflight_updates())
