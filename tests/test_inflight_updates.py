@@ -1,4 +1,5 @@
 """In-flight weight updates: the chunked engine equals one program, per-token versions, token lags, the async loop."""
+import json
 import os
 import signal
 
@@ -8,6 +9,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
+from conftest import run_clean_and_killed
 from configs import countdown_tiny
 from configs import sweeps
 from rl_jax import preempt
@@ -200,6 +202,10 @@ def test_token_lags_of_an_inflight_run(inflight_run):
   # Steps 2, 3 began at lag 2 and ran at least one chunk per version: every lag occurs.
   for r in rows[2:]:
     assert r["async/token_lag_max"] == 2.0 and r["async/token_lag_share/0"] > 0, r
+  summary = json.loads((inflight_run / "summary.json").read_text())
+  w = np.asarray([r["response_length"] for r in rows]) / sum(r["response_length"] for r in rows)
+  np.testing.assert_allclose(summary["token_lag_mean"], sum(w * [r["async/token_lag_mean"] for r in rows]))
+  np.testing.assert_allclose(sum(summary["token_lag_share"].values()), 1.0, rtol=1e-9)
 
 
 @pytest.mark.slow  # an interrupted and a resumed 4-step run
@@ -227,3 +233,18 @@ def test_sigterm_with_rollouts_in_generation_resumes_to_the_uninterrupted_run(tm
   trainer_lib.run(cfg, str(workdir))
   assert _rows(workdir) == _rows(inflight_run)
   assert _equal(_params(inflight_run, cfg)[1], _params(workdir, cfg)[1])
+
+
+@pytest.mark.slow  # three 5-step runs in subprocesses
+def test_kill9_with_rollouts_in_generation_resumes_to_the_uninterrupted_run(tmp_path):
+  """`python -m rl_jax.main` with in-flight updates (K = 2, chunks of 3 iterations) killed with
+  SIGKILL after step 2's checkpoint (inside a later step's chunks): the rerun restores the rollouts
+  in generation with step 2 and ends on the uninterrupted run's metrics, every step bit for bit."""
+  def cmd(workdir):
+    return ["-m", "rl_jax.main", "--config=configs/countdown_tiny.py:test", f"--workdir={workdir}",
+            "--config.warm_start.source=none", "--config.rl.steps=5", "--config.rl.eval_every=5",
+            "--config.rl.mode=async", "--config.rl.max_staleness=2", "--config.sampler.engine=continuous",
+            "--config.rl.inflight_updates=True", "--config.rl.inflight_chunk=3"]
+  clean, killed = tmp_path / "clean", tmp_path / "killed"
+  run_clean_and_killed(cmd, clean, killed, kill_after=2, last=5)
+  assert len(_rows(clean)) == 5 and _rows(killed) == _rows(clean)

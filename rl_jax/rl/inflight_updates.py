@@ -73,6 +73,21 @@ def token_lag_metrics(version_BT, mask_BT, step: int, max_lag: int) -> dict:
   return out
 
 
+def summary(train_rows: list[dict]) -> dict:
+  """summary.json's `token_lag_share` (each lag's share of the run's response tokens: a step's
+  shares weighted by its tokens, mean length x the constant rows) and `token_lag_mean`; {} for a
+  run without in-flight updates."""
+  rows = [r for r in train_rows if "async/token_lag_mean" in r]
+  if not rows:
+    return {}
+  w = np.asarray([r["response_length"] for r in rows], np.float64)
+  w = w / w.sum() if w.sum() > 0 else np.full(len(rows), 1 / len(rows))
+  lags = sorted({int(k.rsplit("/", 1)[1]) for r in rows for k in r if k.startswith("async/token_lag_share/")})
+  return {"token_lag_mean": float(sum(wi * r["async/token_lag_mean"] for wi, r in zip(w, rows))),
+          "token_lag_share": {str(l): float(sum(wi * r.get(f"async/token_lag_share/{l}", 0.0) for wi, r in zip(w, rows)))
+                              for l in lags}}
+
+
 def async_step(tr, step: int) -> dict:
   """Step s of the async loop with in-flight updates (`RLTrainer.train_step`; the module's schedule).
 
