@@ -515,7 +515,12 @@ def extrapolate(a: ProgramPlan, b: ProgramPlan, la: int, lb: int, l: int) -> Pro
   out = dataclasses.replace(a)
   for fld in dataclasses.fields(ProgramPlan):
     x, y = getattr(a, fld.name), getattr(b, fld.name)
-    if fld.name in ("name", "compile_s", "fingerprint"):
+    if fld.name in ("name", "compile_s", "fingerprint", "engine"):
+      continue
+    if fld.name == "kv_cache_sizing":  # the product at l layers (linear in them, as the bytes)
+      if y:
+        head = y.rsplit(" = ", 1)[0].replace(f" x {lb} layers x ", f" x {l} layers x ")
+        setattr(out, fld.name, f"{head} = {int(round(lin(a.kv_cache, b.kv_cache))) / 2**30:.2f} GiB")
       continue
     if isinstance(x, dict):
       setattr(out, fld.name, {k: int(round(lin(x.get(k, 0), y.get(k, 0)))) for k in {**x, **y}})
