@@ -123,24 +123,36 @@ def opt_state_like_params(opt_state, params):
   return jax.tree.map(_sds, opt_state, ex.mirror_shardings(opt_state, params, None))
 
 
-def kv_cache_bytes(model_cfg, sampler_cfg, batch: int, kv_spec, mesh) -> int:
-  """Per-device bytes of generate's KV cache (batch over the batch axes, heads over 'tensor')."""
+def kv_cache_sizing(model_cfg, sampler_cfg, rows: int, kv_spec, mesh) -> tuple[int, str]:
+  """(per-device bytes, the product that gives them) of a KV cache for `rows` rows in flight (the
+  continuous engine's slots, or a wave of the static engine's rows): rows per device (the batch
+  axes split them) x S = P + T cache slots x layers x 2 (K and V) x kv heads per device ('tensor'
+  splits them when it divides them) x head dim x bytes per element, plus the per-slot scales of a
+  quantized format. Read off one row of `init_cache`'s layout, so packing and scale dtypes are
+  the cache's own."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from rl_jax import sharding as sh  # pylint: disable=g-import-not-at-top
   from rl_jax.models.kv_cache import init_cache  # pylint: disable=g-import-not-at-top
   from rl_jax.models.layers import dtype_of  # pylint: disable=g-import-not-at-top
-  cache = jax.eval_shape(lambda: init_cache(model_cfg, batch, sampler_cfg.max_len, dtype_of(sampler_cfg.dtype),
-                                            kv_spec, backend=getattr(sampler_cfg.quant, "backend", "auto")))
+  s = sampler_cfg.max_len
+  cache = jax.eval_shape(lambda: init_cache(model_cfg, 1, s, dtype_of(sampler_cfg.dtype), kv_spec,
+                                            backend=getattr(sampler_cfg.quant, "backend", "auto")))
+  nbytes = lambda x: int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+  values = sum(nbytes(kv.k) + nbytes(kv.v) for kv in cache)
+  scales = sum(nbytes(kv.k_scale) + nbytes(kv.v_scale) for kv in cache if kv.k_scale is not None)
   div, tp = sh.batch_divisor(mesh), mesh.shape["tensor"]
-  total = 0
-  for x in jax.tree.leaves(cache):
-    shape = list(x.shape)
-    shape[0] = -(-shape[0] // div)
-    if len(shape) >= 3 and model_cfg.n_kv_heads % tp == 0 and shape[2] == model_cfg.n_kv_heads:
-      shape[2] //= tp
-    total += int(np.prod(shape)) * np.dtype(x.dtype).itemsize
-  return total
+  heads = model_cfg.n_kv_heads // tp if model_cfg.n_kv_heads % tp == 0 else model_cfg.n_kv_heads
+  per_dev = -(-rows // div)
+  layers, d = model_cfg.n_layers, model_cfg.head_dim
+  elem = values / (s * layers * 2 * model_cfg.n_kv_heads * d)
+  total = per_dev * (values + scales) * heads // model_cfg.n_kv_heads
+  fmt = getattr(kv_spec, "format", None) or sampler_cfg.dtype
+  text = (f"{per_dev} rows per device ({rows} over {div}) x S {s} (P {sampler_cfg.max_prompt_len} + T "
+          f"{sampler_cfg.max_new_tokens}) x {layers} layers x 2 (K, V) x {heads} kv heads x {d} head dim x "
+          f"{elem:g} B ({fmt})" + (f" + scales {scales / values:.3g} x that" if scales else "")
+          + f" = {total / 2**30:.2f} GiB")
+  return total, text
 
 
 # ----------------------------------------------------------------------------------------
@@ -175,6 +187,8 @@ class ProgramPlan:
   temp: int = 0
   code: int = 0
   kv_cache: int = 0             # part of `temp` (generate builds its cache inside)
+  kv_cache_sizing: str = ""     # the product `kv_cache` is (kv_cache_sizing)
+  engine: str = ""              # generate: the sampler engine and its slots / chunks
   flops_xla: float = 0.0
   bytes_xla: float = 0.0
   flops_model: float = 0.0
@@ -374,12 +388,22 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
     n_waves = microbatch.count(rows, cfg.max_rows_in_flight, "sampler.max_rows_in_flight", div)
     kv_spec = None if kind != "rollout" else getattr(cfg.quant, "kv", None)
     cache_rows = rows // n_waves
+    g.engine = f"static, {n_waves} wave(s) of {cache_rows} rows"
     if cfg.engine == "continuous":  # one S-slot cache region per slot, whatever the rows
       from rl_jax.sampler.continuous import slot_count  # pylint: disable=g-import-not-at-top
       cache_rows = slot_count(cfg, rows, div)
-    g.kv_cache = kv_cache_bytes(mcfg, cfg, cache_rows, kv_spec if getattr(kv_spec, "format", None)
-                                not in (None, "fp32") else None, mesh)
+      g.engine = (f"continuous, {cache_rows} slots for {rows} rows, refill prefill chunks of "
+                  f"{min(cfg.prefill_chunk, p - 1)} prompt slots")
+      if kind == "rollout" and rl.inflight_updates:
+        g.engine += (f"; in-flight weight updates every {rl.inflight_chunk} iterations, "
+                     f"{rl.max_staleness} rollouts in generation")
+    g.kv_cache, g.kv_cache_sizing = kv_cache_sizing(mcfg, cfg, cache_rows, kv_spec if getattr(
+        kv_spec, "format", None) not in (None, "fp32") else None, mesh)
     compile_program(g, progs.lower_generate(state, prompts, pvalid, key, kind))
+    if kind == "rollout" and rl.inflight_updates and rl.max_staleness > 1:
+      # The other rollouts in generation keep their carries (KV cache and the rows' buffers, about
+      # generate's outputs) on the sampler's devices between their chunks.
+      g.resident["other rollouts in generation"] = (rl.max_staleness - 1) * (g.kv_cache + g.output)
     r_dev = rows / div
     g.flops_model = (2 * mm * r_dev * (p - 1) + attn_flops(mcfg, r_dev * (p - 1), p / 2)
                      + t * (2 * mm * r_dev + attn_flops(mcfg, r_dev, s)))
@@ -492,7 +516,12 @@ def extrapolate(a: ProgramPlan, b: ProgramPlan, la: int, lb: int, l: int) -> Pro
   out = dataclasses.replace(a)
   for fld in dataclasses.fields(ProgramPlan):
     x, y = getattr(a, fld.name), getattr(b, fld.name)
-    if fld.name in ("name", "compile_s", "fingerprint"):
+    if fld.name in ("name", "compile_s", "fingerprint", "engine"):
+      continue
+    if fld.name == "kv_cache_sizing":  # the product at l layers (linear in them, as the bytes)
+      if y:
+        head = y.rsplit(" = ", 1)[0].replace(f" x {lb} layers x ", f" x {l} layers x ")
+        setattr(out, fld.name, f"{head} = {int(round(lin(a.kv_cache, b.kv_cache))) / 2**30:.2f} GiB")
       continue
     if isinstance(x, dict):
       setattr(out, fld.name, {k: int(round(lin(x.get(k, 0), y.get(k, 0)))) for k in {**x, **y}})
@@ -680,6 +709,9 @@ def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=No
            f"mini-batch update(s), S = {job.sampler.max_prompt_len} + {job.sampler.max_new_tokens}"
            + "".join(f"\nsubstitution: {line}" for line in subs))
   out(render(plans, acc, title))
+  for p in plans:
+    if p.kv_cache_sizing:
+      out(f"{p.name}: engine {p.engine}; KV cache {p.kv_cache_sizing}")
   rl = job.rl
   # Per global step: N updates; the meter every `meter_every` steps and the evaluations every
   # `eval_every`, amortized.

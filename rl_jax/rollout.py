@@ -65,6 +65,11 @@ class Rollout:
       `log q(y_t) - trunc_logmass` is the log-probability under the truncated, renormalized
       distribution really sampled (docs/math.md#truncated-sampling). Zero where `response_mask`
       is False; None without truncation.
+    - `version_BT`: int32, the policy version (updates applied to the trainer's weights) that
+      sampled response token t, when the sampler took newer weights in the middle of the
+      rollout (`rl.inflight_updates`, docs/math.md#in-flight-weight-updates); 0 where
+      `response_mask` is False. None when one version sampled the whole rollout (the
+      trainer knows it: `InFlight.version`).
     - `topk_ids_BTK` / `topk_logq_BTK` are None when `record_topk = 0`; `expert_ids_BSLK` is None for a
       dense model or `record_experts = False`.
   In the trainer's teacher-forced forward over `tokens_BS`, the logits at slot s predict
@@ -89,6 +94,7 @@ class Rollout:
   trunc_thresh_BT: jax.Array | None = None
   trunc_logmass_BT: jax.Array | None = None
   trunc_size_BT: jax.Array | None = None
+  version_BT: jax.Array | None = None
 
   @property
   def valid_BS(self) -> jax.Array:

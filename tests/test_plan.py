@@ -246,3 +246,27 @@ def test_substitutions_name_what_a_gpu_runs_in_place_of_the_cpu_compile():
   tpu = plan.substitutions(log, job, "tpu_v5p")
   assert tpu[0].startswith("attention splash x2 on tpu_v5p")
   assert "quantized ragged_dot bfloat16 on tpu_v5p" in tpu[2]
+
+
+def test_kv_cache_sizing_is_the_cache_and_its_product():
+  """The continuous engine's KV cache on the 30B `:n4_32k` config: 128 slots over a 16-device mesh
+  (data 1 x fsdp 2 x expert 8), each slot S = 256 + 32768 cache slots x 48 layers x 2 (K, V) x 4 kv
+  heads x 128 head dim x 1 byte (FP8), plus the format's scales: the figure is that product, and it
+  is the bytes `init_cache` allocates for those rows (divided over the devices)."""
+  import types  # pylint: disable=g-import-not-at-top
+  from rl_jax.configs import qwen3_30b_a3b_minirl  # pylint: disable=g-import-not-at-top
+  from rl_jax.models.kv_cache import init_cache  # pylint: disable=g-import-not-at-top
+  from rl_jax.models.layers import dtype_of  # pylint: disable=g-import-not-at-top
+  from rl_jax.models import ModelConfig  # pylint: disable=g-import-not-at-top
+  from rl_jax.sampler.config import sampler_config  # pylint: disable=g-import-not-at-top
+  config = qwen3_30b_a3b_minirl.get_config("n4_32k")
+  config.sampler.engine = "continuous"
+  m, s = ex.section(config, "model", ModelConfig), sampler_config(config.sampler)
+  mesh = types.SimpleNamespace(shape=dict(data=1, fsdp=2, expert=8, tensor=1))
+  total, text = plan.kv_cache_sizing(m, s, 128, s.quant.kv, mesh)
+  cache = jax.eval_shape(lambda: init_cache(m, 128, s.max_len, dtype_of(s.dtype), s.quant.kv))
+  assert total * 16 == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+  values = 8 * 33024 * 48 * 2 * 4 * 128 * 1
+  assert values < total < 1.2 * values   # the scales on top
+  assert text.startswith("8 rows per device (128 over 16) x S 33024 (P 256 + T 32768) x 48 layers x 2 (K, V) x "
+                         "4 kv heads x 128 head dim x 1 B (fp8"), text

@@ -74,6 +74,12 @@ class RLConfig:
   step's rollout are teacher-forced through one sampler per mismatch source the run has on
   (`attribution/*`, docs/math.md#mismatch-attribution); one call costs about one forward per
   source over those rows (benchmarks/bench_rl_step.py --compare attribution).
+  `inflight_updates`: the async loop generates each rollout in chunks of `inflight_chunk` engine
+  iterations (one decode step of every ready slot each), one chunk per step it is in flight, and
+  the sampler takes the newest weights between chunks, keeping the slots' rows and KV cache: the
+  rollout of step s begins at version s - K and its tail runs at version s, each token recording
+  the version that sampled it (`Rollout.version_BT`, docs/architecture.md#in-flight-weight-updates).
+  Needs `mode='async'`, `max_staleness` >= 1, `stale_policy='wait'` and `sampler.engine='continuous'`.
   """
   steps: int = 100
   prompts_per_step: int = 16
@@ -99,6 +105,8 @@ class RLConfig:
   sampler_sync_every: int = 1
   attribution_every: int = 0
   attribution_rows: int = 8
+  inflight_updates: bool = False
+  inflight_chunk: int = 16
 
   def __post_init__(self):
     for k in ("steps", "prompts_per_step", "group_size", "n_minibatches", "staleness",
@@ -131,6 +139,14 @@ class RLConfig:
     require(self.sampler_sync_every == 1 or self.stale_policy == "drop", "rl.sampler_sync_every",
             f"{self.sampler_sync_every} lets the sampler fall more than rl.max_staleness versions behind: "
             "it needs rl.stale_policy='drop' (under 'wait' the sampler takes every version)")
+    require(self.inflight_chunk >= 1, "rl.inflight_chunk", f"must be >= 1, got {self.inflight_chunk}")
+    require(not self.inflight_updates or (self.mode == "async" and self.max_staleness >= 1), "rl.inflight_updates",
+            f"needs rl.mode='async' and rl.max_staleness >= 1 (got mode={self.mode!r}, "
+            f"max_staleness={self.max_staleness}): only rollouts generated ahead of the step that trains them "
+            "are in flight while the trainer's weights change")
+    require(not self.inflight_updates or self.stale_policy == "wait", "rl.inflight_updates",
+            f"needs rl.stale_policy='wait' (got {self.stale_policy!r}): the sampler takes every version between "
+            "chunks, so no rollout falls behind to be dropped")
     require(self.prompts_per_step % self.n_minibatches == 0, "rl.n_minibatches",
             f"prompts_per_step={self.prompts_per_step} must split into {self.n_minibatches} "
             "group-aligned mini-batches")
@@ -229,6 +245,9 @@ class RLJob:
             "or loss.sampling_mask='none'")
     s.check_vocab(self.model.vocab_size)
     check_sampler_fits(self.model, s)
+    require(not self.rl.inflight_updates or s.engine == "continuous", "sampler.engine",
+            f"{s.engine!r} with rl.inflight_updates=True: in-flight weight updates swap the weights between "
+            "chunks of the continuous engine's loop (set sampler.engine='continuous')")
     require(self.rl.routing_replay == "none" or self.model.is_moe, "rl.routing_replay",
             f"{self.rl.routing_replay!r} needs an MoE model (model.n_experts > 0)")
     require(self.rl.routing_replay != "R3" or s.record_experts, "sampler.record_experts",

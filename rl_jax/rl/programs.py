@@ -23,6 +23,8 @@ from rl_jax.rl import mismatch_attribution as attribution_lib
 from rl_jax.rl import step as step_lib
 from rl_jax.rl.advantages import compute_advantages
 from rl_jax.rl.loss.loss_config import LossConfig
+
+from rl_jax.sampler import chunked
 from rl_jax.sampler import generate as gen
 from rl_jax.sampler import weights as sampler_weights
 from rl_jax.sampler.config import SamplerConfig
@@ -110,6 +112,30 @@ class StepPrograms:
     """The abstract Rollout of a rollout `generate` (shapes and dtypes; nothing runs)."""
     graphdef, cfg = self._generate_args("rollout")
     return gen.rollout_shapes(graphdef, state, prompts_BP, valid_BP, key, cfg, mesh=self.sampler_mesh)
+
+  # In-flight weight updates: a rollout in chunks (`rl_jax/sampler/chunked.py`), on the sampler's devices.
+
+  def start_rollout(self, state, prompts_BP, valid_BP, key, *, version: int, n_iters: int):
+    """A rollout `generate` begun: its carry after at most `n_iters` engine iterations at `version`."""
+    return chunked.start(self.sampler_graphdef, state, prompts_BP, valid_BP, key, self.sampler_cfg, version=version,
+                         n_iters=n_iters, mesh=self.sampler_mesh)
+
+  def advance_rollout(self, state, carry, *, version: int, n_iters: int = chunked.TO_THE_END):
+    """`carry` (donated) continued by the weights `state` of `version`, at most `n_iters` iterations."""
+    return chunked.advance(self.sampler_graphdef, state, carry, self.sampler_cfg, version=version, n_iters=n_iters,
+                           mesh=self.sampler_mesh)
+
+  def finish_rollout(self, carry) -> rollout_lib.Rollout:
+    """The Rollout of a carry advanced to its end."""
+    return chunked.finish(carry, self.sampler_cfg, mesh=self.sampler_mesh)
+
+  def rollout_carry_shapes(self, state, prompts_BP, valid_BP, key):
+    """The abstract carry of `start_rollout` (shapes and dtypes; nothing runs)."""
+    cfg = self.sampler_cfg
+    kv_spec = gen._resolve_kv_spec(None, cfg)  # pylint: disable=protected-access
+    return jax.eval_shape(functools.partial(chunked._start, self.sampler_graphdef, cfg=cfg, kv_spec=kv_spec,  # pylint: disable=protected-access
+                                            mesh=self.sampler_mesh), state, prompts_BP, valid_BP, key, None,
+                          jnp.int32(0), jnp.int32(1))
 
   # -- the trainer -------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from rl_jax import rollout as rollout_lib
 from rl_jax import sharding as sh
 from rl_jax.rl import inflight as inflight_lib
+from rl_jax.rl import inflight_updates
 
 
 def save(trainer, step: int) -> None:
@@ -16,9 +17,14 @@ def save(trainer, step: int) -> None:
   if hasattr(trainer.task, "data_state"):  # the position in the data files (checked on resume)
     meta["data"] = trainer.task.data_state(step * trainer.job.rl.prompts_per_step)
   if trainer.queue:
-    items["inflight"] = {str(i): inflight_lib.to_tree(it) for i, it in enumerate(trainer.queue)}
+    partial = trainer.job.rl.inflight_updates
+    # In-flight updates: rollouts still in generation (their engine carries), else whole ones.
+    to_tree = (lambda it: inflight_updates.to_tree(it, trainer.mesh)) if partial else inflight_lib.to_tree
+    items["inflight"] = {str(i): to_tree(it) for i, it in enumerate(trainer.queue)}
     meta.update(inflight_steps=[it.step for it in trainer.queue],
                 inflight_versions=[it.version for it in trainer.queue])
+    if partial:
+      meta["inflight_advanced"] = [it.advanced for it in trainer.queue]
   trainer.ckpt.save(step, items, meta)
 
 
@@ -39,6 +45,8 @@ def restore_inflight(trainer, meta: dict) -> list[inflight_lib.InFlight]:
   steps, versions = meta["inflight_steps"], meta["inflight_versions"]
   _, ids, valid = trainer.prompts(steps[0])
   ids, valid = rollout_lib.repeat_prompts((ids, valid), job.rl.group_size)
+  if job.rl.inflight_updates:
+    return restore_partial(trainer, meta, ids, valid)
   with sh.mesh_context(trainer.sampler_mesh):
     ro = trainer.programs.rollout_shapes(trainer.sampler_state, ids, valid, jax.random.key(0))
   rewards = jax.ShapeDtypeStruct((ids.shape[0],), jnp.float32)
@@ -52,3 +60,20 @@ def restore_inflight(trainer, meta: dict) -> list[inflight_lib.InFlight]:
   print(f"[rl] restored {len(steps)} rollout(s) in flight (steps {steps}, versions {versions})")
   return [inflight_lib.from_tree(items["inflight"][str(i)], s, v, prompt_len)
           for i, (s, v) in enumerate(zip(steps, versions))]
+
+
+def restore_partial(trainer, meta: dict, ids, valid) -> list:
+  """The rollouts in generation saved with the restored step (in-flight updates): each engine carry
+  as it was after its last chunk, so the run goes on as the uninterrupted one did."""
+  steps, versions, advanced = meta["inflight_steps"], meta["inflight_versions"], meta["inflight_advanced"]
+  with sh.mesh_context(trainer.sampler_mesh):
+    abstract = trainer.programs.rollout_carry_shapes(trainer.sampler_state, ids, valid, jax.random.key(0))
+  one = inflight_updates.restore_targets(trainer, abstract, trainer.job.rl.p_old_version == "rollout")
+  items, _, _ = trainer.ckpt.restore({"inflight": {str(i): one for i in range(len(steps))}}, step=trainer.start_step)
+  g = trainer.job.rl.group_size
+  out = []
+  for i, (s, v, a) in enumerate(zip(steps, versions, advanced)):
+    problems = [p for p in trainer.prompts(s)[0] for _ in range(g)]
+    out.append(inflight_updates.from_tree(trainer, items["inflight"][str(i)], abstract, s, v, a, problems))
+  print(f"[rl] restored {len(steps)} rollout(s) in generation (steps {steps}, versions {versions})")
+  return out

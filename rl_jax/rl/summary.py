@@ -7,6 +7,7 @@ import jax
 import numpy as np
 
 from rl_jax import artifacts
+from rl_jax.rl import inflight_updates
 from rl_jax.rl import plots
 
 
@@ -36,6 +37,7 @@ def summarize(rows: list[dict]) -> dict:
       summary["lag_steps"] = {str(k): lags.count(k) for k in sorted(set(lags))}
       summary["lag_token_share"] = {str(k): float(tokens[np.asarray(lags) == k].sum() / tokens.sum())
                                     for k in sorted(set(lags))}
+    summary.update(inflight_updates.summary(train))   # in-flight updates: the tokens' lags
     busy = [r for r in train if "async/sampler_busy" in r]
     if len(busy) > 1:  # step 1 onwards: the first step's spans include compilation
       busy = busy[1:]

@@ -24,6 +24,7 @@ from rl_jax.rl import drive_async
 from rl_jax.rl import drive_sync
 from rl_jax.rl import evaluate as evaluate_lib
 from rl_jax.rl import inflight as inflight_lib
+from rl_jax.rl import inflight_updates
 from rl_jax.rl import mismatch_attribution as attribution_lib
 from rl_jax.rl import programs as programs_lib
 from rl_jax.rl import resume
@@ -303,7 +304,9 @@ class RLTrainer:
     fractions over the step's wall time (`async/*_busy`, inflight.BusyClock)."""
     self.busy.reset()
     start = time.perf_counter()
-    if self.job.rl.mode == "async" and self.job.rl.max_staleness > 0:
+    if self.job.rl.inflight_updates:  # async, the rollouts generated in chunks across versions
+      row = inflight_updates.async_step(self, step)
+    elif self.job.rl.mode == "async" and self.job.rl.max_staleness > 0:
       row = drive_async.step(self, step)
     else:
       row = drive_sync.step(self, step)

@@ -1,6 +1,8 @@
 """The continuous-batching engine: a fixed set of slots decodes together, a finished row's slot takes the next prompt."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -48,7 +50,21 @@ def _put_slot_cache(cache, part, s):
 
 
 def generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: SamplerConfig, kv_spec, constrain, div):
-  """The continuous engine over all B rows (`generate_program` with `cfg.engine='continuous'`)."""
+  """The continuous engine over all B rows (`generate_program` with `cfg.engine='continuous'`): `init`,
+  `run` to the end, `finish`, in one program."""
+  carry = init(model, prompts_BP, valid_BP, keys_B, max_new_B, cfg=cfg, kv_spec=kv_spec, constrain=constrain,
+               div=div)
+  return finish(run(model, carry, cfg=cfg, constrain=constrain), cfg=cfg, constrain=constrain)
+
+
+def init(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: SamplerConfig, kv_spec, constrain, div,
+         versions: bool = False) -> dict:
+  """The engine's carry before its first iteration: the first N rows prefilled into the slots.
+
+  Everything the loop reads is in it (the laid-out prompts, each row's key and length limit), so
+  `run` can continue it in another program, with other weights (`rl_jax/sampler/chunked.py`).
+  `versions`: record each token's policy version (`version_BT`, the `version` argument of `run`).
+  """
   mcfg = model.cfg
   b = prompts_BP.shape[0]
   p, t, s = cfg.max_prompt_len, cfg.max_new_tokens, cfg.max_len
@@ -57,7 +73,6 @@ def generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: Sample
   record_experts = cfg.record_experts and n_moe > 0
   k_rec = cfg.record_topk
   backend = getattr(cfg.quant, "backend", "auto")
-  ch = min(cfg.prefill_chunk, p - 1)  # prompt slots per refill chunk (0: nothing to prefill)
 
   tokens_BP, pvalid_BP = constrain(decode_lib.left_pad(prompts_BP, valid_BP.astype(bool), p, cfg.pad_id))
   prompt_len_B = jnp.sum(pvalid_BP, axis=1, dtype=jnp.int32)
@@ -77,14 +92,18 @@ def generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: Sample
   else:
     cache = constrain(init_cache(mcfg, n, s, dtype_of(mcfg.dtype), kv_spec, backend=backend))
 
-  trunc_keys = ("trunc_thresh_BT", "trunc_logmass_BT", "trunc_size_BT") if cfg.truncates else ()
   carry = dict(
+      # The rows' fixed inputs: prompts laid out, positions, key masks, keys, length limits.
+      tokens_BP=tokens_BP, pvalid_BP=pvalid_BP, prompt_len_B=prompt_len_B, positions_BP=positions_BP,
+      positions_BS=positions_BS, kv_valid_BS=kv_valid_BS, keys_B=keys_B, max_new_B=max_new_B,
       cache=cache,
       tokens_BS=jnp.concatenate([tokens_BP, jnp.full((b, t), cfg.pad_id, jnp.int32)], axis=1),
       active_BT=jnp.zeros((b, t), bool), logq_BT=jnp.zeros((b, t), jnp.float32),
       topk_ids_BTK=jnp.zeros((b, t, k_rec), jnp.int32) if k_rec else None,
       topk_logq_BTK=jnp.zeros((b, t, k_rec), jnp.float32) if k_rec else None,
       head_mass_BT=jnp.zeros((b, t), jnp.float32), experts_BSLK=experts_BSLK,
+      # Each token's policy version (in-flight weight updates), 0 where no token.
+      version_BT=jnp.zeros((b, t), jnp.int32) if versions else None,
       # Slot state: its row (b = none), the row's decode step, whether the row is unfinished,
       # whether its prompt is all in the cache, and the start of its next prefill chunk.
       row_N=jnp.arange(n, dtype=jnp.int32), step_N=jnp.zeros((n,), jnp.int32),
@@ -95,23 +114,48 @@ def generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: Sample
       pending_logq_NV=jnp.zeros((n, mcfg.vocab_size), jnp.float32) if k_rec else None,
       pending_row_N=jnp.full((n,), b, jnp.int32) if k_rec else None,
       pending_step_N=jnp.zeros((n,), jnp.int32) if k_rec else None)
-  for name in trunc_keys:
+  for name in _trunc_keys(cfg):
     carry[name] = jnp.zeros((b, t), jnp.int32 if name == "trunc_size_BT" else jnp.float32)
-  carry = constrain(carry)
+  return constrain(carry)
 
-  def record_topk(c, logq_NV, row_N, step_N) -> dict:
-    top_logq_NK, top_ids_NK = decode_lib.exact_top_k(logq_NV, k_rec)
-    at = (row_N, step_N)
-    return dict(topk_ids_BTK=c["topk_ids_BTK"].at[at].set(top_ids_NK.astype(jnp.int32), mode="drop"),
-                topk_logq_BTK=c["topk_logq_BTK"].at[at].set(top_logq_NK, mode="drop"),
-                head_mass_BT=c["head_mass_BT"].at[at].set(jnp.sum(jnp.exp(top_logq_NK), axis=-1), mode="drop"))
+
+def _trunc_keys(cfg: SamplerConfig) -> tuple[str, ...]:
+  return ("trunc_thresh_BT", "trunc_logmass_BT", "trunc_size_BT") if cfg.truncates else ()
+
+
+def unfinished(c: dict) -> jax.Array:
+  """Whether the carry has rows left: one decoding, or one still in the queue."""
+  return jnp.any(c["live_N"]) | (c["next_row"] < c["tokens_BS"].shape[0])
+
+
+def _record_topk(c, logq_NV, row_N, step_N, k_rec: int) -> dict:
+  top_logq_NK, top_ids_NK = decode_lib.exact_top_k(logq_NV, k_rec)
+  at = (row_N, step_N)
+  return dict(topk_ids_BTK=c["topk_ids_BTK"].at[at].set(top_ids_NK.astype(jnp.int32), mode="drop"),
+              topk_logq_BTK=c["topk_logq_BTK"].at[at].set(top_logq_NK, mode="drop"),
+              head_mass_BT=c["head_mass_BT"].at[at].set(jnp.sum(jnp.exp(top_logq_NK), axis=-1), mode="drop"))
+
+
+def run(model, carry: dict, *, cfg: SamplerConfig, constrain, version=None, n_iters=None) -> dict:
+  """The engine's iterations from `carry` until every row has ended, or at most `n_iters` of them
+  (a traced int; None = no limit). Each token is sampled by `model`'s weights; with a `version_BT`
+  in the carry, `version` (a traced int) is recorded for it. Stopping after any iteration and
+  going on in another call runs the same iterations in the same order as one call."""
+  mcfg = model.cfg
+  b = carry["tokens_BS"].shape[0]
+  p, s = cfg.max_prompt_len, cfg.max_len
+  n_moe = mcfg.n_moe_layers
+  record_experts = cfg.record_experts and n_moe > 0
+  k_rec = cfg.record_topk
+  exp_dtype = expert_id_dtype(mcfg.n_experts)
+  ch = min(cfg.prefill_chunk, p - 1)  # prompt slots per refill chunk (0: nothing to prefill)
 
   def refill(c):
     """Free slots take the next rows of the queue, in slot order."""
     free_N = ~c["live_N"]
     new_row_N = c["next_row"] + jnp.cumsum(free_N.astype(jnp.int32)) - 1
     take_N = free_N & (new_row_N < b)
-    first_N = p - prompt_len_B[jnp.minimum(new_row_N, b - 1)]  # the new row's first real prompt slot
+    first_N = p - c["prompt_len_B"][jnp.minimum(new_row_N, b - 1)]  # the new row's first real prompt slot
     return dict(c, row_N=jnp.where(take_N, new_row_N, c["row_N"]),
                 step_N=jnp.where(take_N, 0, c["step_N"]), live_N=c["live_N"] | take_N,
                 ready_N=jnp.where(take_N, ch == 0, c["ready_N"]),
@@ -124,9 +168,9 @@ def generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: Sample
     i = jnp.argmax(c["live_N"] & ~c["ready_N"])
     r, start = c["row_N"][i], c["chunk_N"][i]
     rows = lambda x: jax.lax.dynamic_slice(x, (r, start), (1, ch))
-    out = model(rows(tokens_BP), rows(positions_BP), rows(pvalid_BP), cache=_slot_cache(c["cache"], i),
-                cache_index=start, kv_valid_BC=jax.lax.dynamic_slice_in_dim(kv_valid_BS, r, 1, axis=0),
-                compute_logits=False)
+    out = model(rows(c["tokens_BP"]), rows(c["positions_BP"]), rows(c["pvalid_BP"]),
+                cache=_slot_cache(c["cache"], i), cache_index=start,
+                kv_valid_BC=jax.lax.dynamic_slice_in_dim(c["kv_valid_BS"], r, 1, axis=0), compute_logits=False)
     new = dict(c, cache=_put_slot_cache(c["cache"], out.cache, i))
     if record_experts:
       new["experts_BSLK"] = jax.lax.dynamic_update_slice(
@@ -143,13 +187,13 @@ def generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: Sample
     j_N = c["step_N"]
     slot_N = p - 1 + j_N
     tok_N1 = c["tokens_BS"][r_N, slot_N][:, None]
-    pos_N1 = positions_BS[r_N, slot_N][:, None]
+    pos_N1 = c["positions_BS"][r_N, slot_N][:, None]
     # A slot that does not decode writes at the last cache slot, which no query reads.
     out = model(tok_N1, pos_N1, cache=c["cache"], cache_index=jnp.where(dec_N, slot_N, s - 1),
-                kv_valid_BC=kv_valid_BS[r_N])
+                kv_valid_BC=c["kv_valid_BS"][r_N])
     logits_NV = out.logits_BSV[:, 0]
     logq_NV = next_token_logq(logits_NV, cfg.temperature)
-    y_N, trunc = decode_lib.sample(logits_NV, logq_NV, keys_B[r_N], j_N, cfg)
+    y_N, trunc = decode_lib.sample(logits_NV, logq_NV, c["keys_B"][r_N], j_N, cfg)
     y_N = jnp.where(dec_N, y_N, cfg.pad_id)
     logq_N = jnp.take_along_axis(logq_NV, y_N[:, None], axis=-1)[:, 0]
     w_N = jnp.where(dec_N, c["row_N"], b)  # row b: out of bounds, dropped
@@ -158,17 +202,19 @@ def generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: Sample
     new["tokens_BS"] = c["tokens_BS"].at[w_N, slot_N + 1].set(y_N, mode="drop")
     new["active_BT"] = c["active_BT"].at[at].set(True, mode="drop")
     new["logq_BT"] = c["logq_BT"].at[at].set(logq_N, mode="drop")
+    if c["version_BT"] is not None:
+      new["version_BT"] = c["version_BT"].at[at].set(jnp.asarray(version, jnp.int32), mode="drop")
     for name, v_N in trunc.items():
       new[name] = c[name].at[at].set(v_N, mode="drop")
     if k_rec:
-      new.update(record_topk(c, c["pending_logq_NV"], c["pending_row_N"], c["pending_step_N"]))
+      new.update(_record_topk(c, c["pending_logq_NV"], c["pending_row_N"], c["pending_step_N"], k_rec))
       new["pending_logq_NV"], new["pending_row_N"], new["pending_step_N"] = logq_NV, w_N, j_N
     else:
       new["head_mass_BT"] = c["head_mass_BT"].at[at].set(jnp.exp(jnp.max(logq_NV, axis=-1)), mode="drop")
     if record_experts:
       new["experts_BSLK"] = c["experts_BSLK"].at[w_N, slot_N].set(
           out.expert_ids_BSLK[:, 0].astype(exp_dtype), mode="drop")
-    ended_N = dec_N & ((y_N == cfg.eos_id) | (j_N + 1 >= max_new_B[r_N]))
+    ended_N = dec_N & ((y_N == cfg.eos_id) | (j_N + 1 >= c["max_new_B"][r_N]))
     new["step_N"] = jnp.where(dec_N, j_N + 1, j_N)
     new["live_N"] = c["live_N"] & ~ended_N
     return new
@@ -179,7 +225,20 @@ def generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: Sample
       c = jax.lax.cond(jnp.any(c["live_N"] & ~c["ready_N"]), prefill_chunk, lambda c: c, c)
     return constrain(decode(c))
 
-  c = jax.lax.while_loop(lambda c: jnp.any(c["live_N"]) | (c["next_row"] < b), body, carry)
+  if n_iters is None:
+    return jax.lax.while_loop(unfinished, body, carry)
+  # The iteration count rides beside the carry: the same body, stopped early.
+  _, carry = jax.lax.while_loop(lambda ic: (ic[0] < n_iters) & unfinished(ic[1]),
+                                lambda ic: (ic[0] + 1, body(ic[1])), (jnp.zeros((), jnp.int32), carry))
+  return carry
+
+
+def finish(c: dict, *, cfg: SamplerConfig, constrain):
+  """The Rollout of a carry whose rows have all ended (the last step's top-k recorded)."""
+  k_rec = cfg.record_topk
   if k_rec:
-    c = {**c, **record_topk(c, c["pending_logq_NV"], c["pending_row_N"], c["pending_step_N"])}
-  return constrain(decode_lib.assemble_rollout(c, pvalid_BP, prompt_len_B, trunc_keys))
+    c = {**c, **_record_topk(c, c["pending_logq_NV"], c["pending_row_N"], c["pending_step_N"], k_rec)}
+  ro = decode_lib.assemble_rollout(c, c["pvalid_BP"], c["prompt_len_B"], _trunc_keys(cfg))
+  if c["version_BT"] is not None:
+    ro = dataclasses.replace(ro, version_BT=c["version_BT"])
+  return constrain(ro)

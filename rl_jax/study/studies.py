@@ -515,3 +515,47 @@ _add(Study(
     panels=tuple((f"lr_{lr:g}", dict(recipe(lr), **FP32)) for lr in SHARP_LRS),
     lines=(("pg", _m("pg")),), seeds=DOSE_SEEDS, steps=RECIPE_STEPS,
     protocol=Protocol(rule="best_lr")))
+# -- in-flight weight updates as a mismatch source (issue 41) -----------------------------------------
+# Declared, not yet run; exploratory (no protocol). Beside `rl.staleness` (the sampler refreshed every
+# K' steps) and the async lag (a whole rollout generated K versions back), `inflight(k)` is the async
+# loop whose rollouts change weights while they are generated: the rollout of step s begins at version
+# s - K and takes every newer version between chunks of `INFLIGHT_CHUNK` engine iterations, its tail
+# sampled by version s (docs/architecture.md#in-flight-weight-updates). Each panel pairs it with the
+# same async lag without in-flight updates, both on the continuous engine (with weights that never
+# change the two give the same run bit for bit: tests/test_inflight_updates.py), so a line's difference
+# between the two panels is what the in-flight swaps do. With 128 rows in 128 slots row b's token j is
+# sampled at iteration j, so chunks of c put tokens [0, c) at lag K, [c, 2c) at K - 1, ...; the warm
+# start's responses average ~7.3 tokens (of 12), and a 16-step K = 2 run with c = 4 measured token lag
+# shares 0.55 / 0.43 / 0.02 at lags 2 / 1 / 0 (docs/architecture.md#in-flight-weight-updates). c = 3
+# spreads them over all three lags (K = 4: lags 4, 3, 2, and 1 for the longest responses).
+INFLIGHT_LAGS = (2, 4)
+INFLIGHT_CHUNK = 3
+INFLIGHT_SEEDS = 3
+
+
+def async_lag(k: int) -> Overrides:
+  """The async loop at lag K on the continuous engine, clean fp32 sampler."""
+  return dict(FP32, **{"rl.mode": "async", "rl.max_staleness": k, "sampler.engine": "continuous"})
+
+
+def inflight(k: int, chunk: int = INFLIGHT_CHUNK) -> Overrides:
+  """`async_lag(k)` with in-flight weight updates every `chunk` engine iterations: the study knob of
+  the mismatch source (a line or panel overrides with it, as with `stale(k)`)."""
+  return dict(async_lag(k), **{"rl.inflight_updates": True, "rl.inflight_chunk": chunk})
+
+
+def _inflight_updates() -> Study:
+  lr = RECIPE_LR
+  panels = tuple(p for k in INFLIGHT_LAGS for p in ((f"async_{k}", dict(recipe(lr), **async_lag(k))),
+                                                    (f"inflight_{k}", dict(recipe(lr), **inflight(k)))))
+  return Study(
+      name="inflight_updates",
+      description=f"In-flight weight updates (chunks of {INFLIGHT_CHUNK} engine iterations) against the same "
+                  f"async lag K = {', '.join(map(str, INFLIGHT_LAGS))} without them, PG and SC, "
+                  f"{INFLIGHT_SEEDS} seeds, from the sharper warm start; the papers' recipe at lr {lr:g}, "
+                  f"{DOSE_STEPS} steps. Exploratory; declared, not yet run.",
+      base=DOSE_BASE, panels=panels, lines=(("pg", _m("pg")), ("sc", _SC)), seeds=INFLIGHT_SEEDS,
+      steps=DOSE_STEPS)
+
+
+_add(_inflight_updates())

@@ -1,0 +1,104 @@
+"""The continuous engine in chunks: `start` a rollout, `advance` it with whatever weights, `finish` it."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from rl_jax.rollout import Rollout
+from rl_jax.sampler import continuous
+from rl_jax.sampler import generate as gen
+from rl_jax.sampler.config import SamplerConfig
+from rl_jax.sharding import batch_divisor, shard_batch
+
+# In-flight weight updates (docs/architecture.md#the-sampler-engines): the continuous engine's
+# `lax.while_loop` cut into programs of at most `n_iters` iterations. The carry (slots, KV cache,
+# the rows' buffers) passes from one to the next, so between two of them the caller may swap
+# the weights; `version` is recorded for every token the next one samples (`Rollout.version_BT`).
+# The iterations run in the same order whatever the cuts: with the same weights throughout, the
+# rollout is the one-program `generate`'s bit for bit (tests/test_inflight_updates.py).
+
+# `n_iters` of an `advance` that runs to the end.
+TO_THE_END = np.iinfo(np.int32).max
+_STATIC = ("graphdef", "cfg", "kv_spec", "mesh")
+
+
+def _check(cfg: SamplerConfig) -> None:
+  if cfg.engine != "continuous":
+    raise ValueError(f"chunked generation runs the continuous engine; sampler.engine={cfg.engine!r}")
+
+
+def start_program(graphdef, state, prompts_BP, valid_BP, key, max_new_B, version, n_iters, *, cfg: SamplerConfig,
+                  kv_spec, mesh) -> dict:
+  """The carry after the prefill of the first slots and at most `n_iters` iterations at `version`."""
+  _check(cfg)
+  model = nnx.merge(graphdef, state)
+  cfg.check_vocab(model.cfg.vocab_size)
+  constrain = gen._constrainer(mesh, model.cfg.n_kv_heads)  # pylint: disable=protected-access
+  b = prompts_BP.shape[0]
+  max_new_B = (jnp.full((b,), cfg.max_new_tokens, jnp.int32) if max_new_B is None
+               else jnp.minimum(jnp.asarray(max_new_B, jnp.int32), cfg.max_new_tokens))
+  div = batch_divisor(mesh) if mesh is not None else 1
+  carry = continuous.init(model, prompts_BP, valid_BP, jax.random.split(key, b), max_new_B, cfg=cfg,
+                          kv_spec=kv_spec, constrain=constrain, div=div, versions=True)
+  return continuous.run(model, carry, cfg=cfg, constrain=constrain, version=version, n_iters=n_iters)
+
+
+def advance_program(graphdef, state, carry, version, n_iters, *, cfg: SamplerConfig, kv_spec, mesh) -> dict:
+  """At most `n_iters` more iterations of `carry`, sampled by `state` and recorded as `version`."""
+  del kv_spec  # the cache's format is the carry's
+  model = nnx.merge(graphdef, state)
+  constrain = gen._constrainer(mesh, model.cfg.n_kv_heads)  # pylint: disable=protected-access
+  return continuous.run(model, carry, cfg=cfg, constrain=constrain, version=version, n_iters=n_iters)
+
+
+def finish_program(carry, *, cfg: SamplerConfig, mesh) -> Rollout:
+  # The Rollout holds no KV cache: only its rows' sharding is constrained (heads count unused).
+  constrain = gen._constrainer(mesh, 1)  # pylint: disable=protected-access
+  return continuous.finish(carry, cfg=cfg, constrain=constrain)
+
+
+_start = jax.jit(start_program, static_argnames=_STATIC)
+# The carry is donated: its KV cache is updated in place, chunk after chunk.
+_advance = jax.jit(advance_program, static_argnames=_STATIC, donate_argnames=("carry",))
+_finish = jax.jit(finish_program, static_argnames=("cfg", "mesh"))
+_unfinished = jax.jit(continuous.unfinished)
+
+
+def start(graphdef: nnx.GraphDef, state: Any, prompts_BP, prompt_valid_BP, key: jax.Array, cfg: SamplerConfig, *,
+          version: int, n_iters: int, mesh: Mesh | None = None, max_new_B=None) -> dict:
+  """`generate`'s rollout begun: prompts checked and laid out, the first slots prefilled, at most
+  `n_iters` engine iterations (one decode step of every ready slot each) sampled by `state` as
+  policy `version`. Returns the carry (on device; dispatched, not waited for)."""
+  _check(cfg)
+  gen.check_prompts(prompts_BP, prompt_valid_BP, cfg)
+  prompts_BP = jnp.asarray(prompts_BP, jnp.int32)
+  prompt_valid_BP = jnp.asarray(prompt_valid_BP, bool)
+  if mesh is not None:
+    prompts_BP, prompt_valid_BP = shard_batch((prompts_BP, prompt_valid_BP), mesh)
+    if max_new_B is not None:
+      max_new_B = shard_batch(jnp.asarray(max_new_B, jnp.int32), mesh)
+  return _start(graphdef, state, prompts_BP, prompt_valid_BP, key, max_new_B, jnp.int32(version),
+                jnp.int32(n_iters), cfg=cfg, kv_spec=gen._resolve_kv_spec(None, cfg), mesh=mesh)  # pylint: disable=protected-access
+
+
+def advance(graphdef: nnx.GraphDef, state: Any, carry: dict, cfg: SamplerConfig, *, version: int,
+            n_iters: int = TO_THE_END, mesh: Mesh | None = None) -> dict:
+  """`carry` continued for at most `n_iters` iterations (default: to its end) by `state` as policy
+  `version`; `carry` is donated (use the returned one)."""
+  return _advance(graphdef, state, carry, jnp.int32(version), jnp.int32(n_iters), cfg=cfg,
+                  kv_spec=gen._resolve_kv_spec(None, cfg), mesh=mesh)  # pylint: disable=protected-access
+
+
+def finish(carry: dict, cfg: SamplerConfig, *, mesh: Mesh | None = None) -> Rollout:
+  """The Rollout of a carry that has run to its end (`advance` with no limit), `version_BT` included."""
+  return _finish(carry, cfg=cfg, mesh=mesh)
+
+
+def unfinished(carry: dict) -> bool:
+  """Whether rows are left (waits for the carry)."""
+  return bool(_unfinished(carry))
