@@ -13,6 +13,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from orbax.checkpoint._src.path import atomicity
 from orbax.checkpoint._src.serialization import jax_array_handlers
 
+from rl_jax.checkpoint import Checkpointer
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax: a step is written here, then renamed to <step>
@@ -159,6 +161,8 @@ sys.path.insert(0, {repo!r})
 import jax, jax.numpy as jnp
 from orbax.checkpoint._src.path import atomicity
 from orbax.checkpoint._src.serialization import jax_array_handlers
+
+from rl_jax.checkpoint import Checkpointer
 from rl_jax.checkpoint import Checkpointer
 sys.path.insert(0, os.path.join({repo!r}, "tests"))
 from test_checkpoint_async import _state
