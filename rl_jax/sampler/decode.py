@@ -10,6 +10,7 @@ from rl_jax.models.kv_cache import cache_len, init_cache
 from rl_jax.models.layers import dtype_of
 from rl_jax.models.transformer import default_positions
 from rl_jax.rollout import Rollout, expert_id_dtype
+from rl_jax.sampler import topk
 from rl_jax.sampler.config import SamplerConfig
 
 
@@ -47,6 +48,16 @@ def exact_top_k(x_BV: jax.Array, k: int, min_ratio: int = _TWO_STAGE_MIN_RATIO
   ids_BM = (chunks_BK[:, :, None] * chunk + jnp.arange(chunk, dtype=chunks_BK.dtype)).reshape(b, k * chunk)
   vals_BK, pos_BK = jax.lax.top_k(cand_BM, k)
   return vals_BK, jnp.take_along_axis(ids_BM, pos_BK, axis=-1)
+
+
+def recorded_top_k(logq_BV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """The recorded top-k of a step: `lax.top_k`'s values and ids bit for bit, by the cheapest exact
+  route. On CPU below the two-stage range, `topk.threshold_top_k` (XLA:CPU's top-k custom call
+  was most of the recording cost, docs/performance.md); elsewhere `exact_top_k`."""
+  v = logq_BV.shape[-1]
+  if jax.default_backend() == "cpu" and v < _TWO_STAGE_MIN_RATIO * k:
+    return topk.threshold_top_k(logq_BV, k)
+  return exact_top_k(logq_BV, k)
 
 
 def truncate(logq_BV: jax.Array, top_k: int, top_p: float) -> tuple[jax.Array, jax.Array]:
@@ -155,7 +166,7 @@ def left_pad(prompts_BP, valid_BP, width: int, pad_id: int):
 
 def record_topk(c, logq_BV, active_B, j, k: int) -> dict:
   """Top-k log q, ids and head mass of the distribution of step j, written at j (0 where inactive)."""
-  top_logq_BK, top_ids_BK = exact_top_k(logq_BV, k)
+  top_logq_BK, top_ids_BK = recorded_top_k(logq_BV, k)
   top_logq_BK = jnp.where(active_B[:, None], top_logq_BK, 0.0)
   top_ids_BK = jnp.where(active_B[:, None], top_ids_BK, 0).astype(jnp.int32)
   head_B = jnp.where(active_B, jnp.sum(jnp.exp(top_logq_BK), axis=-1), 0.0)
