@@ -62,3 +62,12 @@ def test_bitonic_sort_is_a_stable_descending_sort():
 def test_recorded_top_k_is_lax_top_k():
   x = jax.nn.log_softmax(jax.random.normal(jax.random.key(2), (8, 2048)))
   _assert_same(jax.jit(lambda x: decode.recorded_top_k(x, 64))(x), jax.lax.top_k(x, 64))
+
+
+def test_top_half_is_the_first_half_of_the_sort():
+  key = jax.random.randint(jax.random.key(3), (32, 5), -3, 3)
+  idx = jnp.broadcast_to(jnp.arange(32)[:, None], (32, 5))
+  got_key, got_idx = jax.jit(topk.top_half)(key, idx)
+  want = np.argsort(-np.asarray(key), axis=0, kind="stable")[:16]
+  np.testing.assert_array_equal(got_idx, want)
+  np.testing.assert_array_equal(got_key, np.take_along_axis(np.asarray(key), want, axis=0))

@@ -70,28 +70,46 @@ def _compare_exchange(ka, ia, kb, ib):
           jnp.where(a_first, kb, ka), jnp.where(a_first, ib, ia))
 
 
+def _merge_stages(key_MB, idx_MB, size: int):
+  """The compare-exchange stages that turn each bitonic block of `size` rows into a sorted one
+  (descending where (row // size) is even, ascending where odd)."""
+  m, b = key_MB.shape
+  stride = size // 2
+  while stride >= 1:
+    shape = (m // (2 * stride), 2, stride, b)
+    k4, i4 = key_MB.reshape(shape), idx_MB.reshape(shape)
+    fk, fi, sk, si = _compare_exchange(k4[:, 0], i4[:, 0], k4[:, 1], i4[:, 1])
+    up = jnp.asarray((np.arange(m // (2 * stride)) * 2 * stride // size) % 2 == 1)[:, None, None]
+    key_MB = jnp.stack([jnp.where(up, sk, fk), jnp.where(up, fk, sk)], axis=1).reshape(m, b)
+    idx_MB = jnp.stack([jnp.where(up, si, fi), jnp.where(up, fi, si)], axis=1).reshape(m, b)
+    # One fusion per stage: XLA:CPU otherwise fuses stages into kernels that recompute
+    # their inputs (5x slower at M = 256).
+    key_MB, idx_MB = jax.lax.optimization_barrier((key_MB, idx_MB))
+    stride //= 2
+  return key_MB, idx_MB
+
+
 def bitonic_sort(key_MB: jax.Array, idx_MB: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Sorts each column of [M, B] (M a power of two) by (key desc, index asc): a bitonic network
   along axis 0, so each compare-exchange is an elementwise op over whole [*, B] rows."""
-  m, b = key_MB.shape
+  m = key_MB.shape[0]
   size = 2
   while size <= m:
-    stride = size // 2
-    while stride >= 1:
-      shape = (m // (2 * stride), 2, stride, b)
-      k4, i4 = key_MB.reshape(shape), idx_MB.reshape(shape)
-      fk, fi, sk, si = _compare_exchange(k4[:, 0], i4[:, 0], k4[:, 1], i4[:, 1])
-      # Block g (of 2 * stride rows) sorts ascending where (g * 2 * stride) // size is odd.
-      up = (np.arange(m // (2 * stride)) * 2 * stride // size) % 2 == 1
-      up = jnp.asarray(up)[:, None, None]
-      key_MB = jnp.stack([jnp.where(up, sk, fk), jnp.where(up, fk, sk)], axis=1).reshape(m, b)
-      idx_MB = jnp.stack([jnp.where(up, si, fi), jnp.where(up, fi, si)], axis=1).reshape(m, b)
-      # One fusion per stage: XLA:CPU otherwise fuses stages into kernels that recompute
-      # their inputs (5x slower at M = 256).
-      key_MB, idx_MB = jax.lax.optimization_barrier((key_MB, idx_MB))
-      stride //= 2
+    key_MB, idx_MB = _merge_stages(key_MB, idx_MB, size)
     size *= 2
   return key_MB, idx_MB
+
+
+def top_half(key_MB: jax.Array, idx_MB: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The first M/2 of each column of [M, B] in (key desc, index asc) order: the two halves
+  sorted side by side as [M/2, 2B], then one merge (the larger of a_i and b_(M/2-1-i) is
+  a bitonic sequence holding the top M/2) instead of sorting all M."""
+  m, b = key_MB.shape
+  h = m // 2
+  side = lambda x: x.reshape(2, h, b).transpose(1, 0, 2).reshape(h, 2 * b)
+  key_HB, idx_HB = bitonic_sort(side(key_MB), side(idx_MB))
+  fk, fi, _, _ = _compare_exchange(key_HB[:, :b], idx_HB[:, :b], key_HB[::-1, b:], idx_HB[::-1, b:])
+  return _merge_stages(fk, fi, h)
 
 
 def threshold_top_k(x_BV: jax.Array, k: int, slots: int | None = None) -> tuple[jax.Array, jax.Array]:
@@ -136,7 +154,7 @@ def threshold_top_k(x_BV: jax.Array, k: int, slots: int | None = None) -> tuple[
     real_BM = want_BM <= total_B[:, None]
     key_BM = jnp.where(real_BM, key_BM, _INT_MIN)
     idx_BM = jnp.where(real_BM, j_BM * c + pos_BM, n * c + jnp.arange(m, dtype=jnp.int32))
-    key_MB, idx_MB = bitonic_sort(key_BM.T, idx_BM.T)
+    key_MB, idx_MB = top_half(key_BM.T, idx_BM.T) if m == 2 * k else bitonic_sort(key_BM.T, idx_BM.T)
     return from_order_key(key_MB[:k].T), idx_MB[:k].T
 
   return jax.lax.cond(jnp.all(total_B <= m), small, lambda _: tuple(jax.lax.top_k(x_BV, k)), None)
