@@ -3,16 +3,16 @@
 Usage:
   PYTHONPATH=. python benchmarks/bench_recording.py                  # the peer benchmark's rows, 7 pairs
   PYTHONPATH=. python benchmarks/bench_recording.py --pairs 9 --engine static,continuous
-  PYTHONPATH=. python benchmarks/bench_recording.py --before         # also the lax.top_k recording (before)
+  PYTHONPATH=. python benchmarks/bench_recording.py --threshold      # also the threshold top-k recording
   PYTHONPATH=. python benchmarks/bench_recording.py --breakdown      # also top-k alone and expert ids alone
 
 The models, batch and sampling settings are `bench_sampler_peers.py`'s (32 prompts x 32 tokens, 128
 new, no EOS stop, greedy and T=1, dense and MoE). Per row the variants run in alternating order
 (off, on, on, off, ...) in one process, and the overhead is the median over pairs of
 t_on / t_off - 1, so load from other processes that comes and goes hits both sides of a pair
-alike. `--before` adds a variant whose recorded top-k is `decode.exact_top_k` (XLA:CPU's top-k
-custom call at these sizes), the recording before `topk.threshold_top_k`; the recorded values
-of the two are checked equal first. The load average is printed before and after: on a shared
+alike. `--threshold` adds a variant whose recorded top-k is `topk.threshold_top_k` instead of
+the default `decode.exact_top_k` (XLA:CPU's top-k custom call at these sizes); the recorded
+values of the two are checked equal first. The load average is printed before and after: on a shared
 box, quote it with the figures.
 """
 from __future__ import annotations
@@ -38,27 +38,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_sampler_peers  # pylint: disable=g-import-not-at-top,wrong-import-position
 from rl_jax import host_memory  # pylint: disable=wrong-import-position
 from rl_jax.models.transformer import Transformer  # pylint: disable=wrong-import-position
-from rl_jax.sampler import decode  # pylint: disable=wrong-import-position
+from rl_jax.sampler import decode, topk  # pylint: disable=wrong-import-position
 from rl_jax.sampler import generate as gen  # pylint: disable=wrong-import-position
 from rl_jax.sampler.config import SamplerConfig  # pylint: disable=wrong-import-position
 
 
 @contextlib.contextmanager
-def _lax_top_k_recording():
-  """While a program is traced: record the top-k as before (`exact_top_k`, the custom call)."""
+def _threshold_recording():
+  """While a program is traced: record the top-k with `topk.threshold_top_k` (not the default)."""
   saved = decode.recorded_top_k
-  decode.recorded_top_k = decode.exact_top_k
+  decode.recorded_top_k = topk.threshold_top_k
   try:
     yield
   finally:
     decode.recorded_top_k = saved
 
 
-def _program(graphdef, state, prompts, valid, cfg, before: bool):
-  """A jitted generate of its own (a fresh jit cache: the `before` variant is traced patched)."""
+def _program(graphdef, state, prompts, valid, cfg, threshold: bool):
+  """A jitted generate of its own (a fresh jit cache: the `threshold` variant is traced patched)."""
   fn = jax.jit(gen.generate_program, static_argnames=gen._STATIC_ARGNAMES)  # pylint: disable=protected-access
   run = lambda: fn(graphdef, state, prompts, valid, jax.random.key(0), None, cfg=cfg, kv_spec=None, mesh=None)
-  with _lax_top_k_recording() if before else contextlib.nullcontext():
+  with _threshold_recording() if threshold else contextlib.nullcontext():
     out = jax.block_until_ready(run())  # traces and compiles here
   return run, out
 
@@ -69,7 +69,7 @@ def _timed(fn) -> float:
   return time.perf_counter() - t0
 
 
-def bench(name, mcfg, engine: str, pairs: int, before: bool, breakdown: bool) -> list[dict]:
+def bench(name, mcfg, engine: str, pairs: int, threshold: bool, breakdown: bool) -> list[dict]:
   model = Transformer(mcfg, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
   batch, prompt_len, new_tokens = 32, 32, 128
@@ -82,8 +82,8 @@ def bench(name, mcfg, engine: str, pairs: int, before: bool, breakdown: bool) ->
                          greedy=mode == "greedy", eos_id=bench_sampler_peers.EOS_ID, engine=engine)
     cfgs = {"off": (dataclasses.replace(base, record_topk=0, record_experts=False), False),
             "on": (dataclasses.replace(base, record_topk=128, record_experts=True), False)}
-    if before:
-      cfgs["on, lax.top_k"] = (cfgs["on"][0], True)
+    if threshold:
+      cfgs["on, threshold top-k"] = (cfgs["on"][0], True)
     if breakdown:
       cfgs["top-k only"] = (dataclasses.replace(base, record_topk=128, record_experts=False), False)
       if mcfg.n_experts:
@@ -91,9 +91,9 @@ def bench(name, mcfg, engine: str, pairs: int, before: bool, breakdown: bool) ->
     runs, outs = {}, {}
     for v, (c, b4) in cfgs.items():
       runs[v], outs[v] = _program(graphdef, state, prompts, valid, c, b4)
-    if before:  # the same recording either way, bit for bit
+    if threshold:  # the same recording either way, bit for bit
       for f in ("topk_ids_BTK", "topk_logq_BTK", "head_mass_BT", "tokens_BS"):
-        a, b = np.asarray(getattr(outs["on"], f)), np.asarray(getattr(outs["on, lax.top_k"], f))
+        a, b = np.asarray(getattr(outs["on"], f)), np.asarray(getattr(outs["on, threshold top-k"], f))
         if a.tobytes() != b.tobytes():
           raise AssertionError(f"{name} {mode}: {f} differs between the two top-k recordings")
     times = {v: [] for v in cfgs}
@@ -115,7 +115,7 @@ def main():
   parser.add_argument("--pairs", type=int, default=7, help="alternating on/off rounds (>= 5; medians reported)")
   parser.add_argument("--models", default="dense,moe")
   parser.add_argument("--engine", default="static", help="sampler.engine values, comma-separated")
-  parser.add_argument("--before", action="store_true", help="also the recording with lax.top_k (before)")
+  parser.add_argument("--threshold", action="store_true", help="also the recording with topk.threshold_top_k")
   parser.add_argument("--breakdown", action="store_true", help="also top-k alone and expert ids alone")
   args = parser.parse_args()
   if args.pairs < 5:
@@ -128,7 +128,7 @@ def main():
   for engine in args.engine.split(","):
     for name, mcfg in bench_sampler_peers._models(False).items():  # pylint: disable=protected-access
       if name in args.models.split(","):
-        rows += bench(name, mcfg, engine, args.pairs, args.before, args.breakdown)
+        rows += bench(name, mcfg, engine, args.pairs, args.threshold, args.breakdown)
   load1 = os.getloadavg()
   print(f"\nload average at the end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
   variants = [v for v in rows[0]["overhead"]]
