@@ -129,7 +129,7 @@ def unfinished(c: dict) -> jax.Array:
 
 
 def _record_topk(c, logq_NV, row_N, step_N, k_rec: int) -> dict:
-  top_logq_NK, top_ids_NK = decode_lib.exact_top_k(logq_NV, k_rec)
+  top_logq_NK, top_ids_NK = decode_lib.recorded_top_k(logq_NV, k_rec)
   at = (row_N, step_N)
   return dict(topk_ids_BTK=c["topk_ids_BTK"].at[at].set(top_ids_NK.astype(jnp.int32), mode="drop"),
               topk_logq_BTK=c["topk_logq_BTK"].at[at].set(top_logq_NK, mode="drop"),

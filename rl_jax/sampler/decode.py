@@ -49,6 +49,18 @@ def exact_top_k(x_BV: jax.Array, k: int, min_ratio: int = _TWO_STAGE_MIN_RATIO
   return vals_BK, jnp.take_along_axis(ids_BM, pos_BK, axis=-1)
 
 
+def recorded_top_k(logq_BV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """The recorded top-k of a step (both engines call this): `lax.top_k`'s values and ids bit for bit.
+
+  `exact_top_k` (on CPU below the two-stage range, XLA:CPU's single-threaded top-k custom
+  call). `topk.threshold_top_k` gives the same bits from vectorized passes and is 1.2x faster
+  alone at B = 32, V = 4096, k = 128, but not measurably faster inside the decode loop, where the
+  custom call overlaps the forward (docs/performance.md, `bench_recording.py --threshold`);
+  so it is not the default.
+  """
+  return exact_top_k(logq_BV, k)
+
+
 def truncate(logq_BV: jax.Array, top_k: int, top_p: float) -> tuple[jax.Array, jax.Array]:
   """Masks (-inf) tokens outside the top-k, then outside the top-p nucleus of what is left.
 
@@ -155,7 +167,7 @@ def left_pad(prompts_BP, valid_BP, width: int, pad_id: int):
 
 def record_topk(c, logq_BV, active_B, j, k: int) -> dict:
   """Top-k log q, ids and head mass of the distribution of step j, written at j (0 where inactive)."""
-  top_logq_BK, top_ids_BK = exact_top_k(logq_BV, k)
+  top_logq_BK, top_ids_BK = recorded_top_k(logq_BV, k)
   top_logq_BK = jnp.where(active_B[:, None], top_logq_BK, 0.0)
   top_ids_BK = jnp.where(active_B[:, None], top_ids_BK, 0).astype(jnp.int32)
   head_B = jnp.where(active_B, jnp.sum(jnp.exp(top_logq_BK), axis=-1), 0.0)

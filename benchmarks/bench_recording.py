@@ -1,0 +1,143 @@
+"""What recording (top-k 128 log q + routed expert ids) costs the sampler: recording on vs off, A/B in one process.
+
+Usage:
+  PYTHONPATH=. python benchmarks/bench_recording.py                  # the peer benchmark's rows, 7 pairs
+  PYTHONPATH=. python benchmarks/bench_recording.py --pairs 9 --engine static,continuous
+  PYTHONPATH=. python benchmarks/bench_recording.py --threshold      # also the threshold top-k recording
+  PYTHONPATH=. python benchmarks/bench_recording.py --breakdown      # also top-k alone and expert ids alone
+
+The models, batch and sampling settings are `bench_sampler_peers.py`'s (32 prompts x 32 tokens, 128
+new, no EOS stop, greedy and T=1, dense and MoE). Per row the variants run in alternating order
+(off, on, on, off, ...) in one process, and the overhead is the median over pairs of
+t_on / t_off - 1, so load from other processes that comes and goes hits both sides of a pair
+alike. `--threshold` adds a variant whose recorded top-k is `topk.threshold_top_k` instead of
+the default `decode.exact_top_k` (XLA:CPU's top-k custom call at these sizes); the recorded
+values of the two are checked equal first. The load average is printed before and after: on a shared
+box, quote it with the figures.
+"""
+from __future__ import annotations
+
+if __name__ == "__main__":  # before jax loads, as bench_sampler_peers: the tuned host allocator
+  from rl_jax import host_memory  # pylint: disable=g-import-not-at-top
+  host_memory.reexec_tuned()
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_sampler_peers  # pylint: disable=g-import-not-at-top,wrong-import-position
+from rl_jax import host_memory  # pylint: disable=wrong-import-position
+from rl_jax.models.transformer import Transformer  # pylint: disable=wrong-import-position
+from rl_jax.sampler import decode, topk  # pylint: disable=wrong-import-position
+from rl_jax.sampler import generate as gen  # pylint: disable=wrong-import-position
+from rl_jax.sampler.config import SamplerConfig  # pylint: disable=wrong-import-position
+
+
+@contextlib.contextmanager
+def _threshold_recording():
+  """While a program is traced: record the top-k with `topk.threshold_top_k` (not the default)."""
+  saved = decode.recorded_top_k
+  decode.recorded_top_k = topk.threshold_top_k
+  try:
+    yield
+  finally:
+    decode.recorded_top_k = saved
+
+
+def _program(graphdef, state, prompts, valid, cfg, threshold: bool):
+  """A jitted generate of its own (a fresh jit cache: the `threshold` variant is traced patched)."""
+  fn = jax.jit(gen.generate_program, static_argnames=gen._STATIC_ARGNAMES)  # pylint: disable=protected-access
+  run = lambda: fn(graphdef, state, prompts, valid, jax.random.key(0), None, cfg=cfg, kv_spec=None, mesh=None)
+  with _threshold_recording() if threshold else contextlib.nullcontext():
+    out = jax.block_until_ready(run())  # traces and compiles here
+  return run, out
+
+
+def _timed(fn) -> float:
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn().tokens_BS)
+  return time.perf_counter() - t0
+
+
+def bench(name, mcfg, engine: str, pairs: int, threshold: bool, breakdown: bool) -> list[dict]:
+  model = Transformer(mcfg, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  batch, prompt_len, new_tokens = 32, 32, 128
+  rng = np.random.default_rng(0)
+  prompts = jnp.asarray(rng.integers(2, mcfg.vocab_size, (batch, prompt_len)).astype(np.int32))
+  valid = jnp.ones((batch, prompt_len), bool)
+  rows = []
+  for mode in ("greedy", "T=1"):
+    base = SamplerConfig(max_prompt_len=prompt_len, max_new_tokens=new_tokens, temperature=1.0,
+                         greedy=mode == "greedy", eos_id=bench_sampler_peers.EOS_ID, engine=engine)
+    cfgs = {"off": (dataclasses.replace(base, record_topk=0, record_experts=False), False),
+            "on": (dataclasses.replace(base, record_topk=128, record_experts=True), False)}
+    if threshold:
+      cfgs["on, threshold top-k"] = (cfgs["on"][0], True)
+    if breakdown:
+      cfgs["top-k only"] = (dataclasses.replace(base, record_topk=128, record_experts=False), False)
+      if mcfg.n_experts:
+        cfgs["experts only"] = (dataclasses.replace(base, record_topk=0, record_experts=True), False)
+    runs, outs = {}, {}
+    for v, (c, b4) in cfgs.items():
+      runs[v], outs[v] = _program(graphdef, state, prompts, valid, c, b4)
+    if threshold:  # the same recording either way, bit for bit
+      for f in ("topk_ids_BTK", "topk_logq_BTK", "head_mass_BT", "tokens_BS"):
+        a, b = np.asarray(getattr(outs["on"], f)), np.asarray(getattr(outs["on, threshold top-k"], f))
+        if a.tobytes() != b.tobytes():
+          raise AssertionError(f"{name} {mode}: {f} differs between the two top-k recordings")
+    times = {v: [] for v in cfgs}
+    order = list(cfgs)
+    for r in range(pairs):
+      for v in (order if r % 2 == 0 else order[::-1]):  # alternate: no variant always runs first
+        times[v].append(_timed(runs[v]))
+    over = {v: statistics.median(times[v][r] / times["off"][r] - 1 for r in range(pairs)) for v in cfgs if v != "off"}
+    med = {v: statistics.median(t) for v, t in times.items()}
+    row = dict(model=name, mode=mode, engine=engine, overhead=over, seconds=med)
+    rows.append(row)
+    print(f"{name:5s} {mode:6s} {engine:10s} | off {med['off']:.3f} s | "
+          + " | ".join(f"{v} {med[v]:.3f} s ({100 * over[v]:+.1f}%)" for v in cfgs if v != "off"), flush=True)
+  return rows
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--pairs", type=int, default=7, help="alternating on/off rounds (>= 5; medians reported)")
+  parser.add_argument("--models", default="dense,moe")
+  parser.add_argument("--engine", default="static", help="sampler.engine values, comma-separated")
+  parser.add_argument("--threshold", action="store_true", help="also the recording with topk.threshold_top_k")
+  parser.add_argument("--breakdown", action="store_true", help="also top-k alone and expert ids alone")
+  args = parser.parse_args()
+  if args.pairs < 5:
+    parser.error("--pairs: at least 5 (the overhead is a median of pairs)")
+  load0 = os.getloadavg()
+  print(f"jax {jax.__version__} ({jax.devices()[0].platform}), {os.cpu_count()} cpus, host allocator "
+        f"{host_memory.describe()}; load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}; {args.pairs} pairs",
+        flush=True)
+  rows = []
+  for engine in args.engine.split(","):
+    for name, mcfg in bench_sampler_peers._models(False).items():  # pylint: disable=protected-access
+      if name in args.models.split(","):
+        rows += bench(name, mcfg, engine, args.pairs, args.threshold, args.breakdown)
+  load1 = os.getloadavg()
+  print(f"\nload average at the end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
+  variants = [v for v in rows[0]["overhead"]]
+  print("| model | mode | engine | recording off | " + " | ".join(f"{v}: overhead" for v in variants) + " |")
+  print("|---|---|---|---|" + "---|" * len(variants))
+  for r in rows:
+    print(f"| {r['model']} | {r['mode']} | {r['engine']} | {r['seconds']['off']:.3f} s | "
+          + " | ".join(f"{100 * r['overhead'][v]:+.1f}%" for v in variants) + " |")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,73 @@
+"""The recording's top-k (rl_jax/sampler/topk.py) is lax.top_k bit for bit: values, ids, tie order."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl_jax.sampler import decode, topk
+
+
+def _assert_same(got, want):
+  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+  # Bits, not values: -0.0 against 0.0 and NaN payloads must match too.
+  np.testing.assert_array_equal(np.asarray(got[0]).view(np.int32), np.asarray(want[0]).view(np.int32))
+
+
+def _cases(x):
+  return {"plain": x, "log_softmax": jax.nn.log_softmax(x), "many ties": jnp.round(2 * x),
+          "-inf ties": jnp.where(x > 0, -jnp.inf, x), "signed zeros": jnp.where(x > 0, -0.0, 0.0),
+          "NaNs": jnp.where(x > 1.5, jnp.nan, x), "all equal (fallback)": jnp.zeros_like(x)}
+
+
+@pytest.mark.parametrize("b,v,k", [pytest.param(32, 4096, 128, marks=pytest.mark.slow), (3, 5000, 16), (2, 65, 8)])
+def test_threshold_top_k_equals_lax_top_k(b, v, k):
+  """Every case, including ones that take the lax.top_k fallback (all equal: every element
+  reaches the threshold) and sizes without chunks (V < 8k)."""
+  x = 3 * jax.random.normal(jax.random.key(v), (b, v))
+  fn = jax.jit(lambda x: topk.threshold_top_k(x, k))
+  for name, arr in _cases(x).items():
+    try:
+      _assert_same(fn(arr), jax.lax.top_k(arr, k))
+    except AssertionError as e:
+      raise AssertionError(f"case {name}") from e
+
+
+def test_threshold_top_k_takes_the_small_path_on_iid_rows():
+  """The fast path is the one tested above on plain rows: about 1.15k elements reach the bound,
+  within the 2k slots (the fallback would make the test above vacuous for them)."""
+  x = 3 * jax.random.normal(jax.random.key(0), (32, 4096))
+  key_BNC = topk.order_key(x).reshape(32, 512, 8)
+  lower_B = topk._kth_largest(jnp.max(key_BNC, axis=-1).T, 128)  # pylint: disable=protected-access
+  n_B = np.asarray(jnp.sum(key_BNC >= lower_B[:, None, None], axis=(1, 2)))
+  assert (n_B >= 128).all() and (n_B <= 256).all(), n_B
+
+
+def test_order_key_round_trip_and_order():
+  vals = np.array([-np.inf, -3.5, -1e-38, -0.0, 0.0, 1e-38, 2.0, np.inf], np.float32)
+  key = np.asarray(topk.order_key(jnp.asarray(vals)))
+  assert (np.diff(key) > 0).all()
+  back = np.asarray(topk.from_order_key(jnp.asarray(key)))
+  np.testing.assert_array_equal(back.view(np.int32), vals.view(np.int32))
+
+
+def test_bitonic_sort_is_a_stable_descending_sort():
+  key = jax.random.randint(jax.random.key(1), (64, 5), -3, 3)  # many ties: index order decides
+  idx = jnp.broadcast_to(jnp.arange(64)[:, None], (64, 5))
+  got_key, got_idx = jax.jit(topk.bitonic_sort)(key, idx)
+  want = np.argsort(-np.asarray(key), axis=0, kind="stable")
+  np.testing.assert_array_equal(got_idx, want)
+  np.testing.assert_array_equal(got_key, np.take_along_axis(np.asarray(key), want, axis=0))
+
+
+def test_recorded_top_k_is_lax_top_k():
+  x = jax.nn.log_softmax(jax.random.normal(jax.random.key(2), (8, 2048)))
+  _assert_same(jax.jit(lambda x: decode.recorded_top_k(x, 64))(x), jax.lax.top_k(x, 64))
+
+
+def test_top_half_is_the_first_half_of_the_sort():
+  key = jax.random.randint(jax.random.key(3), (32, 5), -3, 3)
+  idx = jnp.broadcast_to(jnp.arange(32)[:, None], (32, 5))
+  got_key, got_idx = jax.jit(topk.top_half)(key, idx)
+  want = np.argsort(-np.asarray(key), axis=0, kind="stable")[:16]
+  np.testing.assert_array_equal(got_idx, want)
+  np.testing.assert_array_equal(got_key, np.take_along_axis(np.asarray(key), want, axis=0))
