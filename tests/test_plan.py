@@ -188,19 +188,24 @@ def test_planner_compiles_the_programs_the_trainer_runs(tmp_path, fast_compile):
   assert {p.name: p.fingerprint for p in plans} == want
 
 
-@pytest.mark.slow  # ~10 s; the default case (no replay) is in the test above
+@pytest.mark.slow  # ~10 s; the default case (no replay, one mini-batch) is in the test above
 def test_planner_derives_the_trainers_step_arguments_under_r2(tmp_path, fast_compile):
-  """R2: the prepared batch carries theta_old's own expert ids (in the p_old forward's dtype), derived
-  by the planner through the same `StepPrograms.prepare` (`with_replay`). One mini-batch: the
-  trainer's eager row slice of a batch-sharded array into mini-batches comes out replicated, which
-  the planner's batch-sharded mini-batch is not (docs/architecture.md, the planner)."""
+  """R2 at N = 2 mini-batches: the prepared batch carries theta_old's own expert ids (in the p_old
+  forward's dtype), derived by the planner through the same `StepPrograms.prepare` (`with_replay`),
+  and each mini-batch keeps its rows over the batch axes (`programs._minibatch`), so the update the
+  trainer lowers is the planner's."""
   from rl_jax.rl.trainer import RLTrainer  # pylint: disable=g-import-not-at-top
   config = countdown_tiny.get_config("test")
   config.warm_start.source = "none"
   config.rl.routing_replay = "R2"
+  config.rl.prompts_per_step, config.rl.n_minibatches = 8, 2   # 8 rows per mini-batch over 8 devices
   with RLTrainer(config, str(tmp_path / "run")) as tr:
     batch = _derived_step_arguments_lower_like_the_trainers(tr)
-  assert batch.replay_ids_BSLK is not None
+    mbs = list(tr.minibatches(batch))
+  assert batch.replay_ids_BSLK is not None and len(mbs) == 2
+  for mb in mbs:     # rows split over the batch axes, not replicated on every device
+    assert mb.tokens_BS.sharding.is_equivalent_to(sh.batch_sharding(tr.mesh, 2), 2)
+    assert mb.tokens_BS.sharding.shard_shape(mb.tokens_BS.shape)[0] < mb.tokens_BS.shape[0]
 
 
 def test_async_split_plans_each_group_on_its_own_devices(fast_compile):

@@ -30,6 +30,17 @@ from rl_jax.sampler import weights as sampler_weights
 from rl_jax.sampler.config import SamplerConfig
 
 
+@functools.lru_cache(maxsize=None)
+def _minibatch(mesh, start: int, stop: int):
+  """Rows [start, stop) of a batch, batch-sharded (jitted). An eager slice of a batch-sharded array
+  takes its rows from a few devices and comes out replicated on every device: each device would
+  hold the whole mini-batch and the update would run on replicated rows, not the split the planner
+  sizes (`plan.step_args`)."""
+  def one(x):
+    return jax.lax.with_sharding_constraint(x, sh.batch_sharding(mesh, x.ndim)) if x.ndim else x
+  return jax.jit(lambda b: jax.tree.map(one, b.slice_rows(start, stop)))
+
+
 @dataclasses.dataclass(frozen=True)
 class StepPrograms:
   """The jitted programs of one RL run (fields) and the host wrappers that call them (methods).
@@ -173,10 +184,16 @@ class StepPrograms:
     return batch
 
   def minibatches(self, batch: step_lib.TrainBatch):
-    """The `rl.n_minibatches` group-aligned mini-batches of a global step's batch, in update order."""
+    """The `rl.n_minibatches` group-aligned mini-batches of a global step's batch, in update order,
+    each laid out with its rows over the mesh's batch axes like the global batch (`_minibatch`)."""
     rows = batch.rows // self.n_minibatches
     for i in range(self.n_minibatches):
-      yield batch.slice_rows(i * rows, (i + 1) * rows)
+      if self.n_minibatches == 1:
+        yield batch
+      elif self.mesh is None:
+        yield batch.slice_rows(i * rows, (i + 1) * rows)
+      else:
+        yield _minibatch(self.mesh, i * rows, (i + 1) * rows)(batch)
 
   def batch_shapes(self, params, ro: rollout_lib.Rollout, adv_B) -> dict:
     """The abstract arguments of the trainer's programs for an (abstract) rollout, by `jax.eval_shape`
