@@ -311,3 +311,12 @@ def test_lr_sharp_study_is_declared_before_its_runs():
   assert sorted(by) == ["lr_0.03/pg", "lr_0.1/pg", "lr_0.3/pg"] and s.seeds == 3 and s.steps == 400
   assert {o["optim.lr"] for o in by.values()} == {0.03, 0.1, 0.3}
   assert all(o["sampler.quant"] == "none" and o["loss.score_centering"] == "none" for o in by.values())
+
+
+def test_dose_response_at_lr_sharps_rate_is_the_same_ladder():
+  a, b = studies.get("dose_response"), studies.get("dose_response_lr003")
+  assert b.protocol == a.protocol and b.base == a.base and b.seeds == a.seeds and b.lines == a.lines
+  ra, rb = {r.name: r.overrides for r in a.runs()}, {r.name: r.overrides for r in b.runs()}
+  assert set(ra) == set(rb)
+  for name in ra:
+    assert rb[name]["optim.lr"] == 0.03 and dict(rb[name], **{"optim.lr": ra[name]["optim.lr"]}) == ra[name]

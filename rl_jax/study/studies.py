@@ -476,11 +476,10 @@ DOSE_CELLS: dict[str, Overrides] = {
 }
 
 
-def _dose_response() -> Study:
-  lr = RECIPE_LR
+def _dose_response(name: str = "dose_response", lr: float = RECIPE_LR, what: str = "Issue 37 step 3") -> Study:
   return Study(
-      name="dose_response",
-      description="Issue 37 step 3: dose-response calibration from the sharper warm start, PG and SC x "
+      name=name,
+      description=f"{what}: dose-response calibration from the sharper warm start, PG and SC x "
                   f"{DOSE_SEEDS} seeds: async lag {', '.join(map(str, DOSE_ASYNC_LAGS))}; relative weight noise "
                   f"{', '.join(f'{s:g}' for s in DOSE_NOISE)}; bf16 trainer + FP8 / FP4-KV sampler; staleness "
                   f"{', '.join(map(str, DOSE_STALENESS))}; clean ({DOSE_CLEAN_STEPS} steps). The papers' recipe at "
@@ -559,3 +558,12 @@ def _inflight_updates() -> Study:
 
 
 _add(_inflight_updates())
+
+
+# -- the dose-response ladder again, at the rate `lr_sharp` chose (issue 37) -----------------------------
+# `lr_sharp` (9 runs at 66ad9ef) chose lr 0.03 by `best_lr` (primary 0.349 / 0.364 / 0.402 from warm
+# starts 0.275 / 0.305 / 0.303: gains +0.074 / +0.059 / +0.099, so `dose_response`'s (a) holds there),
+# and the rule fixed in `lr_sharp`'s declaration says what follows: the same ladder (cells, seeds,
+# steps, rule `dose_response` unchanged) at lr 0.03. Declared before any of its runs.
+SHARP_LR = 0.03
+_add(_dose_response("dose_response_lr003", SHARP_LR, "Issue 37: the dose_response ladder at lr_sharp's rate"))
