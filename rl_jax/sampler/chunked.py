@@ -45,7 +45,7 @@ def start_program(graphdef, state, prompts_BP, valid_BP, key, max_new_B, version
   div = batch_divisor(mesh) if mesh is not None else 1
   carry = continuous.init(model, prompts_BP, valid_BP, jax.random.split(key, b), max_new_B, cfg=cfg,
                           kv_spec=kv_spec, constrain=constrain, div=div, versions=True)
-  return continuous.run(model, carry, cfg=cfg, constrain=constrain, version=version, n_iters=n_iters)
+  return continuous.run(model, carry, cfg=cfg, constrain=constrain, div=div, version=version, n_iters=n_iters)
 
 
 def advance_program(graphdef, state, carry, version, n_iters, *, cfg: SamplerConfig, kv_spec, mesh) -> dict:
@@ -53,7 +53,8 @@ def advance_program(graphdef, state, carry, version, n_iters, *, cfg: SamplerCon
   del kv_spec  # the cache's format is the carry's
   model = nnx.merge(graphdef, state)
   constrain = gen._constrainer(mesh, model.cfg.n_kv_heads)  # pylint: disable=protected-access
-  return continuous.run(model, carry, cfg=cfg, constrain=constrain, version=version, n_iters=n_iters)
+  return continuous.run(model, carry, cfg=cfg, constrain=constrain, div=batch_divisor(mesh) if mesh is not None else 1,
+                        version=version, n_iters=n_iters)
 
 
 def finish_program(carry, *, cfg: SamplerConfig, mesh) -> Rollout:
