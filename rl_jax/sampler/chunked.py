@@ -84,7 +84,7 @@ def start(graphdef: nnx.GraphDef, state: Any, prompts_BP, prompt_valid_BP, key: 
     if max_new_B is not None:
       max_new_B = shard_batch(jnp.asarray(max_new_B, jnp.int32), mesh)
   return _start(graphdef, state, prompts_BP, prompt_valid_BP, key, max_new_B, jnp.int32(version),
-                jnp.int32(n_iters), cfg=cfg, kv_spec=gen._resolve_kv_spec(None, cfg), mesh=mesh)  # pylint: disable=protected-access
+                jnp.int32(n_iters), cfg=cfg, kv_spec=gen.resolve_kv_spec(None, cfg), mesh=mesh)
 
 
 def advance(graphdef: nnx.GraphDef, state: Any, carry: dict, cfg: SamplerConfig, *, version: int,
@@ -92,7 +92,7 @@ def advance(graphdef: nnx.GraphDef, state: Any, carry: dict, cfg: SamplerConfig,
   """`carry` continued for at most `n_iters` iterations (default: to its end) by `state` as policy
   `version`; `carry` is donated (use the returned one)."""
   return _advance(graphdef, state, carry, jnp.int32(version), jnp.int32(n_iters), cfg=cfg,
-                  kv_spec=gen._resolve_kv_spec(None, cfg), mesh=mesh)  # pylint: disable=protected-access
+                  kv_spec=gen.resolve_kv_spec(None, cfg), mesh=mesh)
 
 
 def finish(carry: dict, cfg: SamplerConfig, *, mesh: Mesh | None = None) -> Rollout:
