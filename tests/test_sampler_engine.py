@@ -118,6 +118,7 @@ def _batch_mesh():
   return make_mesh(MeshConfig(data=2, fsdp=1, expert=2, tensor=2))  # 4 batch-axis devices, heads 2-way
 
 
+@pytest.mark.slow  # 5 s on 2 loaded cores: compiling the program for 8 devices
 def test_continuous_refill_prefill_gathers_no_cache():
   """On a batch-sharded mesh each device prefills its own slots (`continuous._group_slot_cache`):
   the compiled program moves no slot's KV cache between devices. Pins the fix of a refill that
