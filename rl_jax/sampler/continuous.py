@@ -21,10 +21,12 @@ from rl_jax.sampler.config import SamplerConfig
 #     arithmetic is the static engine's whatever slot runs it;
 #   - the queue is the batch's rows in order; the first N are prefilled together (the static
 #     engine's prefill), the others when a slot frees up;
-#   - each iteration: (1) free slots take the next rows of the queue, (2) one slot that still
-#     has prompt to prefill prefills `prefill_chunk` prompt slots of it (so a long prompt costs
-#     the other slots one chunk per decode step, not a stall), (3) every slot whose prompt is in
-#     the cache decodes one token at its own step j, written at its own cache slot P - 1 + j;
+#   - each iteration: (1) free slots take the next rows of the queue, (2) in each batch-axis
+#     device's group of slots, the first that still has prompt to prefill prefills
+#     `prefill_chunk` prompt slots of it (so a long prompt costs the other slots one chunk per
+#     decode step, not a stall; per device, so no slot's cache leaves its device), (3) every slot
+#     whose prompt is in the cache decodes one token at its own step j, written at its own cache
+#     slot P - 1 + j;
 #   - row b samples step j with fold_in(split(key, B)[b], j), as in the static engine, and every
 #     record (log q, top-k, kept set, routes) is scattered to row b's own index of the rollout.
 
