@@ -51,7 +51,7 @@ def main() -> None:
   prompts = jnp.asarray(rng.integers(3, job.model.vocab_size, (b, p)), jnp.int32)
   valid = jnp.ones((b, p), bool)
   key = jax.random.key(0)
-  kv = gen._resolve_kv_spec(None, cfg)  # pylint: disable=protected-access
+  kv = gen.resolve_kv_spec(None, cfg)
   i32 = jnp.int32
 
   def timed(f):

@@ -58,3 +58,29 @@ def test_bf16_prefill_and_decode_with_the_cache():
     logits[dtype] = np.asarray(jnp.concatenate([out.logits_BSV, step.logits_BSV], axis=1), np.float32)
   assert np.isfinite(logits["bfloat16"]).all()
   np.testing.assert_allclose(logits["bfloat16"], logits["float32"], atol=0.05)
+
+
+@pytest.mark.parametrize("impl,invariant", [("xla", False), ("blocked", False), ("blocked", True)])
+def test_per_row_q_offset_equals_each_row_alone(impl, invariant):
+  """q_offset `[B]` (the continuous engine's refill prefill, one row per device): row b is the
+  call with its own scalar offset alone; bit for bit in the batch-invariant mode, whose loop runs
+  to the furthest row's key block and must leave a row past its own untouched, even a query that
+  sees no key (left padding: its value then depends on the blocks it visited)."""
+  s, c = 4, 150  # 3 key blocks of the invariant mode's 64
+  ks = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(ks[0], (B, s, G, R, D))
+  kT = jax.random.normal(ks[1], (B, G, D, c))
+  v = jax.random.normal(ks[2], (B, G, c, D))
+  offsets = np.array([0, 70, 140], np.int32)
+  valid = np.ones((B, c), bool)
+  valid[0, :10] = False  # row 0's queries (slots 0-3) see no key
+  run = lambda q, kT, v, valid, off: attn.attention(q, kT, v, jnp.asarray(valid), q_offset=off, kv_layout="cache",
+                                                    impl=impl, invariant=invariant)
+  got = np.asarray(jax.jit(run)(q, kT, v, valid, jnp.asarray(offsets)))
+  for b in range(B):
+    one = np.asarray(jax.jit(run)(q[b:b + 1], kT[b:b + 1], v[b:b + 1], valid[b:b + 1], jnp.int32(offsets[b])))
+    if invariant:
+      np.testing.assert_array_equal(got[b:b + 1], one, err_msg=f"row {b}")
+    else:  # another batch size may block a dot's reduction differently: rounding only
+      seen = slice(None) if b else slice(0, 0)
+      np.testing.assert_allclose(got[b:b + 1][:, seen], one[:, seen], rtol=0, atol=1e-6, err_msg=f"row {b}")

@@ -111,3 +111,55 @@ def test_engine_config_errors():
     SamplerConfig(prefill_chunk=0)
   with pytest.raises(ConfigError, match="sampler.slots"):
     SamplerConfig(slots=-1)
+
+
+def _batch_mesh():
+  from rl_jax.sharding import MeshConfig, make_mesh  # pylint: disable=g-import-not-at-top
+  return make_mesh(MeshConfig(data=2, fsdp=1, expert=2, tensor=2))  # 4 batch-axis devices, heads 2-way
+
+
+@pytest.mark.slow  # 5 s on 2 loaded cores: compiling the program for 8 devices
+def test_continuous_refill_prefill_gathers_no_cache():
+  """On a batch-sharded mesh each device prefills its own slots (`continuous._group_slot_cache`):
+  the compiled program moves no slot's KV cache between devices. Pins the fix of a refill that
+  sliced one global slot at a traced index of the sharded slot axis, which XLA served by gathering
+  every slot's cache onto every device (the 30B `:n4_32k` plan's generate at 260 GiB per device)."""
+  import re  # pylint: disable=g-import-not-at-top
+  from rl_jax.sharding import shard_batch, shard_state  # pylint: disable=g-import-not-at-top
+  model = _model(False, invariant=False)
+  graphdef, state = nnx.split(model)
+  mesh = _batch_mesh()
+  slots, t = 8, 40
+  cfg = SamplerConfig(max_prompt_len=P, max_new_tokens=t, record_topk=8, engine="continuous", slots=slots,
+                      prefill_chunk=3)
+  toks, valid = shard_batch((np.ones((16, P), np.int32), np.ones((16, P), bool)), mesh)
+  hlo = gen.lower_generate(graphdef, shard_state(state, mesh), toks, valid, jax.random.key(0), cfg,
+                           mesh=mesh).compile().as_text()
+  # One layer's cache of every slot for one device's kv heads: [slots, G / tensor, C, head dim].
+  m = model.cfg
+  cache_elems = slots * m.n_kv_heads // mesh.shape["tensor"] * (P + t) * m.head_dim
+  moved = []
+  for dims in re.findall(r"= [a-z0-9]+\[([0-9,]*)\]\S* (?:all-gather|all-to-all|collective-permute|all-reduce)\(",
+                         hlo):
+    moved.append(int(np.prod([int(d) for d in dims.split(",") if d])))
+  assert moved and max(moved) < cache_elems, (max(moved), cache_elems)
+
+
+@pytest.mark.slow
+def test_continuous_on_a_batch_mesh_equals_static_bitwise():
+  """With the slots split over 4 batch-axis devices (2 per device, a refill prefill chunk of one
+  slot per device at a time), the continuous rollout is still the static one bit for bit
+  (model.batch_invariant), the static engine run on the same mesh."""
+  from rl_jax.sharding import shard_state  # pylint: disable=g-import-not-at-top
+  graphdef, state = nnx.split(_model(False, invariant=True))
+  mesh = _batch_mesh()
+  state = shard_state(state, mesh)
+  toks, valid = _prompts([3, 7, 5, 1, 6, 2, 4, 8], seed=9)
+  key = jax.random.key(6)
+  base = SamplerConfig(max_prompt_len=P, max_new_tokens=T, temperature=1.5, top_k=24, record_topk=8)
+  base = dataclasses.replace(base, eos_id=_frequent_token(graphdef, state, toks, valid, key, base))
+  static = gen.generate(graphdef, state, toks, valid, key, base, mesh=mesh)
+  assert len(set(np.asarray(static.lengths_B).tolist())) >= 3  # rows end at different steps
+  cont = gen.generate(graphdef, state, toks, valid, key,
+                      dataclasses.replace(base, engine="continuous", slots=8, prefill_chunk=3), mesh=mesh)
+  _compare(static, cont, exact=True)

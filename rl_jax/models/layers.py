@@ -135,11 +135,10 @@ class Attention(nnx.Module):
       c = kv_valid_BC.shape[1]
       chex.assert_shape(kT_BGDC, (b, cfg.n_kv_heads, hd, c))
       chex.assert_shape(v_BGCD, (b, cfg.n_kv_heads, c, hd))
-      if jnp.ndim(cache_index) == 1:
+      if jnp.ndim(cache_index) == 1 and s == 1:
         # One slot per row (the continuous engine's decode): its causal limit joins the key
-        # mask, and the attention's own causal limit (the last slot) masks nothing more.
-        if s != 1:
-          raise ValueError(f"a per-row cache_index {jnp.shape(cache_index)} needs one token per row, got S={s}")
+        # mask, and the attention's own causal limit (the last slot) masks nothing more. S > 1
+        # tokens per row (its refill prefill, one row per device): attention's per-row q_offset.
         kv_valid_BC = kv_valid_BC & (jnp.arange(c)[None] <= cache_index[:, None])
         cache_index = c - 1
       if s == 1 and not inv:  # decode: one query token per row (the invariant mode: the blocked attention below)

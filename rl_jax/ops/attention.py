@@ -128,7 +128,9 @@ def attention(q_BSGRD: jax.Array, k: jax.Array, v: jax.Array, kv_valid_BC: jax.A
     k, v: keys / values over C slots: k_BCGD, v_BCGD (`kv_layout="bcgd"`), or the KV cache's
       heads-major kT_BGDC, v_BGCD (`kv_layout="cache"`).
     kv_valid_BC: bool, which key slots hold real tokens (any per-row pattern); None = all.
-    q_offset: slot of query 0, >= 0 (int, or an int scalar array under jit: the cache index).
+    q_offset: slot of query 0, >= 0 (int, or an int scalar array under jit: the cache index), or
+      an int `[B]` array, row b's own (the continuous engine's refill prefill; xla and blocked,
+      forward only).
     causal: query at slot q reads key slots c <= q only.
     impl: one of IMPLEMENTATIONS (module comment); cudnn / splash fall back to blocked (one
       warning per reason) where they cannot run the inputs, auto silently.
@@ -287,8 +289,8 @@ def _xla_attention(q_BSGRD, k, v, kv_valid_BC, q_offset, causal, kv_layout):
     return _causal_attention(q_BSGRD, k, v, mask_BSC)
   slots_C = jnp.arange(c)
   if causal:
-    q_slots_S = q_offset + jnp.arange(s)
-    mask_BSC = (slots_C[None, None, :] <= q_slots_S[None, :, None]) & valid_BC[:, None, :]
+    q_slots_BS = jnp.reshape(q_offset, (-1, 1)) + jnp.arange(s)  # [1, S], or [B, S] per row
+    mask_BSC = (slots_C[None, None, :] <= q_slots_BS[:, :, None]) & valid_BC[:, None, :]
   else:
     mask_BSC = jnp.broadcast_to(valid_BC[:, None, :], (b, s, c))
   axes = ("bcgd", "bcgd") if kv_layout == "bcgd" else ("bgdc", "bgcd")
@@ -350,9 +352,9 @@ def _block_scores(q_BGQD, k_BGKD, valid_BK, i, j, q_offset, spec: _Blocks):
   s_BGQK = _qk(q_BGQD, k_BGKD, spec.ordered) * (hd ** -0.5)
   mask_B1QK = valid_BK[:, None, None, :]
   if spec.causal:
-    q_slot_Q = q_offset + i * spec.bq + jnp.arange(spec.bq * spec.r) // spec.r
+    q_slot_BQ = jnp.reshape(q_offset, (-1, 1)) + i * spec.bq + jnp.arange(spec.bq * spec.r) // spec.r
     k_slot_K = j * spec.bk + jnp.arange(spec.bk)
-    mask_B1QK = mask_B1QK & (k_slot_K[None, :] <= q_slot_Q[:, None])[None, None]
+    mask_B1QK = mask_B1QK & (k_slot_K[None, None, :] <= q_slot_BQ[:, :, None])[:, None]
   return jnp.where(mask_B1QK, s_BGQK, MASK_VALUE), mask_B1QK
 
 
@@ -364,6 +366,8 @@ def _blocked_forward(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, spec: _Blocks):
 
   def query_block(i):
     q_blk = lax.dynamic_slice_in_dim(q_BGQD, i * rows, rows, axis=2)
+
+    end = _key_block_end(i, q_offset, spec)  # [B] with per-row offsets
 
     def key_block(j, carry):
       m_BGQ, l_BGQ, acc_BGQD = carry
@@ -377,13 +381,20 @@ def _blocked_forward(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, spec: _Blocks):
       l_BGQ = alpha * l_BGQ + jnp.sum(p_BGQK, axis=-1)
       # As _attend: the probabilities meet v in v's dtype, accumulated in float32.
       pv = _pv(p_BGQK.astype(v_BGCD.dtype), v_blk, spec.ordered)
-      return m_new, l_BGQ, alpha[..., None] * acc_BGQD + pv
+      new = (m_new, l_BGQ, alpha[..., None] * acc_BGQD + pv)
+      if jnp.ndim(end) == 0:
+        return new
+      # Per-row offsets: the loop runs to the furthest row's end; a row past its own end keeps
+      # its carry, so each row computes exactly what a call with its offset alone computes (a
+      # fully masked block is a no-op only for a query that has seen a key).
+      keep_B = j >= end
+      return tuple(jnp.where(keep_B.reshape((-1,) + (1,) * (x.ndim - 1)), x, y) for x, y in zip(carry, new))
 
     # *_like: the accumulators inherit q's sharding (a mesh with Explicit axes needs it).
     init = (jnp.full_like(q_blk[..., 0], MASK_VALUE, f32), jnp.zeros_like(q_blk[..., 0], f32),
             jnp.zeros_like(q_blk, f32))
     # Every query block reads key block 0 (q_offset >= 0), so l >= 1: no division by zero.
-    m_BGQ, l_BGQ, acc_BGQD = lax.fori_loop(0, _key_block_end(i, q_offset, spec), key_block, init)
+    m_BGQ, l_BGQ, acc_BGQD = lax.fori_loop(0, end if jnp.ndim(end) == 0 else jnp.max(end), key_block, init)
     return (acc_BGQD / l_BGQ[..., None]).astype(v_BGCD.dtype), m_BGQ, l_BGQ
 
   out_nBGQD, m_nBGQ, l_nBGQ = lax.map(query_block, jnp.arange(spec.nq))
@@ -395,6 +406,9 @@ def _blocked_backward(q_BGQD, k_BGCD, v_BGCD, valid_BC, q_offset, out_BGQD, m_BG
                     spec: _Blocks):
   """(dq, dk, dv) in the inputs' dtypes: outer loop over key blocks (dk, dv of block j in the
   carry), inner over the query blocks that read it (dq accumulated in place), all in f32."""
+  if jnp.ndim(q_offset):
+    raise NotImplementedError("blocked attention's backward takes one q_offset for every row (per-row "
+                              "offsets are the continuous engine's prefill, never differentiated)")
   f32 = jnp.float32
   b, g, _, d = q_BGQD.shape
   rows, scale = spec.bq * spec.r, d ** -0.5

@@ -45,7 +45,7 @@ def start_program(graphdef, state, prompts_BP, valid_BP, key, max_new_B, version
   div = batch_divisor(mesh) if mesh is not None else 1
   carry = continuous.init(model, prompts_BP, valid_BP, jax.random.split(key, b), max_new_B, cfg=cfg,
                           kv_spec=kv_spec, constrain=constrain, div=div, versions=True)
-  return continuous.run(model, carry, cfg=cfg, constrain=constrain, version=version, n_iters=n_iters)
+  return continuous.run(model, carry, cfg=cfg, constrain=constrain, div=div, version=version, n_iters=n_iters)
 
 
 def advance_program(graphdef, state, carry, version, n_iters, *, cfg: SamplerConfig, kv_spec, mesh) -> dict:
@@ -53,7 +53,8 @@ def advance_program(graphdef, state, carry, version, n_iters, *, cfg: SamplerCon
   del kv_spec  # the cache's format is the carry's
   model = nnx.merge(graphdef, state)
   constrain = gen._constrainer(mesh, model.cfg.n_kv_heads)  # pylint: disable=protected-access
-  return continuous.run(model, carry, cfg=cfg, constrain=constrain, version=version, n_iters=n_iters)
+  return continuous.run(model, carry, cfg=cfg, constrain=constrain, div=batch_divisor(mesh) if mesh is not None else 1,
+                        version=version, n_iters=n_iters)
 
 
 def finish_program(carry, *, cfg: SamplerConfig, mesh) -> Rollout:
@@ -83,7 +84,7 @@ def start(graphdef: nnx.GraphDef, state: Any, prompts_BP, prompt_valid_BP, key: 
     if max_new_B is not None:
       max_new_B = shard_batch(jnp.asarray(max_new_B, jnp.int32), mesh)
   return _start(graphdef, state, prompts_BP, prompt_valid_BP, key, max_new_B, jnp.int32(version),
-                jnp.int32(n_iters), cfg=cfg, kv_spec=gen._resolve_kv_spec(None, cfg), mesh=mesh)  # pylint: disable=protected-access
+                jnp.int32(n_iters), cfg=cfg, kv_spec=gen.resolve_kv_spec(None, cfg), mesh=mesh)
 
 
 def advance(graphdef: nnx.GraphDef, state: Any, carry: dict, cfg: SamplerConfig, *, version: int,
@@ -91,7 +92,7 @@ def advance(graphdef: nnx.GraphDef, state: Any, carry: dict, cfg: SamplerConfig,
   """`carry` continued for at most `n_iters` iterations (default: to its end) by `state` as policy
   `version`; `carry` is donated (use the returned one)."""
   return _advance(graphdef, state, carry, jnp.int32(version), jnp.int32(n_iters), cfg=cfg,
-                  kv_spec=gen._resolve_kv_spec(None, cfg), mesh=mesh)  # pylint: disable=protected-access
+                  kv_spec=gen.resolve_kv_spec(None, cfg), mesh=mesh)
 
 
 def finish(carry: dict, cfg: SamplerConfig, *, mesh: Mesh | None = None) -> Rollout:

@@ -21,10 +21,12 @@ from rl_jax.sampler.config import SamplerConfig
 #     arithmetic is the static engine's whatever slot runs it;
 #   - the queue is the batch's rows in order; the first N are prefilled together (the static
 #     engine's prefill), the others when a slot frees up;
-#   - each iteration: (1) free slots take the next rows of the queue, (2) one slot that still
-#     has prompt to prefill prefills `prefill_chunk` prompt slots of it (so a long prompt costs
-#     the other slots one chunk per decode step, not a stall), (3) every slot whose prompt is in
-#     the cache decodes one token at its own step j, written at its own cache slot P - 1 + j;
+#   - each iteration: (1) free slots take the next rows of the queue, (2) in each batch-axis
+#     device's group of slots, the first that still has prompt to prefill prefills
+#     `prefill_chunk` prompt slots of it (so a long prompt costs the other slots one chunk per
+#     decode step, not a stall; per device, so no slot's cache leaves its device), (3) every slot
+#     whose prompt is in the cache decodes one token at its own step j, written at its own cache
+#     slot P - 1 + j;
 #   - row b samples step j with fold_in(split(key, B)[b], j), as in the static engine, and every
 #     record (log q, top-k, kept set, routes) is scattered to row b's own index of the rollout.
 
@@ -38,15 +40,27 @@ def slot_count(cfg: SamplerConfig, rows: int, div: int) -> int:
   return n
 
 
-def _slot_cache(cache, s, n: int = 1):
-  """Slots [s, s + n) of every layer's cache (rows on axis 1 of a layer-stacked cache)."""
-  return [jax.tree.map(lambda x, ax=int(kv.stacked): jax.lax.dynamic_slice_in_dim(x, s, n, axis=ax), kv)
-          for kv in cache]
+def _groups(x, ax: int, div: int):
+  """x with its slot axis `ax` viewed as [div, N / div]: group g is the slots of batch-axis device g
+  (the slot axis is split over the mesh's batch axes in contiguous blocks of N / div)."""
+  return x.reshape(x.shape[:ax] + (div, x.shape[ax] // div) + x.shape[ax + 1:])
 
 
-def _put_slot_cache(cache, part, s):
-  return [jax.tree.map(lambda x, y, ax=int(kv.stacked): jax.lax.dynamic_update_slice_in_dim(x, y, s, axis=ax),
-                       kv, kp) for kv, kp in zip(cache, part)]
+def _group_slot_cache(cache, i_G, div: int):
+  """Slot `i_G[g]` of each group g of every layer's cache: a cache of `div` rows (rows on axis 1 of a
+  layer-stacked cache). Each group slices its own device's slots: nothing is gathered."""
+  def one(x, ax):
+    take = lambda x_M, i: jax.lax.dynamic_index_in_dim(x_M, i, axis=ax, keepdims=False)
+    return jax.vmap(take, in_axes=(ax, 0), out_axes=ax)(_groups(x, ax, div), i_G)
+  return [jax.tree.map(lambda x, ax=int(kv.stacked): one(x, ax), kv) for kv in cache]
+
+
+def _put_group_slot_cache(cache, part, i_G, div: int):
+  """`cache` with group g's slot `i_G[g]` set to row g of `part` (`_group_slot_cache`'s layout)."""
+  def one(x, y, ax):
+    put = lambda x_M, y_, i: jax.lax.dynamic_update_index_in_dim(x_M, y_, i, axis=ax)
+    return jax.vmap(put, in_axes=(ax, ax, 0), out_axes=ax)(_groups(x, ax, div), y, i_G).reshape(x.shape)
+  return [jax.tree.map(lambda x, y, ax=int(kv.stacked): one(x, y, ax), kv, kp) for kv, kp in zip(cache, part)]
 
 
 def generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: SamplerConfig, kv_spec, constrain, div):
@@ -54,7 +68,7 @@ def generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: Sample
   `run` to the end, `finish`, in one program."""
   carry = init(model, prompts_BP, valid_BP, keys_B, max_new_B, cfg=cfg, kv_spec=kv_spec, constrain=constrain,
                div=div)
-  return finish(run(model, carry, cfg=cfg, constrain=constrain), cfg=cfg, constrain=constrain)
+  return finish(run(model, carry, cfg=cfg, constrain=constrain, div=div), cfg=cfg, constrain=constrain)
 
 
 def init(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: SamplerConfig, kv_spec, constrain, div,
@@ -136,9 +150,9 @@ def _record_topk(c, logq_NV, row_N, step_N, k_rec: int) -> dict:
               head_mass_BT=c["head_mass_BT"].at[at].set(jnp.sum(jnp.exp(top_logq_NK), axis=-1), mode="drop"))
 
 
-def run(model, carry: dict, *, cfg: SamplerConfig, constrain, version=None, n_iters=None) -> dict:
+def run(model, carry: dict, *, cfg: SamplerConfig, constrain, div: int, version=None, n_iters=None) -> dict:
   """The engine's iterations from `carry` until every row has ended, or at most `n_iters` of them
-  (a traced int; None = no limit). Each token is sampled by `model`'s weights; with a `version_BT`
+  (a traced int; None = no limit); `div`: the mesh's batch-axis devices, as `init`'s. Each token is sampled by `model`'s weights; with a `version_BT`
   in the carry, `version` (a traced int) is recorded for it. Stopping after any iteration and
   going on in another call runs the same iterations in the same order as one call."""
   mcfg = model.cfg
@@ -149,6 +163,7 @@ def run(model, carry: dict, *, cfg: SamplerConfig, constrain, version=None, n_it
   k_rec = cfg.record_topk
   exp_dtype = expert_id_dtype(mcfg.n_experts)
   ch = min(cfg.prefill_chunk, p - 1)  # prompt slots per refill chunk (0: nothing to prefill)
+  n = carry["row_N"].shape[0]
 
   def refill(c):
     """Free slots take the next rows of the queue, in slot order."""
@@ -163,21 +178,34 @@ def run(model, carry: dict, *, cfg: SamplerConfig, constrain, version=None, n_it
                 next_row=c["next_row"] + jnp.sum(take_N, dtype=jnp.int32))
 
   def prefill_chunk(c):
-    """Prompt slots [start, start + ch) of the first slot still prefilling, into its cache region.
-    The last chunk starts at P - 1 - ch (it may redo a few slots of the one before: same tokens)."""
-    i = jnp.argmax(c["live_N"] & ~c["ready_N"])
-    r, start = c["row_N"][i], c["chunk_N"][i]
-    rows = lambda x: jax.lax.dynamic_slice(x, (r, start), (1, ch))
-    out = model(rows(c["tokens_BP"]), rows(c["positions_BP"]), rows(c["pvalid_BP"]),
-                cache=_slot_cache(c["cache"], i), cache_index=start,
-                kv_valid_BC=jax.lax.dynamic_slice_in_dim(c["kv_valid_BS"], r, 1, axis=0), compute_logits=False)
-    new = dict(c, cache=_put_slot_cache(c["cache"], out.cache, i))
+    """Prompt slots [start, start + ch) of each slot group's first slot still prefilling, into its
+    cache region: one row per group (`_groups`: a group is one batch-axis device's slots), so each
+    device prefills one of its own slots and no slot's cache leaves its device. A group with no slot
+    prefilling computes a row nobody keeps. The last chunk starts at P - 1 - ch (it may redo a few
+    slots of the one before: same tokens)."""
+    m = n // div
+    pending_GM = (c["live_N"] & ~c["ready_N"]).reshape(div, m)
+    has_G = jnp.any(pending_GM, axis=1)
+    i_G = jnp.argmax(pending_GM, axis=1).astype(jnp.int32)  # the group's own slot index
+    slot_G = jnp.arange(div, dtype=jnp.int32) * m + i_G
+    r_G, start_G = jnp.minimum(c["row_N"][slot_G], b - 1), c["chunk_N"][slot_G]
+    rows = lambda x: jax.vmap(lambda r, st: jax.lax.dynamic_slice(x, (r, st), (1, ch))[0])(r_G, start_G)
+    part = _group_slot_cache(c["cache"], i_G, div)
+    out = model(rows(c["tokens_BP"]), rows(c["positions_BP"]), rows(c["pvalid_BP"]), cache=part,
+                cache_index=start_G, kv_valid_BC=c["kv_valid_BS"][r_G], compute_logits=False)
+    # A group without a pending slot writes its slot's cache back unchanged.
+    kept = [jax.tree.map(lambda x, y, ax=int(kv.stacked): jnp.where(
+        has_G.reshape((1,) * ax + (div,) + (1,) * (x.ndim - ax - 1)), y, x), kv, kn)
+            for kv, kn in zip(part, out.cache)]
+    new = dict(c, cache=_put_group_slot_cache(c["cache"], kept, i_G, div))
+    w_G = jnp.where(has_G, r_G, b)  # row b: out of bounds, dropped
     if record_experts:
-      new["experts_BSLK"] = jax.lax.dynamic_update_slice(
-          c["experts_BSLK"], out.expert_ids_BSLK.astype(exp_dtype), (r, start, 0, 0))
-    last = start + ch >= p - 1
-    new["ready_N"] = c["ready_N"].at[i].set(last)
-    new["chunk_N"] = c["chunk_N"].at[i].set(jnp.minimum(start + ch, p - 1 - ch))
+      cols_C = jnp.arange(ch, dtype=jnp.int32)
+      new["experts_BSLK"] = c["experts_BSLK"].at[w_G[:, None], start_G[:, None] + cols_C].set(
+          out.expert_ids_BSLK.astype(exp_dtype), mode="drop")
+    at_G = jnp.where(has_G, slot_G, n)  # slot n: dropped
+    new["ready_N"] = c["ready_N"].at[at_G].set(start_G + ch >= p - 1, mode="drop")
+    new["chunk_N"] = c["chunk_N"].at[at_G].set(jnp.minimum(start_G + ch, p - 1 - ch), mode="drop")
     return new
 
   def decode(c):
