@@ -215,14 +215,14 @@ def test_sigterm_with_rollouts_in_generation_resumes_to_the_uninterrupted_run(tm
   run's params and metrics bit for bit."""
   cfg = _config(**RUN, **{"rl.inflight_updates": True})
   workdir = tmp_path / "preempted"
-  real = trainer_lib.RLTrainer._train_on
+  real = trainer_lib.RLTrainer.train_on
 
   def signal_during_step_1(self, item, t0, t1):
     if item.step == 1:
       os.kill(os.getpid(), signal.SIGTERM)
     return real(self, item, t0, t1)
   with monkeypatch.context() as m:
-    m.setattr(trainer_lib.RLTrainer, "_train_on", signal_during_step_1)
+    m.setattr(trainer_lib.RLTrainer, "train_on", signal_during_step_1)
     with pytest.raises(preempt.Preempted):
       trainer_lib.run(cfg, str(workdir))
   ckpt = Checkpointer(str(workdir), create=False)
