@@ -6,12 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_jax import experiment as ex
+from rl_jax import microbatch
 from rl_jax import sharding as sh
+from rl_jax import train_state
 from rl_jax.config_utils import ConfigError
 from rl_jax.models import ModelConfig
 from rl_jax.optim import OptimConfig, make_optimizer
-from rl_jax import microbatch
 from rl_jax.rl import step as step_lib
 from rl_jax.rl.loss.loss_config import LossConfig
 
@@ -94,7 +94,7 @@ CASES = {
                          + [("sc_tis_constant", "R3"), ("minirl_seq_mean", "R3")])
 def test_accumulated_update_equals_one_shot(case, replay):
   loss_cfg = CASES[case]
-  graphdef, params = ex.init_params(MOE, 0)
+  graphdef, params = train_state.init_params(MOE, 0)
   batch = _batch()
   if replay == "R3":
     rng = np.random.default_rng(1)
@@ -123,7 +123,7 @@ def test_aux_loss_is_the_token_weighted_mean_of_the_micro_batches():
   """With aux_coef > 0 the load-balancing term is per micro-batch (it does not split over rows):
   the accumulated update's aux_loss is the valid-token-weighted mean of the micro-batches'."""
   loss_cfg = LossConfig()
-  graphdef, params = ex.init_params(MOE, 0)
+  graphdef, params = train_state.init_params(MOE, 0)
   batch = _batch()
   opt = make_optimizer(OptimConfig(name="sgd", lr=1.0))
   _, _, m = jax.jit(functools.partial(step_lib.update, graphdef=graphdef, optimizer=opt, loss_cfg=loss_cfg,
@@ -140,7 +140,7 @@ def test_aux_loss_is_the_token_weighted_mean_of_the_micro_batches():
 @pytest.mark.parametrize("replay", ["none", "R3"])
 def test_microbatched_p_old_forward_and_meter_equal_one_shot(replay):
   loss_cfg = CASES["sc_tis_constant"]
-  graphdef, params = ex.init_params(MOE, 0)
+  graphdef, params = train_state.init_params(MOE, 0)
   batch = _batch().replace(logp_old_BT=None)
   rng = np.random.default_rng(2)
   ids = jnp.asarray(np.argsort(rng.random((B, P + T, 2, 4)), -1)[..., :2], jnp.int32)
