@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl_jax import experiment as ex
+from rl_jax import train_state
 from rl_jax.rl.job import RLJob
 from rl_jax.sampler import chunked
 from rl_jax.sampler import generate as gen
@@ -43,7 +43,7 @@ def main() -> None:
   config.sampler.quant = "none"
   job = RLJob.from_config(config)
   cfg, rl = job.sampler, job.rl
-  graphdef, params = ex.init_params(job.model, 0, None)
+  graphdef, params = train_state.init_params(job.model, 0, None)
   state = sampler_weights.sync_weights(params, None, cfg.quant, cfg.dtype, sampler_weights.quant_plan(job.model))
   sgraph = sampler_weights.sampler_graphdef(job.model, cfg.dtype)
   b, p = rl.prompts_per_step * rl.group_size, cfg.max_prompt_len

@@ -77,13 +77,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from flax import nnx
 
 from rl_jax import host_memory
-from rl_jax.experiment import init_params
 from rl_jax.models import hf
 from rl_jax.models.config import ModelConfig
 from rl_jax.optim import OptimConfig, make_optimizer
 from rl_jax.rl import step as step_lib
 from rl_jax.rl.loss.loss_config import LossConfig
 from rl_jax.rl.step import TrainBatch
+from rl_jax.train_state import init_params
 
 LOSS_RTOL = 1e-5   # fp32, two implementations: measured ~1e-7
 GRAD_RTOL = 1e-4   # per tensor, of its max |g|: measured ~1e-6 (sums over 5k tokens in fp32)

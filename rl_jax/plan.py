@@ -98,29 +98,29 @@ def device_bytes(tree: Any) -> int:
 
 
 def abstract_params(model_cfg, mesh):
-  """(graphdef, params as sharded ShapeDtypeStructs): what `experiment.init_params` would place."""
+  """(graphdef, params as sharded ShapeDtypeStructs): what `train_state.init_params` would place."""
   import jax  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from rl_jax import experiment as ex  # pylint: disable=g-import-not-at-top
+  from rl_jax import train_state  # pylint: disable=g-import-not-at-top
   from rl_jax import sharding as sh  # pylint: disable=g-import-not-at-top
-  graphdef, abstract = ex.abstract_state(model_cfg)
+  graphdef, abstract = train_state.abstract_state(model_cfg)
   return graphdef, jax.tree.map(_sds, nnx.to_pure_dict(abstract), sh.param_shardings(abstract, mesh))
 
 
 def abstract_opt_state(optimizer, params, mesh):
-  """Optimizer state with the shardings `experiment.init_opt_state` gives it (no memory)."""
+  """Optimizer state with the shardings `train_state.init_opt_state` gives it (no memory)."""
   import jax  # pylint: disable=g-import-not-at-top
-  from rl_jax import experiment as ex  # pylint: disable=g-import-not-at-top
+  from rl_jax import train_state  # pylint: disable=g-import-not-at-top
   return jax.tree.map(_sds, jax.eval_shape(optimizer.init, params),
-                      ex.opt_state_shardings(optimizer, params, mesh))
+                      train_state.opt_state_shardings(optimizer, params, mesh))
 
 
 def opt_state_like_params(opt_state, params):
   """The optimizer state with every leaf that mirrors a parameter (same path suffix, same shape)
-  sharded like that parameter: the layout `experiment.init_opt_state` produces."""
+  sharded like that parameter: the layout `train_state.init_opt_state` produces."""
   import jax  # pylint: disable=g-import-not-at-top
-  from rl_jax import experiment as ex  # pylint: disable=g-import-not-at-top
-  return jax.tree.map(_sds, opt_state, ex.mirror_shardings(opt_state, params, None))
+  from rl_jax import train_state  # pylint: disable=g-import-not-at-top
+  return jax.tree.map(_sds, opt_state, train_state.mirror_shardings(opt_state, params, None))
 
 
 def kv_cache_sizing(model_cfg, sampler_cfg, rows: int, kv_spec, mesh) -> tuple[int, str]:
@@ -348,7 +348,7 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
   n_opt_like = device_bytes(opt_state_like_params(opt_state, params))
   if n_opt > n_opt_like:
     print(f"[plan] warning: the optimizer state takes {plan_hw.gib(n_opt)} per device as "
-          f"experiment.init_opt_state lays it out (moments not sharded like their params); sharded like "
+          f"train_state.init_opt_state lays it out (moments not sharded like their params); sharded like "
           f"the params it would take {plan_hw.gib(n_opt_like)}. The figures below are today's layout.")
   trainer_extra = {}
   delta = None

@@ -16,9 +16,10 @@ from flax import nnx
 
 from rl_jax import artifacts
 from rl_jax import data as data_lib
-from rl_jax import experiment as ex
+from rl_jax import job_sections
 from rl_jax import preempt
 from rl_jax import sharding as sh
+from rl_jax import train_state
 from rl_jax import workdir as wd
 from rl_jax.checkpoint import Checkpointer
 from rl_jax.config_utils import flat_defaults, require
@@ -27,6 +28,7 @@ from rl_jax.metrics import LoggingConfig, MetricsWriter, resolve_wandb_mode
 from rl_jax.models import ModelConfig
 from rl_jax.models.decode import greedy_reference
 from rl_jax.optim import OptimConfig, make_optimizer
+from rl_jax.tasks import build as task_build
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +53,7 @@ TOP_LEVEL = {"job", "seed", "task", "model", "mesh", "optim", "sft", "logging", 
 
 def sections() -> dict[str, type]:
   """Section name -> config dataclass of an SFT job (config_schema's source for 'sft')."""
-  return {"task": ex.TaskConfig, "model": ModelConfig, "mesh": sh.MeshConfig, "optim": OptimConfig,
+  return {"task": task_build.TaskConfig, "model": ModelConfig, "mesh": sh.MeshConfig, "optim": OptimConfig,
           "logging": LoggingConfig, "sft": SFTConfig}
 
 
@@ -62,7 +64,7 @@ MAX_LEN_CHECK_STEPS = 64
 @dataclasses.dataclass(frozen=True)
 class SFTJob:
   seed: int
-  task: ex.TaskConfig
+  task: task_build.TaskConfig
   model: ModelConfig
   mesh: sh.MeshConfig
   optim: OptimConfig
@@ -71,21 +73,21 @@ class SFTJob:
 
   @classmethod
   def from_config(cls, config: Any) -> "SFTJob":
-    ex.check_top_level(config, TOP_LEVEL)
+    job_sections.check_top_level(config, TOP_LEVEL)
     return cls(seed=int(config.get("seed", 0)),
-               task=ex.section(config, "task", ex.TaskConfig),
-               model=ex.section(config, "model", ModelConfig),
-               mesh=ex.section(config, "mesh", sh.MeshConfig),
-               optim=ex.section(config, "optim", OptimConfig),
-               sft=ex.section(config, "sft", SFTConfig),
-               logging=ex.section(config, "logging", LoggingConfig))
+               task=job_sections.section(config, "task", task_build.TaskConfig),
+               model=job_sections.section(config, "model", ModelConfig),
+               mesh=job_sections.section(config, "mesh", sh.MeshConfig),
+               optim=job_sections.section(config, "optim", OptimConfig),
+               sft=job_sections.section(config, "sft", SFTConfig),
+               logging=job_sections.section(config, "logging", LoggingConfig))
 
   # The job's cross-field checks, each run once before any compute (`validate`): against the
   # devices' mesh and against the tokenized task.
 
   def check_mesh(self, mesh) -> None:
     """The batch splits over the mesh's batch axes."""
-    ex.check_batch(self.sft.batch_size, "sft.batch_size", mesh)
+    job_sections.check_batch(self.sft.batch_size, "sft.batch_size", mesh)
 
   def check_data(self, task, tok) -> None:
     """`sft.max_len` fits the sequences of the first steps' batches (host-side tokenization only)."""
@@ -143,9 +145,9 @@ def validate(config: Any):
   job = SFTJob.from_config(config)
   mesh = sh.make_mesh(job.mesh)
   job.check_mesh(mesh)
-  task = ex.make_task(job.task)
-  tok = ex.make_tokenizer(task, job.model)
-  ex.bind_task(task, tok, job.sft.max_len)
+  task = task_build.make_task(job.task)
+  tok = task_build.make_tokenizer(task, job.model)
+  task_build.bind_task(task, tok, job.sft.max_len)
   job.check_data(task, tok)
   return job, mesh, task, tok
 
@@ -164,9 +166,9 @@ def _run(config: Any, workdir: Any, job, mesh, task, tok, guard: preempt.Guard) 
                            is_writer=jax.process_index() == 0, defaults=flat_defaults(sections()))
   ckpt = writer = bar = None
   try:
-    graphdef, params = ex.init_params(job.model, job.seed, mesh)
+    graphdef, params = train_state.init_params(job.model, job.seed, mesh)
     optimizer = make_optimizer(job.optim)
-    opt_state = ex.init_opt_state(optimizer, params, mesh)
+    opt_state = train_state.init_opt_state(optimizer, params, mesh)
     ckpt = Checkpointer(run_dir.root, max_to_keep=job.sft.max_to_keep)
     start = 0
     resuming = ckpt.latest_step() is not None
@@ -234,7 +236,7 @@ def _run(config: Any, workdir: Any, job, mesh, task, tok, guard: preempt.Guard) 
 
 def load_params(workdir: Any, model_cfg: ModelConfig, seed: int = 0, mesh=None) -> tuple[Any, dict, int]:
   """(graphdef, params, step) from the latest SFT checkpoint in `workdir` (params item only)."""
-  graphdef, params = ex.init_params(model_cfg, seed, mesh)
+  graphdef, params = train_state.init_params(model_cfg, seed, mesh)
   ckpt = Checkpointer(workdir, create=False)  # a reader: a mistyped path is not created
   try:
     items, _, step = ckpt.restore({"params": params})

@@ -7,9 +7,9 @@ import re
 import pytest
 from conftest import need
 
-from rl_jax import experiment as ex
 from rl_jax.config_utils import ConfigError
 from rl_jax.tasks import arith, get_task, order, records
+from rl_jax.tasks import build as task_build
 from rl_jax.tasks.dataset import interleave
 from rl_jax.tasks.hf_tokenizer import HFTokenizer
 
@@ -87,7 +87,7 @@ def test_bad_json_and_paths_are_named(tmp_path):
 
 def test_files_only_for_the_dataset_task():
   with pytest.raises(ConfigError, match="task.train_files.*only task.name='dataset'"):
-    ex.make_task(ex.TaskConfig(name="countdown_easy", train_files="/x.jsonl"))
+    task_build.make_task(task_build.TaskConfig(name="countdown_easy", train_files="/x.jsonl"))
   with pytest.raises(ConfigError, match="task.train_files.*empty"):
     get_task("dataset", {}).bind(object(), 64)
 

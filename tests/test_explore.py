@@ -6,7 +6,7 @@ import optax
 import pytest
 
 from rl_jax import explore
-from rl_jax import experiment as ex
+from rl_jax import train_state
 from rl_jax.models import ModelConfig
 from rl_jax.rl import programs as programs_lib
 from rl_jax.rl import step as step_lib
@@ -102,7 +102,7 @@ def _tiny():
   cfg = ModelConfig(vocab_size=16, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=32, d_ff=32,
                     n_experts=4, n_experts_per_tok=2, moe_d_ff=32, mlp_only_layers=(), dtype="float32",
                     param_dtype="float32")
-  graphdef, params = ex.init_params(cfg, seed=0)
+  graphdef, params = train_state.init_params(cfg, seed=0)
   ids = jax.random.randint(jax.random.key(2), (4, 3), 3, 16)
   return cfg, graphdef, params, ids, jnp.ones((4, 3), bool)
 

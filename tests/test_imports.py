@@ -36,7 +36,7 @@ LOCAL_IMPORTS = {
         "start-up: the CLI imports the RL trainer only when the job is rl",
     ("rl_jax.models.families", "rl_jax.models.transformer"):
         "start-up: the family registry is read by config checks and the planner without the model code",
-    ("rl_jax.plan", "rl_jax.experiment"):
+    ("rl_jax.plan", "rl_jax.train_state"):
         "start-up: the planner parses flags and prints help without jax / the model stack",
     ("rl_jax.plan", "rl_jax.sharding"): "start-up: as above (planner)",
     ("rl_jax.plan", "rl_jax.models.kv_cache"): "start-up: as above (planner)",

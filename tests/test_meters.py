@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from rl_jax.rl import meters
-from rl_jax.rl.loss.loss_config import LossConfig
 from rl_jax.rl import step as step_lib
+from rl_jax.rl.loss.loss_config import LossConfig
 from rl_jax.rl.loss.losses import rl_loss
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -210,11 +210,11 @@ def test_grad_alignment_closed_forms():
 
 @pytest.fixture(scope="module")
 def tiny_policy():
-  from rl_jax import experiment as ex  # pylint: disable=g-import-not-at-top
+  from rl_jax import train_state  # pylint: disable=g-import-not-at-top
   from rl_jax.models import ModelConfig  # pylint: disable=g-import-not-at-top
   cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
                     d_ff=32, init_std=0.5)
-  return ex.init_params(cfg, 0)
+  return train_state.init_params(cfg, 0)
 
 
 def _train_batch(rng, lengths, prompt_len=3, t=5, v=32):

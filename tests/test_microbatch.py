@@ -6,12 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_jax import experiment as ex
+from rl_jax import microbatch
 from rl_jax import sharding as sh
+from rl_jax import train_state
 from rl_jax.config_utils import ConfigError
 from rl_jax.models import ModelConfig
 from rl_jax.optim import OptimConfig, make_optimizer
-from rl_jax import microbatch
 from rl_jax.rl import step as step_lib
 from rl_jax.rl.loss.loss_config import LossConfig
 
@@ -72,6 +72,24 @@ def test_split_of_a_batch_sharded_array_moves_nothing():
   np.testing.assert_array_equal(out, np.asarray(x)[2::4] * 2.0)
 
 
+def test_rl_minibatches_keep_their_rows_sharded_and_compile_once():
+  """`StepPrograms.minibatches` (rl.n_minibatches = 2 on a 4-device batch mesh): each mini-batch is
+  its rows of the batch, split over the batch axes (not replicated), and a second step's slices reuse
+  the first step's programs (a fresh jit per call would compile them again every step)."""
+  from types import SimpleNamespace  # pylint: disable=g-import-not-at-top
+  from rl_jax.rl import programs as programs_lib  # pylint: disable=g-import-not-at-top
+  mesh = sh.make_mesh(sh.MeshConfig(data=1, fsdp=-1), jax.devices()[:4])
+  batch = jax.device_put(_batch(), sh.batch_sharding(mesh, 1))
+  owner = SimpleNamespace(n_minibatches=2, mesh=mesh)
+  for _ in range(2):
+    mbs = list(programs_lib.StepPrograms.minibatches(owner, batch))
+    for i, mb in enumerate(mbs):
+      np.testing.assert_array_equal(mb.tokens_BS, np.asarray(batch.tokens_BS)[4 * i:4 * (i + 1)])
+      assert mb.tokens_BS.sharding.is_equivalent_to(sh.batch_sharding(mesh, 2), 2)
+      assert mb.tokens_BS.sharding.shard_shape(mb.tokens_BS.shape)[0] == 1
+  assert [programs_lib._minibatch(mesh, 4 * i, 4 * (i + 1))._cache_size() for i in range(2)] == [1, 1]
+
+
 def _close(a, b, what):
   """Equal to float32 reordering (RTOL) relative to the array's own scale."""
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -94,7 +112,7 @@ CASES = {
                          + [("sc_tis_constant", "R3"), ("minirl_seq_mean", "R3")])
 def test_accumulated_update_equals_one_shot(case, replay):
   loss_cfg = CASES[case]
-  graphdef, params = ex.init_params(MOE, 0)
+  graphdef, params = train_state.init_params(MOE, 0)
   batch = _batch()
   if replay == "R3":
     rng = np.random.default_rng(1)
@@ -123,7 +141,7 @@ def test_aux_loss_is_the_token_weighted_mean_of_the_micro_batches():
   """With aux_coef > 0 the load-balancing term is per micro-batch (it does not split over rows):
   the accumulated update's aux_loss is the valid-token-weighted mean of the micro-batches'."""
   loss_cfg = LossConfig()
-  graphdef, params = ex.init_params(MOE, 0)
+  graphdef, params = train_state.init_params(MOE, 0)
   batch = _batch()
   opt = make_optimizer(OptimConfig(name="sgd", lr=1.0))
   _, _, m = jax.jit(functools.partial(step_lib.update, graphdef=graphdef, optimizer=opt, loss_cfg=loss_cfg,
@@ -140,7 +158,7 @@ def test_aux_loss_is_the_token_weighted_mean_of_the_micro_batches():
 @pytest.mark.parametrize("replay", ["none", "R3"])
 def test_microbatched_p_old_forward_and_meter_equal_one_shot(replay):
   loss_cfg = CASES["sc_tis_constant"]
-  graphdef, params = ex.init_params(MOE, 0)
+  graphdef, params = train_state.init_params(MOE, 0)
   batch = _batch().replace(logp_old_BT=None)
   rng = np.random.default_rng(2)
   ids = jnp.asarray(np.argsort(rng.random((B, P + T, 2, 4)), -1)[..., :2], jnp.int32)

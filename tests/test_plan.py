@@ -2,10 +2,11 @@
 import jax
 import pytest
 
-from rl_jax import experiment as ex
+from rl_jax import job_sections
 from rl_jax import plan
 from rl_jax import plan_hw
 from rl_jax import sharding as sh
+from rl_jax import train_state
 from rl_jax.configs import countdown_tiny
 from rl_jax.optim import make_optimizer
 from rl_jax.rl.job import RLJob
@@ -28,8 +29,8 @@ def test_abstract_bytes_equal_real_init(fast_compile):
   _, params_sds = plan.abstract_params(job.model, mesh)
   optimizer = make_optimizer(job.optim)
   opt_sds = plan.abstract_opt_state(optimizer, params_sds, mesh)
-  _, params = ex.init_params(job.model, job.seed, mesh)
-  opt_state = ex.init_opt_state(optimizer, params, mesh)
+  _, params = train_state.init_params(job.model, job.seed, mesh)
+  opt_state = train_state.init_opt_state(optimizer, params, mesh)
   d0 = mesh.devices.flat[0]
   # fsdp=2 splits the 64-wide model dimension: a real per-device figure, not the full size.
   full = sum(x.nbytes for x in jax.tree.leaves(params))
@@ -266,7 +267,7 @@ def test_kv_cache_sizing_is_the_cache_and_its_product():
   from rl_jax.sampler.config import sampler_config  # pylint: disable=g-import-not-at-top
   config = qwen3_30b_a3b_minirl.get_config("n4_32k")
   config.sampler.engine = "continuous"
-  m, s = ex.section(config, "model", ModelConfig), sampler_config(config.sampler)
+  m, s = job_sections.section(config, "model", ModelConfig), sampler_config(config.sampler)
   mesh = types.SimpleNamespace(shape=dict(data=1, fsdp=2, expert=8, tensor=1))
   total, text = plan.kv_cache_sizing(m, s, 128, s.quant.kv, mesh)
   cache = jax.eval_shape(lambda: init_cache(m, 128, s.max_len, dtype_of(s.dtype), s.quant.kv))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rl_jax import experiment as ex
+from rl_jax import train_state
 from rl_jax.models import ModelConfig
 from rl_jax.optim import OptimConfig, make_optimizer
 from rl_jax.rl import step as step_lib
@@ -57,7 +57,7 @@ def _full_logits_loss(params, batch, graphdef, loss_cfg, aux_coef):
 @pytest.mark.parametrize("name", sorted(CFGS))
 def test_response_slot_head_equals_the_full_forward(name):
   cfg = CFGS[name]
-  graphdef, params = ex.init_params(cfg, 0)
+  graphdef, params = train_state.init_params(cfg, 0)
   loss_cfg = LossConfig(method="tis", score_centering="topk", topk=4)
   batch = _batch()
   # p_old: the full forward's log-softmax at the sampled tokens, response slots.
@@ -88,7 +88,7 @@ def test_update_donates_every_param_and_optimizer_buffer():
   """The trainer's jitted update (donate_argnums=(0, 1)) writes params and AdamW state in place:
   the compiled program aliases one output to each donated input leaf, so no step copies them."""
   cfg = CFGS["moe_untied"]
-  graphdef, params = ex.init_params(cfg, 0)
+  graphdef, params = train_state.init_params(cfg, 0)
   optimizer = make_optimizer(OptimConfig(name="adamw", lr=1e-3, grad_clip=1.0))
   opt_state = optimizer.init(params)
   batch = _batch()

@@ -19,7 +19,8 @@ def _cases(x):
           "NaNs": jnp.where(x > 1.5, jnp.nan, x), "all equal (fallback)": jnp.zeros_like(x)}
 
 
-@pytest.mark.parametrize("b,v,k", [pytest.param(32, 4096, 128, marks=pytest.mark.slow), (3, 5000, 16), (2, 65, 8)])
+@pytest.mark.parametrize("b,v,k", [pytest.param(32, 4096, 128, marks=pytest.mark.slow),
+                                     pytest.param(3, 5000, 16, marks=pytest.mark.slow), (2, 65, 8)])
 def test_threshold_top_k_equals_lax_top_k(b, v, k):
   """Every case, including ones that take the lax.top_k fallback (all equal: every element
   reaches the threshold) and sizes without chunks (V < 8k)."""

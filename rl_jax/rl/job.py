@@ -9,10 +9,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rl_jax import data as data_lib
-from rl_jax import experiment as ex
+from rl_jax import job_sections
 from rl_jax import microbatch
-from rl_jax import sharding as sh
 from rl_jax import sft as sft_lib
+from rl_jax import sharding as sh
 from rl_jax import workdir as wd
 from rl_jax.config_utils import ConfigError, flat_defaults, from_dict, require
 from rl_jax.metrics import LoggingConfig
@@ -21,6 +21,7 @@ from rl_jax.models.quantize import quantize_params
 from rl_jax.ops import kv_quant as qkv
 from rl_jax.optim import OptimConfig
 from rl_jax.rl.loss.loss_config import AdvantageConfig, LossConfig
+from rl_jax.tasks import build as task_build
 # Routing replay's one type (its values are the config's `rl.routing_replay`).
 from rl_jax.rl.step import Replay
 from rl_jax.sampler.config import SamplerConfig, sampler_config
@@ -178,7 +179,7 @@ GROUP_RELATIVE = ("group_centered", "grpo")
 class RLJob:
   """All sections of an RL config as validated dataclasses (jitted code never sees a ConfigDict)."""
   seed: int
-  task: ex.TaskConfig
+  task: task_build.TaskConfig
   model: ModelConfig
   mesh: sh.MeshConfig
   optim: OptimConfig
@@ -191,24 +192,24 @@ class RLJob:
 
   @classmethod
   def from_config(cls, config: Any) -> "RLJob":
-    ex.check_top_level(config, TOP_LEVEL)
-    rl = ex.section(config, "rl", RLConfig)
+    job_sections.check_top_level(config, TOP_LEVEL)
+    rl = job_sections.section(config, "rl", RLConfig)
     optim = config.get("optim", {})
     optim = dict(optim.to_dict() if hasattr(optim, "to_dict") else optim)
     if optim.get("schedule") == "cosine" and not optim.get("total_steps"):
       # 0 = the whole run, so overriding rl.steps stretches the schedule with it.
       optim["total_steps"] = rl.steps * rl.n_minibatches
     job = cls(seed=int(config.get("seed", 0)),
-              task=ex.section(config, "task", ex.TaskConfig),
-              model=ex.section(config, "model", ModelConfig),
-              mesh=ex.section(config, "mesh", sh.MeshConfig),
+              task=job_sections.section(config, "task", task_build.TaskConfig),
+              model=job_sections.section(config, "model", ModelConfig),
+              mesh=job_sections.section(config, "mesh", sh.MeshConfig),
               optim=from_dict(OptimConfig, optim, prefix="optim"),
               sampler=sampler_config(config.get("sampler", {})),
-              loss=ex.section(config, "loss", LossConfig),
-              advantage=ex.section(config, "advantage", AdvantageConfig),
+              loss=job_sections.section(config, "loss", LossConfig),
+              advantage=job_sections.section(config, "advantage", AdvantageConfig),
               rl=rl,
-              warm_start=ex.section(config, "warm_start", WarmStartConfig),
-              logging=ex.section(config, "logging", LoggingConfig))
+              warm_start=job_sections.section(config, "warm_start", WarmStartConfig),
+              logging=job_sections.section(config, "logging", LoggingConfig))
     job.check()
     return job
 
@@ -270,9 +271,9 @@ class RLJob:
     if b * g % sampler_div:
       raise ConfigError(f"config key 'rl.prompts_per_step': {b * g} responses do not split over the "
                         f"sampler mesh's batch axes ({sampler_div})")
-    ex.check_batch(rl.eval_size, "rl.eval_size", mesh)
+    job_sections.check_batch(rl.eval_size, "rl.eval_size", mesh)
     if rl.attribution_every:
-      ex.check_batch(rl.attribution_rows, "rl.attribution_rows", mesh)
+      job_sections.check_batch(rl.attribution_rows, "rl.attribution_rows", mesh)
     self.microbatch_counts(mesh)
 
   def microbatch_counts(self, mesh) -> tuple[int, int]:

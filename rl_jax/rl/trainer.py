@@ -12,12 +12,12 @@ import numpy as np
 import tqdm
 
 from rl_jax import data as data_lib
-from rl_jax import experiment as ex
 from rl_jax import preempt
 from rl_jax import rollout as rollout_lib
 from rl_jax import sharding as sh
-from rl_jax.checkpoint import Checkpointer
+from rl_jax import train_state
 from rl_jax import workdir as wd
+from rl_jax.checkpoint import Checkpointer
 from rl_jax.metrics import MetricsWriter, read_metrics, resolve_wandb_mode
 from rl_jax.optim import make_optimizer
 from rl_jax.rl import drive_async
@@ -30,6 +30,7 @@ from rl_jax.rl import programs as programs_lib
 from rl_jax.rl import resume
 from rl_jax.rl import source_metrics
 from rl_jax.rl import summary as summary_lib
+from rl_jax.tasks import build as task_build
 # The schema lives in job.py; re-exported so `trainer.RLJob` & co. keep resolving.
 from rl_jax.rl.job import RLConfig, RLJob, WarmStartConfig  # noqa: F401
 from rl_jax.rl.step import TrainBatch
@@ -60,7 +61,7 @@ class RLTrainer:
     # The trainer's mesh and the sampler's: one and the same unless async splits the devices.
     self.mesh, self.sampler_mesh = sh.split_meshes(job.mesh)
     job.check_mesh(self.mesh, self.sampler_mesh)   # a batch that does not split fails before any compute
-    self.task = ex.make_task(job.task)
+    self.task = task_build.make_task(job.task)
     job.check_start()
     if job.warm_start.source == "hf":
       from rl_jax.models import hf_stage  # pylint: disable=g-import-not-at-top
@@ -71,8 +72,8 @@ class RLTrainer:
       self.job = job = dataclasses.replace(job, warm_start=dataclasses.replace(job.warm_start, path=local))
       self.tok = HFTokenizer.from_dir(local)
     else:
-      self.tok = ex.make_tokenizer(self.task, job.model)
-    ex.bind_task(self.task, self.tok, job.sampler.max_prompt_len)   # a dataset: read, render, filter
+      self.tok = task_build.make_tokenizer(self.task, job.model)
+    task_build.bind_task(self.task, self.tok, job.sampler.max_prompt_len)   # a dataset: read, render, filter
     job.check_data(self.task, self.tok)
     if job.warm_start.source == "auto":
       check_sft_section(config, self.task, self.tok)
@@ -97,10 +98,10 @@ class RLTrainer:
     self.resuming = self.ckpt.latest_step() is not None
     # On resume the checkpoint overwrites everything: skip the (possibly costly) warm start
     # and only build the structure and shardings to restore into.
-    self.graphdef, params = (ex.init_params(job.model, job.seed, self.mesh) if self.resuming
+    self.graphdef, params = (train_state.init_params(job.model, job.seed, self.mesh) if self.resuming
                              else self._warm_start())
     self.optimizer = make_optimizer(job.optim)
-    opt_state = ex.init_opt_state(self.optimizer, params, self.mesh)
+    opt_state = train_state.init_opt_state(self.optimizer, params, self.mesh)
     noise_key = jax.random.fold_in(jax.random.key(job.seed), 0x5E5)
     delta = sampler_weights.make_noise(params, job.sampler.noise, job.sampler.noise_sigma, noise_key)
     # The sampler refreshes from `sampler_src` (the trainer's params at the last sync).
@@ -122,7 +123,7 @@ class RLTrainer:
         sampler_mesh=self.sampler_mesh)
     self._sampler_shardings = None
     if self.sampler_mesh is not self.mesh:
-      self._sampler_shardings = sh.param_shardings(ex.abstract_state(job.model)[1], self.sampler_mesh)
+      self._sampler_shardings = sh.param_shardings(train_state.abstract_state(job.model)[1], self.sampler_mesh)
       if "noise" in self.state:  # fixed for the run: moved to the sampler's devices once
         self._noise_s = sh.on_mesh(self.state["noise"], self.sampler_mesh, self._sampler_shardings)
     self.sync_sampler()

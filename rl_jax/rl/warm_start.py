@@ -6,7 +6,7 @@ from typing import Any
 import ml_collections
 from flax import nnx
 
-from rl_jax import experiment as ex
+from rl_jax import train_state
 from rl_jax.checkpoint import Checkpointer
 from rl_jax.config_utils import ConfigError
 from rl_jax.models.config import EXECUTION_FIELDS
@@ -43,7 +43,7 @@ def warm_start(job: RLJob, config: Any, workdir: str, mesh) -> tuple[nnx.GraphDe
   """
   ws = job.warm_start
   if ws.source == "none":
-    return ex.init_params(job.model, job.seed, mesh)
+    return train_state.init_params(job.model, job.seed, mesh)
   if ws.source == "hf":
     from rl_jax.models import hf  # pylint: disable=g-import-not-at-top
     m = job.model

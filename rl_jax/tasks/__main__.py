@@ -13,9 +13,9 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from rl_jax import data as data_lib
-from rl_jax import experiment as ex
 from rl_jax.config_utils import from_dict
 from rl_jax.models import ModelConfig
+from rl_jax.tasks import build as task_build
 from rl_jax.tasks.hf_tokenizer import HFTokenizer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "a job config (configs/*.py[:arg])", lock_config=False)
@@ -24,16 +24,16 @@ _N = flags.DEFINE_integer("n", 3, "prompts per split")
 
 def preview(config, n: int, out=sys.stdout) -> list[dict]:
   """Renders and verifies the first n prompts of each split; returns one dict per prompt."""
-  task_cfg = from_dict(ex.TaskConfig, config.task, prefix="task")
-  task = ex.make_task(task_cfg)
+  task_cfg = from_dict(task_build.TaskConfig, config.task, prefix="task")
+  task = task_build.make_task(task_cfg)
   model = config.model
   ws = config.get("warm_start", {})
   if ws and ws.get("source") == "hf" and ws.get("path"):
     tok = HFTokenizer.from_dir(ws.path)
   else:
-    tok = ex.make_tokenizer(task, from_dict(ModelConfig, model, prefix="model"))
+    tok = task_build.make_tokenizer(task, from_dict(ModelConfig, model, prefix="model"))
   limit = config.sampler.max_prompt_len if "sampler" in config else config.sft.max_len
-  ex.bind_task(task, tok, limit)
+  task_build.bind_task(task, tok, limit)
   rows = []
   try:
     for split in ("train", "eval"):

@@ -189,7 +189,7 @@ class DatasetTask:
   def _split(self, split: str) -> _Split:
     if not self._splits:
       raise RuntimeError("the dataset task is not bound: call task.bind(tokenizer, max_prompt_len) first "
-                         "(rl_jax.experiment.bind_task)")
+                         "(rl_jax.tasks.build.bind_task)")
     if split not in self._splits:
       raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     return self._splits[split]
