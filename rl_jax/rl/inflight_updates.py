@@ -175,8 +175,7 @@ def from_tree(tr, tree: dict, abstract_carry: dict, step: int, version: int, adv
     prog = sh.on_mesh(tree["progress"], tr.sampler_mesh)
     prog = {k: prog.get(k) if v is not None else None for k, v in abstract.items()}
     with sh.mesh_context(tr.sampler_mesh):
-      t = time.perf_counter()
-      carry = tr.busy.track("sampler", tr.programs.resume_rollout(tr.sampler_state, ids, valid, key, prog), t)
+      carry = tr.programs.resume_rollout(tr.sampler_state, ids, valid, key, prog)
   else:
     carry = sh.on_mesh(tree["carry"], tr.sampler_mesh)
     carry = {k: carry.get(k) if v is not None else None for k, v in abstract_carry.items()}
