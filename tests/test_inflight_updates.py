@@ -288,6 +288,9 @@ def inflight_run(tmp_path_factory):
 # only where the weights never change (here an lr too small to move any parameter: the params stay
 # bit for bit), and give its very bits in the batch-invariant mode (where prefill and decode compute
 # K and V alike; else they differ in float rounding, docs/architecture.md#in-flight-weight-updates).
+# The batch-invariant mode's RMSNorm is an ordered sum for this (rl_jax/models/layers.py): XLA:CPU's
+# reduce rounded a token's norm by the shape of the forward around it, so the first slots' batched
+# prefill and a re-prefill chunk wrote keys and values up to 9.5e-7 apart (layer 0, this model).
 RESUME = {"carry": {"rl.inflight_resume": "carry"},
           "reprefill": {"rl.inflight_resume": "reprefill", "optim.lr": 1e-30, "model.batch_invariant": True}}
 
