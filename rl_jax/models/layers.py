@@ -9,6 +9,7 @@ import numpy as np
 from flax import nnx
 
 from rl_jax.models.config import ModelConfig
+from rl_jax.ops import batch_invariant as invariant
 from rl_jax.ops.attention import MASK_VALUE, attention
 from rl_jax.ops.linear import linear
 
@@ -34,9 +35,19 @@ def param(rngs: nnx.Rngs, shape, axes, cfg: ModelConfig, std: float | None = Non
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-  """RMSNorm computed in float32 (as transformers' Qwen3RMSNorm), cast back to x's dtype."""
+  """RMSNorm computed in float32 (as transformers' Qwen3RMSNorm), cast back to x's dtype.
+
+  In the zero-mismatch mode (`ops.batch_invariant`) the mean of squares is an ordered sum: XLA:CPU's
+  reduce over the last axis rounds a row by the shape of the array around it (the rows of a
+  [8, 23, 32] norm differ from the same rows of a [1, 35, 32] one by up to 4.8e-7), so a token's
+  norm, and its keys and values, would depend on how many tokens share the forward."""
   x32 = x.astype(jnp.float32)
-  x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+  if invariant.active():
+    d = x32.shape[-1]
+    ms = invariant.ordered_sum(lambda i: jnp.square(x32[..., i]), d)[..., None] / d
+  else:
+    ms = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+  x32 = x32 * jax.lax.rsqrt(ms + eps)
   return (scale.astype(jnp.float32) * x32).astype(x.dtype)
 
 

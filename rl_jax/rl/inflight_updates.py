@@ -37,19 +37,26 @@ class Partial:
   keep: Any = None
 
 
-def begin(tr, step: int, version: int, keep=None) -> Partial:
-  """The rollout of `step` begun with the sampler's weights (`version`): prompts and key as
-  `RLTrainer.rollout`'s, the first chunk dispatched."""
+def rollout_inputs(tr, step: int):
+  """(problems, prompt ids, valid, key) of the rollout of `step`, each prompt repeated `group_size`
+  times: `RLTrainer.rollout`'s, on the sampler's devices (`begin` and a re-prefilled resume)."""
   g = tr.job.rl.group_size
   problems, ids, valid = tr.prompts(step)
   with sh.mesh_context(tr.sampler_mesh):
     ids, valid = rollout_lib.repeat_prompts((ids, valid), g)
     key = jax.random.fold_in(jax.random.key(tr.job.seed), step)
+  return [p for p in problems for _ in range(g)], ids, valid, key
+
+
+def begin(tr, step: int, version: int, keep=None) -> Partial:
+  """The rollout of `step` begun with the sampler's weights (`version`): prompts and key as
+  `RLTrainer.rollout`'s, the first chunk dispatched."""
+  problems, ids, valid, key = rollout_inputs(tr, step)
+  with sh.mesh_context(tr.sampler_mesh):
     t = time.perf_counter()
     carry = tr.busy.track("sampler", tr.programs.start_rollout(tr.sampler_state, ids, valid, key, version=version,
                                                                n_iters=tr.job.rl.inflight_chunk), t)
-  return Partial(step=step, version=version, problems=[p for p in problems for _ in range(g)], carry=carry,
-                 advanced=version, keep=keep)
+  return Partial(step=step, version=version, problems=problems, carry=carry, advanced=version, keep=keep)
 
 
 def advance(tr, part: Partial, version: int, to_the_end: bool = False) -> None:
@@ -127,34 +134,70 @@ def async_step(tr, step: int) -> dict:
 
 
 # -- checkpoint form ----------------------------------------------------------------------------
+# `rl.inflight_resume` (docs/architecture.md#in-flight-weight-updates): 'carry' saves a partial
+# rollout's whole engine carry (KV cache included) and continues it as it was; 'reprefill' saves its
+# progress (`chunked.progress`: no KV cache, nothing its prompts and key derive) and rebuilds the
+# cache on resume by prefilling every live slot's prompt and partial response with the sampler's
+# weights of the resumed step, the ones its next chunk decodes with.
 
 
-def to_tree(part: Partial, mesh) -> dict:
-  """The partial rollout's arrays, on the trainer's `mesh` (a checkpoint's items share one device
-  set): its carry whole (KV cache included; the keys as raw key data, None entries dropped) and its
-  kept params."""
+def _row_shardings(tree: dict, mesh) -> dict:
+  """The engine's layout of a progress tree on `mesh`: the leading (row or slot) axis over the batch
+  axes (replicated where it does not split, and for scalars)."""
+  div = sh.batch_divisor(mesh)
+  return jax.tree.map(lambda x: sh.batch_sharding(mesh, x.ndim) if x.ndim and x.shape[0] % div == 0
+                      else sh.replicated(mesh), tree)
+
+
+def to_tree(tr, part: Partial, form: str) -> dict:
+  """The partial rollout's arrays, on the trainer's mesh (a checkpoint's items share one device
+  set), and its kept params. `form` 'carry': the carry whole (KV cache included; the keys as raw key
+  data; None entries dropped), under 'carry'; 'reprefill': its progress, under 'progress', each
+  array laid out as the engine lays it out (`_row_shardings`)."""
+  keep = {"keep": part.keep} if part.keep is not None else {}
+  if form == "reprefill":
+    with sh.mesh_context(tr.sampler_mesh):
+      prog = tr.programs.rollout_progress(part.carry)
+    prog = {k: v for k, v in prog.items() if v is not None}
+    return {"progress": sh.on_mesh(prog, tr.mesh, _row_shardings(prog, tr.mesh)), **keep}
   carry = {k: v for k, v in part.carry.items() if v is not None}
   carry["keys_B"] = jax.random.key_data(carry["keys_B"])
-  return {"carry": sh.on_mesh(carry, mesh), **({"keep": part.keep} if part.keep is not None else {})}
+  return {"carry": sh.on_mesh(carry, tr.mesh), **keep}
 
 
-def from_tree(tr, tree: dict, abstract_carry: dict, step: int, version: int, advanced: int, problems: list) -> Partial:
-  """A restored partial rollout, its carry moved back to the sampler's devices."""
-  carry = sh.on_mesh(tree["carry"], tr.sampler_mesh)
-  carry = {k: carry.get(k) if v is not None else None for k, v in abstract_carry.items()}
-  carry["keys_B"] = jax.random.wrap_key_data(carry["keys_B"])
+def from_tree(tr, tree: dict, abstract_carry: dict, step: int, version: int, advanced: int, form: str) -> Partial:
+  """A restored partial rollout on the sampler's devices. 'carry': its carry moved back; 'reprefill':
+  the carry rebuilt from its progress, the step's prompts and key (`rollout_inputs`), every live
+  slot's KV cache re-prefilled by the sampler's current weights (`chunked.resume`)."""
+  problems, ids, valid, key = rollout_inputs(tr, step)
+  if form == "reprefill":
+    abstract = tr.programs.rollout_progress_shapes(abstract_carry)
+    prog = sh.on_mesh(tree["progress"], tr.sampler_mesh)
+    prog = {k: prog.get(k) if v is not None else None for k, v in abstract.items()}
+    with sh.mesh_context(tr.sampler_mesh):
+      carry = tr.programs.resume_rollout(tr.sampler_state, ids, valid, key, prog)
+  else:
+    carry = sh.on_mesh(tree["carry"], tr.sampler_mesh)
+    carry = {k: carry.get(k) if v is not None else None for k, v in abstract_carry.items()}
+    carry["keys_B"] = jax.random.wrap_key_data(carry["keys_B"])
   return Partial(step=step, version=version, problems=problems, carry=carry, advanced=advanced,
                  keep=tree.get("keep"))
 
 
-def restore_targets(tr, abstract_carry: dict, keep_params: bool) -> dict:
-  """Restore targets of one partial rollout: its carry replicated over the trainer's devices (moved
-  to the sampler's by `from_tree`; the next chunk lays it out as the engine does) and the kept
-  params as the trainer's."""
-  rep = sh.replicated(tr.mesh)
-  carry = {k: v for k, v in abstract_carry.items() if v is not None}
-  carry["keys_B"] = jax.eval_shape(jax.random.key_data, carry["keys_B"])
-  tree = {"carry": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), carry)}
+def restore_targets(tr, abstract_carry: dict, keep_params: bool, form: str) -> dict:
+  """Restore targets of one partial rollout (`to_tree`'s form) and the kept params as the trainer's.
+  'carry': the carry replicated over the trainer's devices (moved to the sampler's by `from_tree`;
+  the next chunk lays it out as the engine does); 'reprefill': the progress in the engine's layout
+  (`_row_shardings`), no KV cache."""
+  if form == "reprefill":
+    prog = {k: v for k, v in tr.programs.rollout_progress_shapes(abstract_carry).items() if v is not None}
+    tree = {"progress": jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), prog,
+                                     _row_shardings(prog, tr.mesh))}
+  else:
+    rep = sh.replicated(tr.mesh)
+    carry = {k: v for k, v in abstract_carry.items() if v is not None}
+    carry["keys_B"] = jax.eval_shape(jax.random.key_data, carry["keys_B"])
+    tree = {"carry": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), carry)}
   if keep_params:
     tree["keep"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                 tr.state["params"])

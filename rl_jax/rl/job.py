@@ -31,6 +31,7 @@ Mode = Literal["sync", "async"]
 PROMPT_CHECK_STEPS = 64
 POldVersion = Literal["latest", "rollout"]
 StalePolicy = Literal["wait", "drop"]
+InflightResume = Literal["reprefill", "carry"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,11 @@ class RLConfig:
   rollout of step s begins at version s - K and its tail runs at version s, each token recording
   the version that sampled it (`Rollout.version_BT`, docs/architecture.md#in-flight-weight-updates).
   Needs `mode='async'`, `max_staleness` >= 1, `stale_policy='wait'` and `sampler.engine='continuous'`.
+  `inflight_resume`: what a checkpoint keeps of each rollout in generation (in-flight updates) and
+  how a resumed run continues it. 'reprefill' (the default): its progress (tokens, records, versions,
+  slots) without the KV cache, which the resumed run rebuilds by prefilling each live slot's prompt
+  and partial response with the newest sampler weights; 'carry': the whole engine carry, KV cache
+  included, continued exactly as it was (docs/architecture.md#in-flight-weight-updates).
   """
   steps: int = 100
   prompts_per_step: int = 16
@@ -108,6 +114,7 @@ class RLConfig:
   attribution_rows: int = 8
   inflight_updates: bool = False
   inflight_chunk: int = 16
+  inflight_resume: InflightResume = "reprefill"
 
   def __post_init__(self):
     for k in ("steps", "prompts_per_step", "group_size", "n_minibatches", "staleness",
@@ -249,6 +256,9 @@ class RLJob:
     require(not self.rl.inflight_updates or s.engine == "continuous", "sampler.engine",
             f"{s.engine!r} with rl.inflight_updates=True: in-flight weight updates swap the weights between "
             "chunks of the continuous engine's loop (set sampler.engine='continuous')")
+    require(self.rl.inflight_resume == "reprefill" or self.rl.inflight_updates, "rl.inflight_resume",
+            f"{self.rl.inflight_resume!r} chooses how rollouts in generation are checkpointed: it needs "
+            "rl.inflight_updates=True (without it a checkpoint holds finished rollouts only)")
     require(self.rl.routing_replay == "none" or self.model.is_moe, "rl.routing_replay",
             f"{self.rl.routing_replay!r} needs an MoE model (model.n_experts > 0)")
     require(self.rl.routing_replay != "R3" or s.record_experts, "sampler.record_experts",

@@ -149,6 +149,21 @@ class StepPrograms:
                                             mesh=self.sampler_mesh), state, prompts_BP, valid_BP, key, None,
                           jnp.int32(0), jnp.int32(1))
 
+  def rollout_progress(self, carry) -> dict:
+    """`carry`'s progress: the carry less its KV cache and what the prompts and key derive (a
+    checkpoint's form under `rl.inflight_resume='reprefill'`)."""
+    return chunked.progress(carry, self.sampler_cfg, mesh=self.sampler_mesh)
+
+  def rollout_progress_shapes(self, abstract_carry) -> dict:
+    """`rollout_progress`'s abstract output (nothing runs)."""
+    return chunked.progress_shapes(abstract_carry, self.sampler_cfg)
+
+  def resume_rollout(self, state, prompts_BP, valid_BP, key, progress):
+    """The carry of `progress` (the rollout's `start_rollout` arguments again), its KV cache
+    re-prefilled by the weights `state`."""
+    return chunked.resume(self.sampler_graphdef, state, prompts_BP, valid_BP, key, progress, self.sampler_cfg,
+                          mesh=self.sampler_mesh)
+
   # -- the trainer -------------------------------------------------------------------------
 
   def train_batch(self, ro: rollout_lib.Rollout, adv_B) -> step_lib.TrainBatch:

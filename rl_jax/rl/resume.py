@@ -1,6 +1,8 @@
 """An RL run's checkpoints: `save` the state (async: with the rollouts in flight), `restore` it on resume."""
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 
@@ -18,13 +20,16 @@ def save(trainer, step: int) -> None:
     meta["data"] = trainer.task.data_state(step * trainer.job.rl.prompts_per_step)
   if trainer.queue:
     partial = trainer.job.rl.inflight_updates
-    # In-flight updates: rollouts still in generation (their engine carries), else whole ones.
-    to_tree = (lambda it: inflight_updates.to_tree(it, trainer.mesh)) if partial else inflight_lib.to_tree
+    # In-flight updates: rollouts still in generation (`rl.inflight_resume`: their progress, or their
+    # whole engine carries), else whole ones.
+    form = trainer.job.rl.inflight_resume
+    to_tree = (lambda it: inflight_updates.to_tree(trainer, it, form)) if partial else inflight_lib.to_tree
     items["inflight"] = {str(i): to_tree(it) for i, it in enumerate(trainer.queue)}
     meta.update(inflight_steps=[it.step for it in trainer.queue],
                 inflight_versions=[it.version for it in trainer.queue])
     if partial:
       meta["inflight_advanced"] = [it.advanced for it in trainer.queue]
+      meta["inflight_resume"] = form
   trainer.ckpt.save(step, items, meta)
 
 
@@ -63,17 +68,21 @@ def restore_inflight(trainer, meta: dict) -> list[inflight_lib.InFlight]:
 
 
 def restore_partial(trainer, meta: dict, ids, valid) -> list:
-  """The rollouts in generation saved with the restored step (in-flight updates): each engine carry
-  as it was after its last chunk, so the run goes on as the uninterrupted one did."""
+  """The rollouts in generation saved with the restored step (in-flight updates), in the form the
+  checkpoint holds (`meta['inflight_resume']`; 'carry' before the key existed), whatever the config
+  says now: each engine carry as it was after its last chunk ('carry'), or rebuilt from its progress
+  with its KV cache re-prefilled by the sampler's weights of the resumed step ('reprefill')."""
   steps, versions, advanced = meta["inflight_steps"], meta["inflight_versions"], meta["inflight_advanced"]
+  form = meta.get("inflight_resume", "carry")
   with sh.mesh_context(trainer.sampler_mesh):
     abstract = trainer.programs.rollout_carry_shapes(trainer.sampler_state, ids, valid, jax.random.key(0))
-  one = inflight_updates.restore_targets(trainer, abstract, trainer.job.rl.p_old_version == "rollout")
+  one = inflight_updates.restore_targets(trainer, abstract, trainer.job.rl.p_old_version == "rollout", form)
   items, _, _ = trainer.ckpt.restore({"inflight": {str(i): one for i in range(len(steps))}}, step=trainer.start_step)
-  g = trainer.job.rl.group_size
-  out = []
-  for i, (s, v, a) in enumerate(zip(steps, versions, advanced)):
-    problems = [p for p in trainer.prompts(s)[0] for _ in range(g)]
-    out.append(inflight_updates.from_tree(trainer, items["inflight"][str(i)], abstract, s, v, a, problems))
-  print(f"[rl] restored {len(steps)} rollout(s) in generation (steps {steps}, versions {versions})")
+  t = time.perf_counter()
+  out = [inflight_updates.from_tree(trainer, items["inflight"][str(i)], abstract, s, v, a, form)
+         for i, (s, v, a) in enumerate(zip(steps, versions, advanced))]
+  jax.block_until_ready([p.carry for p in out])
+  how = (f"KV caches re-prefilled by version {trainer.start_step}'s weights in {time.perf_counter() - t:.1f} s"
+         if form == "reprefill" else "whole carries")
+  print(f"[rl] restored {len(steps)} rollout(s) in generation (steps {steps}, versions {versions}; {how})")
   return out

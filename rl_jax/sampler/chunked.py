@@ -1,6 +1,7 @@
 """The continuous engine in chunks: `start` a rollout, `advance` it with whatever weights, `finish` it."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -63,11 +64,46 @@ def finish_program(carry, *, cfg: SamplerConfig, mesh) -> Rollout:
   return continuous.finish(carry, cfg=cfg, constrain=constrain)
 
 
+def progress_program(carry, *, cfg: SamplerConfig, mesh) -> dict:
+  # The progress holds no KV cache: only its rows' and slots' sharding is constrained.
+  return gen._constrainer(mesh, 1)(continuous.progress(carry, cfg=cfg))  # pylint: disable=protected-access
+
+
+def resume_program(graphdef, state, prompts_BP, valid_BP, key, max_new_B, progress, *, cfg: SamplerConfig, kv_spec,
+                   mesh) -> dict:
+  """The carry of `progress` (`start_program`'s prompts, key and limits laid out again), its KV
+  cache rebuilt by `state` (`continuous.reprefill`)."""
+  _check(cfg)
+  model = nnx.merge(graphdef, state)
+  constrain = gen._constrainer(mesh, model.cfg.n_kv_heads)  # pylint: disable=protected-access
+  div = batch_divisor(mesh) if mesh is not None else 1
+  b = prompts_BP.shape[0]
+  max_new_B = (jnp.full((b,), cfg.max_new_tokens, jnp.int32) if max_new_B is None
+               else jnp.minimum(jnp.asarray(max_new_B, jnp.int32), cfg.max_new_tokens))
+  layout = continuous.init(model, prompts_BP, valid_BP, jax.random.split(key, b), max_new_B, cfg=cfg,
+                           kv_spec=kv_spec, constrain=constrain, div=div, versions=True, prefill=False)
+  return constrain(continuous.resume(model, layout, progress, cfg=cfg, div=div))
+
+
 _start = jax.jit(start_program, static_argnames=_STATIC)
 # The carry is donated: its KV cache is updated in place, chunk after chunk.
 _advance = jax.jit(advance_program, static_argnames=_STATIC, donate_argnames=("carry",))
 _finish = jax.jit(finish_program, static_argnames=("cfg", "mesh"))
 _unfinished = jax.jit(continuous.unfinished)
+_progress = jax.jit(progress_program, static_argnames=("cfg", "mesh"))
+_resume = jax.jit(resume_program, static_argnames=_STATIC)
+
+
+def _layout_prompts(prompts_BP, prompt_valid_BP, cfg: SamplerConfig, mesh, max_new_B):
+  """The prompts checked and put on device (over the mesh's batch axes), as `start` takes them."""
+  gen.check_prompts(prompts_BP, prompt_valid_BP, cfg)
+  prompts_BP = jnp.asarray(prompts_BP, jnp.int32)
+  prompt_valid_BP = jnp.asarray(prompt_valid_BP, bool)
+  if mesh is not None:
+    prompts_BP, prompt_valid_BP = shard_batch((prompts_BP, prompt_valid_BP), mesh)
+    if max_new_B is not None:
+      max_new_B = shard_batch(jnp.asarray(max_new_B, jnp.int32), mesh)
+  return prompts_BP, prompt_valid_BP, max_new_B
 
 
 def start(graphdef: nnx.GraphDef, state: Any, prompts_BP, prompt_valid_BP, key: jax.Array, cfg: SamplerConfig, *,
@@ -76,13 +112,7 @@ def start(graphdef: nnx.GraphDef, state: Any, prompts_BP, prompt_valid_BP, key: 
   `n_iters` engine iterations (one decode step of every ready slot each) sampled by `state` as
   policy `version`. Returns the carry (on device; dispatched, not waited for)."""
   _check(cfg)
-  gen.check_prompts(prompts_BP, prompt_valid_BP, cfg)
-  prompts_BP = jnp.asarray(prompts_BP, jnp.int32)
-  prompt_valid_BP = jnp.asarray(prompt_valid_BP, bool)
-  if mesh is not None:
-    prompts_BP, prompt_valid_BP = shard_batch((prompts_BP, prompt_valid_BP), mesh)
-    if max_new_B is not None:
-      max_new_B = shard_batch(jnp.asarray(max_new_B, jnp.int32), mesh)
+  prompts_BP, prompt_valid_BP, max_new_B = _layout_prompts(prompts_BP, prompt_valid_BP, cfg, mesh, max_new_B)
   return _start(graphdef, state, prompts_BP, prompt_valid_BP, key, max_new_B, jnp.int32(version),
                 jnp.int32(n_iters), cfg=cfg, kv_spec=gen.resolve_kv_spec(None, cfg), mesh=mesh)
 
@@ -103,3 +133,26 @@ def finish(carry: dict, cfg: SamplerConfig, *, mesh: Mesh | None = None) -> Roll
 def unfinished(carry: dict) -> bool:
   """Whether rows are left (waits for the carry)."""
   return bool(_unfinished(carry))
+
+
+def progress(carry: dict, cfg: SamplerConfig, *, mesh: Mesh | None = None) -> dict:
+  """The carry less its KV cache and what `start`'s arguments derive (`continuous.progress`): what a
+  checkpoint keeps of a rollout in generation under `rl.inflight_resume='reprefill'`."""
+  return _progress(carry, cfg=cfg, mesh=mesh)
+
+
+def progress_shapes(abstract_carry: dict, cfg: SamplerConfig) -> dict:
+  """`progress`'s abstract output (shapes and dtypes) for an abstract carry (nothing runs)."""
+  return jax.eval_shape(functools.partial(continuous.progress, cfg=cfg), abstract_carry)
+
+
+def resume(graphdef: nnx.GraphDef, state: Any, prompts_BP, prompt_valid_BP, key: jax.Array, progress_: dict,
+           cfg: SamplerConfig, *, mesh: Mesh | None = None, max_new_B=None) -> dict:
+  """The carry `progress_` came from, for `advance` to continue: `start`'s arguments (the same
+  prompts, key and limits) laid out again and every live slot's KV cache re-prefilled by `state`
+  (`continuous.reprefill`). With the weights that wrote the cache, and in the batch-invariant mode,
+  the rebuilt cache is the carry's bit for bit where its rows read it (tests/test_inflight_updates.py)."""
+  _check(cfg)
+  prompts_BP, prompt_valid_BP, max_new_B = _layout_prompts(prompts_BP, prompt_valid_BP, cfg, mesh, max_new_B)
+  return _resume(graphdef, state, prompts_BP, prompt_valid_BP, key, max_new_B, progress_, cfg=cfg,
+                 kv_spec=gen.resolve_kv_spec(None, cfg), mesh=mesh)

@@ -63,6 +63,29 @@ def _put_group_slot_cache(cache, part, i_G, div: int):
   return [jax.tree.map(lambda x, y, ax=int(kv.stacked): one(x, y, ax), kv, kp) for kv, kp in zip(cache, part)]
 
 
+def _first_pending(pending_N, div: int):
+  """Per slot group (`_groups`), whether a slot is pending, the first pending one's index in its group
+  and in the slot axis: (has_G, i_G, slot_G)."""
+  pending_GM = pending_N.reshape(div, pending_N.shape[0] // div)
+  has_G = jnp.any(pending_GM, axis=1)
+  i_G = jnp.argmax(pending_GM, axis=1).astype(jnp.int32)  # the group's own slot index
+  return has_G, i_G, jnp.arange(div, dtype=jnp.int32) * pending_GM.shape[1] + i_G
+
+
+def _group_chunk(model, cache, tokens_GC, positions_GC, valid_GC, start_G, kv_valid_GS, has_G, i_G, div: int):
+  """The chunked prefill's forward: C slots of one slot per group (`i_G`), the tokens at cache slots
+  [start_G, start_G + C) of that slot's row, written into its cache region (no logits). A group
+  without a pending slot (`has_G` False) writes its slot's cache back unchanged. Returns (cache, the
+  model's output)."""
+  part = _group_slot_cache(cache, i_G, div)
+  out = model(tokens_GC, positions_GC, valid_GC, cache=part, cache_index=start_G, kv_valid_BC=kv_valid_GS,
+              compute_logits=False)
+  kept = [jax.tree.map(lambda x, y, ax=int(kv.stacked): jnp.where(
+      has_G.reshape((1,) * ax + (div,) + (1,) * (x.ndim - ax - 1)), y, x), kv, kn)
+          for kv, kn in zip(part, out.cache)]
+  return _put_group_slot_cache(cache, kept, i_G, div), out
+
+
 def generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: SamplerConfig, kv_spec, constrain, div):
   """The continuous engine over all B rows (`generate_program` with `cfg.engine='continuous'`): `init`,
   `run` to the end, `finish`, in one program."""
@@ -72,12 +95,13 @@ def generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: Sample
 
 
 def init(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: SamplerConfig, kv_spec, constrain, div,
-         versions: bool = False) -> dict:
+         versions: bool = False, prefill: bool = True) -> dict:
   """The engine's carry before its first iteration: the first N rows prefilled into the slots.
 
   Everything the loop reads is in it (the laid-out prompts, each row's key and length limit), so
   `run` can continue it in another program, with other weights (`rl_jax/sampler/chunked.py`).
   `versions`: record each token's policy version (`version_BT`, the `version` argument of `run`).
+  `prefill=False`: the cache left empty (zeros), for `resume` to fill.
   """
   mcfg = model.cfg
   b = prompts_BP.shape[0]
@@ -97,7 +121,7 @@ def init(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: SamplerConfig, 
   experts_BSLK = jnp.zeros((b, s, n_moe, k_exp), exp_dtype) if record_experts else None
 
   # The first N rows of the queue: one batched prefill, as the static engine's.
-  if p > 1:
+  if p > 1 and prefill:
     cache, pre_experts = decode_lib.prefill(
         model, tokens_BP[:n], positions_BP[:n], pvalid_BP[:n], kv_valid_BS[:n], s, cfg=cfg, kv_spec=kv_spec,
         constrain=constrain, div=div)
@@ -183,21 +207,12 @@ def run(model, carry: dict, *, cfg: SamplerConfig, constrain, div: int, version=
     device prefills one of its own slots and no slot's cache leaves its device. A group with no slot
     prefilling computes a row nobody keeps. The last chunk starts at P - 1 - ch (it may redo a few
     slots of the one before: same tokens)."""
-    m = n // div
-    pending_GM = (c["live_N"] & ~c["ready_N"]).reshape(div, m)
-    has_G = jnp.any(pending_GM, axis=1)
-    i_G = jnp.argmax(pending_GM, axis=1).astype(jnp.int32)  # the group's own slot index
-    slot_G = jnp.arange(div, dtype=jnp.int32) * m + i_G
+    has_G, i_G, slot_G = _first_pending(c["live_N"] & ~c["ready_N"], div)
     r_G, start_G = jnp.minimum(c["row_N"][slot_G], b - 1), c["chunk_N"][slot_G]
     rows = lambda x: jax.vmap(lambda r, st: jax.lax.dynamic_slice(x, (r, st), (1, ch))[0])(r_G, start_G)
-    part = _group_slot_cache(c["cache"], i_G, div)
-    out = model(rows(c["tokens_BP"]), rows(c["positions_BP"]), rows(c["pvalid_BP"]), cache=part,
-                cache_index=start_G, kv_valid_BC=c["kv_valid_BS"][r_G], compute_logits=False)
-    # A group without a pending slot writes its slot's cache back unchanged.
-    kept = [jax.tree.map(lambda x, y, ax=int(kv.stacked): jnp.where(
-        has_G.reshape((1,) * ax + (div,) + (1,) * (x.ndim - ax - 1)), y, x), kv, kn)
-            for kv, kn in zip(part, out.cache)]
-    new = dict(c, cache=_put_group_slot_cache(c["cache"], kept, i_G, div))
+    cache, out = _group_chunk(model, c["cache"], rows(c["tokens_BP"]), rows(c["positions_BP"]), rows(c["pvalid_BP"]),
+                              start_G, c["kv_valid_BS"][r_G], has_G, i_G, div)
+    new = dict(c, cache=cache)
     w_G = jnp.where(has_G, r_G, b)  # row b: out of bounds, dropped
     if record_experts:
       cols_C = jnp.arange(ch, dtype=jnp.int32)
@@ -270,3 +285,75 @@ def finish(c: dict, *, cfg: SamplerConfig, constrain):
   if c["version_BT"] is not None:
     ro = dataclasses.replace(ro, version_BT=c["version_BT"])
   return constrain(ro)
+
+
+# -- resuming a carry without its KV cache --------------------------------------------------------
+# A carry's progress (`progress`) is what the rows have generated and where each slot stands; the
+# rest is derived: `init` lays the prompts, keys and limits out again, and the KV cache is rebuilt
+# by `reprefill` (docs/architecture.md#in-flight-weight-updates).
+
+# The carry's entries `init` derives from the prompts, the key and the length limits, and the cache.
+DERIVED = ("tokens_BP", "pvalid_BP", "prompt_len_B", "positions_BP", "positions_BS", "kv_valid_BS", "keys_B",
+           "max_new_B", "cache")
+
+
+def progress(c: dict, *, cfg: SamplerConfig) -> dict:
+  """The carry less what `init` derives: the KV cache and the laid-out inputs dropped, `tokens_BS`
+  cut to its response slots (`response_BT`; the prompt slots are the laid-out prompts)."""
+  out = {k: v for k, v in c.items() if k not in DERIVED and k != "tokens_BS"}
+  out["response_BT"] = c["tokens_BS"][:, cfg.max_prompt_len:]
+  return out
+
+
+def resume(model, layout: dict, prog: dict, *, cfg: SamplerConfig, div: int) -> dict:
+  """The carry of `prog` (`progress`'s) over `layout` (`init(..., prefill=False)` of the same prompts,
+  key and limits), its KV cache rebuilt by `model` (`reprefill`)."""
+  c = dict(layout, **{k: v for k, v in prog.items() if k != "response_BT"})
+  c["tokens_BS"] = jnp.concatenate([layout["tokens_BP"], prog["response_BT"]], axis=1)
+  return reprefill(model, c, cfg=cfg, div=div)
+
+
+def reprefill(model, c: dict, *, cfg: SamplerConfig, div: int) -> dict:
+  """`c` with the KV cache of every live slot rebuilt by `model`: the cache slots the engine has
+  written for the slot's row, from its first real prompt slot to its next write, teacher-forced
+  (a slot that decodes step j next: the prompt and response tokens 0..j-2 up to slot P - 2 + j;
+  one still prefilling its prompt: up to its next chunk's start). Through the refill's chunked
+  prefill (`_group_chunk`): in each slot group the first slot left runs `sampler.prefill_chunk`
+  slots per forward (the last chunk of a slot ends at its frontier: it may redo slots of the one
+  before, same tokens), so the program's memory is the refill's. Ended and empty slots are skipped;
+  cache slots past a row's frontier keep what they held (no query reads them before the engine
+  writes them). Records (log q, routes, versions) are the carry's: nothing is regenerated."""
+  n = c["row_N"].shape[0]
+  w = min(cfg.prefill_chunk, cfg.max_len - 1)
+  r_N, first_N, end_N = _written(c, cfg)
+
+  def body(state):
+    cache, at_N = state
+    has_G, i_G, slot_G = _first_pending(at_N < end_N, div)
+    r_G = r_N[slot_G]
+    start_G = jnp.maximum(jnp.minimum(at_N[slot_G], end_N[slot_G] - w), 0)
+    rows = lambda x: jax.vmap(lambda r, st: jax.lax.dynamic_slice(x, (r, st), (1, w))[0])(r_G, start_G)
+    cache, _ = _group_chunk(model, cache, rows(c["tokens_BS"]), rows(c["positions_BS"]), rows(c["kv_valid_BS"]),
+                            start_G, c["kv_valid_BS"][r_G], has_G, i_G, div)
+    return cache, at_N.at[jnp.where(has_G, slot_G, n)].add(w, mode="drop")
+
+  cache, _ = jax.lax.while_loop(lambda st: jnp.any(st[1] < end_N), body, (c["cache"], first_N))
+  return dict(c, cache=cache)
+
+
+def _written(c: dict, cfg: SamplerConfig):
+  """Each slot's row (clipped), its first real prompt slot and its frontier (the slot its next write
+  goes to; 0 for an ended or empty slot): the cache slots [first, frontier) hold its row's keys."""
+  b = c["tokens_BS"].shape[0]
+  p = cfg.max_prompt_len
+  r_N = jnp.minimum(c["row_N"], b - 1)
+  end_N = jnp.where(c["live_N"], jnp.where(c["ready_N"], p - 1 + c["step_N"], c["chunk_N"]), 0)
+  return r_N, p - c["prompt_len_B"][r_N], end_N
+
+
+def written_slots(c: dict, *, cfg: SamplerConfig):
+  """[N, S] bool: the cache slots each live slot's row has written and will read (what `reprefill`
+  rebuilds)."""
+  _, first_N, end_N = _written(c, cfg)
+  slots = jnp.arange(cfg.max_len)
+  return (slots >= first_N[:, None]) & (slots < end_N[:, None])
