@@ -15,9 +15,9 @@ from conftest import run_clean_and_killed
 from rl_jax import preempt
 from rl_jax.checkpoint import Checkpointer
 from rl_jax.config_utils import ConfigError
-from rl_jax.configs import countdown_tiny
-from rl_jax import experiment as ex
 from rl_jax import sharding as sh
+from rl_jax import train_state
+from rl_jax.configs import countdown_tiny
 from rl_jax.metrics import read_metrics
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.kv_cache import init_cache
@@ -368,7 +368,7 @@ def test_sigterm_with_rollouts_in_generation_resumes_to_the_uninterrupted_run(tm
   assert _equal(_params(uninterrupted, cfg)[1], final)
   if mode == "reprefill":  # the weights never changed
     job = trainer_lib.RLJob.from_config(cfg)
-    assert _equal(jax.tree.map(np.asarray, ex.init_params(job.model, job.seed, sh.split_meshes(job.mesh)[0])[1]), final)
+    assert _equal(jax.tree.map(np.asarray, train_state.init_params(job.model, job.seed, sh.split_meshes(job.mesh)[0])[1]), final)
 
 
 @pytest.mark.slow  # three 5-step runs in subprocesses
