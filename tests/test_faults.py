@@ -449,7 +449,7 @@ def no_compute(monkeypatch):
   def computed(*args, **kwargs):
     seen.append(args)
     raise Computed("compute reached")
-  monkeypatch.setattr(trainer_lib.ex, "init_params", computed)
+  monkeypatch.setattr(trainer_lib.train_state, "init_params", computed)
   monkeypatch.setattr(trainer_lib, "warm_start", computed)
   return seen
 
