@@ -216,3 +216,24 @@ def test_the_checks_can_fail():
   table = [("low", ["rl_jax.plan_hw"]), ("high", ["rl_jax.plan", "rl_jax.x.y"])]
   assert _layer_of("rl_jax.plan_hw", table) == 0 and _layer_of("rl_jax.plan", table) == 1
   assert _layer_of("rl_jax.x.y.z", table) == 1 and _layer_of("rl_jax.x", table) is None
+
+
+def test_no_module_reads_another_modules_private_names():
+  """`alias._name` where `alias` is another rl_jax module (bound by an import) is a private call
+  across modules: the owner exposes a public function instead (issue 40's `_x.lower` calls)."""
+  mods = _modules()
+  found = []
+  for name, path in mods.items():
+    tree = ast.parse(path.read_text())
+    aliases = {}
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        aliases.update({(a.asname or a.name): a.name for a in node.names if a.name in mods and a.asname})
+      elif isinstance(node, ast.ImportFrom) and node.module in mods:
+        aliases.update({(a.asname or a.name): f"{node.module}.{a.name}" for a in node.names
+                        if f"{node.module}.{a.name}" in mods})
+    for node in ast.walk(tree):
+      if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr.startswith("_")
+          and not node.attr.startswith("__") and aliases.get(node.value.id, name) != name):
+        found.append(f"{name}:{node.lineno} {node.value.id}.{node.attr}")
+  assert not found, found

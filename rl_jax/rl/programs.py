@@ -145,7 +145,7 @@ class StepPrograms:
     """The abstract carry of `start_rollout` (shapes and dtypes; nothing runs)."""
     cfg = self.sampler_cfg
     kv_spec = gen.resolve_kv_spec(None, cfg)
-    return jax.eval_shape(functools.partial(chunked._start, self.sampler_graphdef, cfg=cfg, kv_spec=kv_spec,  # pylint: disable=protected-access
+    return jax.eval_shape(functools.partial(chunked.start_program, self.sampler_graphdef, cfg=cfg, kv_spec=kv_spec,
                                             mesh=self.sampler_mesh), state, prompts_BP, valid_BP, key, None,
                           jnp.int32(0), jnp.int32(1))
 

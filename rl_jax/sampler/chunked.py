@@ -39,7 +39,7 @@ def start_program(graphdef, state, prompts_BP, valid_BP, key, max_new_B, version
   _check(cfg)
   model = nnx.merge(graphdef, state)
   cfg.check_vocab(model.cfg.vocab_size)
-  constrain = gen._constrainer(mesh, model.cfg.n_kv_heads)  # pylint: disable=protected-access
+  constrain = gen.constrainer(mesh, model.cfg.n_kv_heads)
   b = prompts_BP.shape[0]
   max_new_B = (jnp.full((b,), cfg.max_new_tokens, jnp.int32) if max_new_B is None
                else jnp.minimum(jnp.asarray(max_new_B, jnp.int32), cfg.max_new_tokens))
@@ -53,20 +53,20 @@ def advance_program(graphdef, state, carry, version, n_iters, *, cfg: SamplerCon
   """At most `n_iters` more iterations of `carry`, sampled by `state` and recorded as `version`."""
   del kv_spec  # the cache's format is the carry's
   model = nnx.merge(graphdef, state)
-  constrain = gen._constrainer(mesh, model.cfg.n_kv_heads)  # pylint: disable=protected-access
+  constrain = gen.constrainer(mesh, model.cfg.n_kv_heads)
   return continuous.run(model, carry, cfg=cfg, constrain=constrain, div=batch_divisor(mesh) if mesh is not None else 1,
                         version=version, n_iters=n_iters)
 
 
 def finish_program(carry, *, cfg: SamplerConfig, mesh) -> Rollout:
   # The Rollout holds no KV cache: only its rows' sharding is constrained (heads count unused).
-  constrain = gen._constrainer(mesh, 1)  # pylint: disable=protected-access
+  constrain = gen.constrainer(mesh, 1)
   return continuous.finish(carry, cfg=cfg, constrain=constrain)
 
 
 def progress_program(carry, *, cfg: SamplerConfig, mesh) -> dict:
   # The progress holds no KV cache: only its rows' and slots' sharding is constrained.
-  return gen._constrainer(mesh, 1)(continuous.progress(carry, cfg=cfg))  # pylint: disable=protected-access
+  return gen.constrainer(mesh, 1)(continuous.progress(carry, cfg=cfg))
 
 
 def resume_program(graphdef, state, prompts_BP, valid_BP, key, max_new_B, progress, *, cfg: SamplerConfig, kv_spec,
@@ -75,7 +75,7 @@ def resume_program(graphdef, state, prompts_BP, valid_BP, key, max_new_B, progre
   cache rebuilt by `state` (`continuous.reprefill`)."""
   _check(cfg)
   model = nnx.merge(graphdef, state)
-  constrain = gen._constrainer(mesh, model.cfg.n_kv_heads)  # pylint: disable=protected-access
+  constrain = gen.constrainer(mesh, model.cfg.n_kv_heads)
   div = batch_divisor(mesh) if mesh is not None else 1
   b = prompts_BP.shape[0]
   max_new_B = (jnp.full((b,), cfg.max_new_tokens, jnp.int32) if max_new_B is None

@@ -30,7 +30,7 @@ from rl_jax.sharding import BATCH_AXES, batch_divisor, shard_batch
 # The generation program.
 
 
-def _constrainer(mesh: Mesh | None, n_kv_heads: int):
+def constrainer(mesh: Mesh | None, n_kv_heads: int):
   """Sharding constraints: batch dim over BATCH_AXES; KV-cache heads also over 'tensor'.
 
   The heads split matches the tensor-parallel split of wk / wv (`sharding.LOGICAL_RULES`),
@@ -73,7 +73,7 @@ def generate_program(graphdef, state, prompts_BP, valid_BP, key, max_new_B=None,
   if mcfg.dtype != cfg.dtype:
     raise ValueError(f"the sampler graph computes in {mcfg.dtype} but sampler.dtype is {cfg.dtype}: build it "
                      "with weights.sampler_graphdef(model_cfg, cfg.dtype)")
-  constrain = _constrainer(mesh, mcfg.n_kv_heads)
+  constrain = constrainer(mesh, mcfg.n_kv_heads)
   b = prompts_BP.shape[0]
   keys_B = jax.random.split(key, b)
   # Each row's own response-length limit (at most max_new_tokens): a row ends at EOS or there.
