@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Literal
 
 import jax
@@ -333,14 +334,22 @@ class RLJob:
 
 def check_sampler_fits(model_cfg: ModelConfig, s: SamplerConfig) -> None:
   """Quantization block sizes must divide the model's shapes: checked abstractly (no memory)."""
-  _, state = nnx.split(families.abstract_model(model_cfg))
-  jax.eval_shape(lambda p: quantize_params(p, s.quant), nnx.to_pure_dict(state))
-  if s.quant.kv.format not in ("fp32", "bf16"):
-    block = s.quant.kv.block_size if s.quant.kv.granularity == "block" else None
+  _check_quant_fits(model_cfg, s.quant)
+
+
+# Cached per (model, quant): tracing the 30B model's abstract init and quantization takes ~3 s, and
+# a study or a config test validates many jobs of one model (a failed check raises, and is not cached).
+@functools.lru_cache(maxsize=64)
+def _check_quant_fits(model_cfg: ModelConfig, quant) -> None:
+  if quant.weights.quantized:  # unquantized weights are used as they are: nothing to divide
+    _, state = nnx.split(families.abstract_model(model_cfg))
+    jax.eval_shape(lambda p: quantize_params(p, quant), nnx.to_pure_dict(state))
+  if quant.kv.format not in ("fp32", "bf16"):
+    block = quant.kv.block_size if quant.kv.granularity == "block" else None
     require(block is None or model_cfg.head_dim % block == 0, "sampler.quant.kv.block_size",
             f"{block} does not divide model.head_dim={model_cfg.head_dim}")
     slab = jax.ShapeDtypeStruct((1, 1, model_cfg.n_kv_heads, model_cfg.head_dim), jnp.float32)
-    jax.eval_shape(lambda x: qkv.kv_quantize(x, s.quant.kv), slab)
+    jax.eval_shape(lambda x: qkv.kv_quantize(x, quant.kv), slab)
 
 
 def sections() -> dict[str, type]:

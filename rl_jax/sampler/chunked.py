@@ -36,17 +36,27 @@ def _check(cfg: SamplerConfig) -> None:
 def start_program(graphdef, state, prompts_BP, valid_BP, key, max_new_B, version, n_iters, *, cfg: SamplerConfig,
                   kv_spec, mesh) -> dict:
   """The carry after the prefill of the first slots and at most `n_iters` iterations at `version`."""
+  model, constrain, div = _engine(graphdef, state, cfg, mesh)
+  carry = _init(model, prompts_BP, valid_BP, key, max_new_B, cfg=cfg, kv_spec=kv_spec, constrain=constrain, div=div,
+                prefill=True)
+  return continuous.run(model, carry, cfg=cfg, constrain=constrain, div=div, version=version, n_iters=n_iters)
+
+
+def _engine(graphdef, state, cfg: SamplerConfig, mesh):
+  """(model, the cache constrainer, the batch divisor) of a program that starts the engine."""
   _check(cfg)
   model = nnx.merge(graphdef, state)
   cfg.check_vocab(model.cfg.vocab_size)
-  constrain = gen.constrainer(mesh, model.cfg.n_kv_heads)
+  return model, gen.constrainer(mesh, model.cfg.n_kv_heads), batch_divisor(mesh) if mesh is not None else 1
+
+
+def _init(model, prompts_BP, valid_BP, key, max_new_B, *, cfg: SamplerConfig, kv_spec, constrain, div, prefill: bool):
+  """`continuous.init` of the step's prompts: a key per row, each row's limit clamped to the config's."""
   b = prompts_BP.shape[0]
   max_new_B = (jnp.full((b,), cfg.max_new_tokens, jnp.int32) if max_new_B is None
                else jnp.minimum(jnp.asarray(max_new_B, jnp.int32), cfg.max_new_tokens))
-  div = batch_divisor(mesh) if mesh is not None else 1
-  carry = continuous.init(model, prompts_BP, valid_BP, jax.random.split(key, b), max_new_B, cfg=cfg,
-                          kv_spec=kv_spec, constrain=constrain, div=div, versions=True)
-  return continuous.run(model, carry, cfg=cfg, constrain=constrain, div=div, version=version, n_iters=n_iters)
+  return continuous.init(model, prompts_BP, valid_BP, jax.random.split(key, b), max_new_B, cfg=cfg,
+                         kv_spec=kv_spec, constrain=constrain, div=div, versions=True, prefill=prefill)
 
 
 def advance_program(graphdef, state, carry, version, n_iters, *, cfg: SamplerConfig, kv_spec, mesh) -> dict:
@@ -73,15 +83,9 @@ def resume_program(graphdef, state, prompts_BP, valid_BP, key, max_new_B, progre
                    mesh) -> dict:
   """The carry of `progress` (`start_program`'s prompts, key and limits laid out again), its KV
   cache rebuilt by `state` (`continuous.reprefill`)."""
-  _check(cfg)
-  model = nnx.merge(graphdef, state)
-  constrain = gen.constrainer(mesh, model.cfg.n_kv_heads)
-  div = batch_divisor(mesh) if mesh is not None else 1
-  b = prompts_BP.shape[0]
-  max_new_B = (jnp.full((b,), cfg.max_new_tokens, jnp.int32) if max_new_B is None
-               else jnp.minimum(jnp.asarray(max_new_B, jnp.int32), cfg.max_new_tokens))
-  layout = continuous.init(model, prompts_BP, valid_BP, jax.random.split(key, b), max_new_B, cfg=cfg,
-                           kv_spec=kv_spec, constrain=constrain, div=div, versions=True, prefill=False)
+  model, constrain, div = _engine(graphdef, state, cfg, mesh)
+  layout = _init(model, prompts_BP, valid_BP, key, max_new_B, cfg=cfg, kv_spec=kv_spec, constrain=constrain, div=div,
+                 prefill=False)
   return constrain(continuous.resume(model, layout, progress, cfg=cfg, div=div))
 
 
