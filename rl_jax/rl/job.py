@@ -21,6 +21,7 @@ from rl_jax.models import ModelConfig, families
 from rl_jax.models.quantize import quantize_params
 from rl_jax.ops import kv_quant as qkv
 from rl_jax.optim import OptimConfig
+from rl_jax.quant.config import QuantConfig
 from rl_jax.rl.loss.loss_config import AdvantageConfig, LossConfig
 from rl_jax.tasks import build as task_build
 # Routing replay's one type (its values are the config's `rl.routing_replay`).
@@ -340,7 +341,7 @@ def check_sampler_fits(model_cfg: ModelConfig, s: SamplerConfig) -> None:
 # Cached per (model, quant): tracing the 30B model's abstract init and quantization takes ~3 s, and
 # a study or a config test validates many jobs of one model (a failed check raises, and is not cached).
 @functools.lru_cache(maxsize=64)
-def _check_quant_fits(model_cfg: ModelConfig, quant) -> None:
+def _check_quant_fits(model_cfg: ModelConfig, quant: QuantConfig) -> None:
   if quant.weights.quantized:  # unquantized weights are used as they are: nothing to divide
     _, state = nnx.split(families.abstract_model(model_cfg))
     jax.eval_shape(lambda p: quantize_params(p, quant), nnx.to_pure_dict(state))
