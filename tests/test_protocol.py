@@ -320,3 +320,72 @@ def test_dose_response_at_lr_sharps_rate_is_the_same_ladder():
   assert set(ra) == set(rb)
   for name in ra:
     assert rb[name]["optim.lr"] == 0.03 and dict(rb[name], **{"optim.lr": ra[name]["optim.lr"]}) == ra[name]
+
+
+def test_exact_mcnemar_by_hand():
+  # 7 discordant pairs, 1 one way: P(X <= 1 | Bin(7, 1/2)) = (1 + 7) / 128, two-sided 16 / 128.
+  assert stats.mcnemar_exact_p(1, 6) == pytest.approx(16 / 128, abs=1e-15)
+  assert stats.mcnemar_exact_p(6, 1) == stats.mcnemar_exact_p(1, 6)
+  assert stats.mcnemar_exact_p(0, 6) == pytest.approx(2 / 64, abs=1e-15)   # the fewest discordant pairs for < 0.05
+  assert stats.mcnemar_exact_p(0, 5) == pytest.approx(2 / 32, abs=1e-15)
+  assert stats.mcnemar_exact_p(3, 3) == 1.0 and stats.mcnemar_exact_p(0, 0) == 1.0
+  # Concordant pairs do not enter; unpaired seeds are ignored.
+  ev = stats.paired_events({0: True, 1: True, 2: False, 3: False, 9: True}, {0: True, 1: False, 2: False, 3: True})
+  assert (ev.n, ev.a_events, ev.b_events, ev.a_only, ev.b_only, ev.p) == (4, 2, 2, 1, 1, 1.0)
+
+
+def test_second_half_window_and_the_collapse_event():
+  proto = Protocol(rule="best_lr", window="second_half", collapse_floor=0.005, collapse_after=20)
+  assert proto.window_steps(100, 20) == [60, 80, 100] and proto.window_steps(400, 20)[0] == 220
+  assert len(proto.window_steps(400, 20)) == 10
+  s = protocol.score_run(_run([(0, 0.1), (20, 0.0), (40, 0.3), (60, 0.2), (80, 0.004), (100, 0.3)]), proto, 100, 20,
+                         1024)
+  # The window is steps 60 / 80 / 100; the evaluation at step 20 is not after step 20, so the event is at 80.
+  assert s.primary == pytest.approx((0.2 + 0.004 + 0.3) / 3) and s.collapse_step == 80
+  fine = protocol.score_run(_run([(0, 0.1), (20, 0.2), (40, 0.3), (60, 0.2), (80, 0.1), (100, 0.3)]), proto, 100, 20,
+                            1024)
+  assert fine.collapse_step is None
+  ab = _run([(0, 0.1), (20, 0.3), (40, 0.3)], failed={"error": "FloatingPointError: non-finite loss"})
+  ab.rows.append({"step": 44, "reward": 0.0})
+  assert protocol.score_run(ab, proto, 100, 20, 1024).collapse_step == 45
+  # Without a declared floor there is no event; the default window is the last k.
+  assert protocol.score_run(_run([(0, 0.1), (20, 0.0)]), Protocol(rule="best_lr"), 20, 20, 1024).collapse_step is None
+  with pytest.raises(ValueError, match="window"):
+    Protocol(rule="best_lr", window="last_half")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir("docs/results")
+                                        if os.path.exists(f"docs/results/{n}/protocol.json")))
+def test_published_digests_are_what_the_code_declares(name):
+  # A field added to Protocol must not change an earlier study's digest, which its runs recorded.
+  want = json.load(open(f"docs/results/{name}/protocol.json"))["digest"]
+  s = studies.get(name)
+  assert s.protocol.digest(protocol.study_definition(s)) == want
+
+
+def test_contrasts_study_is_declared_before_its_runs():
+  s = studies.get("contrasts")
+  p = s.protocol
+  assert (p.window, p.collapse_floor, p.collapse_after, s.seeds, s.steps) == ("second_half", 0.005, 20, 20, 400)
+  by = {r.name: r.overrides for r in s.runs()}
+  assert len(by) == 9 and s.base == studies.DOSE_BASE
+  cal = {r.name: r.overrides for r in studies.get("dose_response_lr003").runs()}
+  # The same cell as the calibration that chose it: PG there is the calibration's run exactly.
+  assert by["bf16_fp4kv/pg"] == cal["bf16_fp4kv/pg"]
+  assert by["bf16_fp8/minirl"]["sampler.quant"] == cal["bf16_fp8/pg"]["sampler.quant"] == "fp8_wa_fp8_kv"
+  for c in p.contrasts:
+    assert f"{c.panel}/{c.a}" in by and f"{c.panel}/{c.b}" in by
+
+
+def test_collapse_endpoint_in_the_analysis():
+  proto = Protocol(contrasts=(Contrast("n", "a", "b"),), collapse_floor=0.005)
+  study = dataclasses_replace(STUDY, lines=(("a", {}), ("b", {})), protocol=proto)
+  digest = proto.digest(protocol.study_definition(study))
+  mk = lambda line, seed, ev: dataclasses_replace(_score("n", seed, 0.3 + 0.01 * seed * (line == "a"), line=line),
+                                                  collapse_step=ev, protocol=digest)
+  scores = [mk("a", k, None) for k in range(8)] + [mk("b", k, 40 if k < 7 else None) for k in range(8)]
+  an = verdicts.analyze(study, scores, [])
+  r = an.contrasts[0]
+  assert (r.collapse.n, r.collapse.a_only, r.collapse.b_only) == (8, 0, 7) and r.collapse.p == pytest.approx(2 / 128)
+  assert r.collapse_p_holm == pytest.approx(2 / 128) and "a collapses less often" in r.collapse_verdict
+  assert "Collapse endpoint" in verdicts.markdown(an) and "second half" not in verdicts.markdown(an)

@@ -5,13 +5,17 @@ runner stamps every run with the commit it ran at and this protocol's hash (`Pro
 the analysis (`rl_jax/study/verdicts.py`) refuses to pool cells that differ in either.
 
 Per run (docs/results.md#protocol):
-- primary metric: mean held-out greedy accuracy over the last `last_k` scheduled evaluations on
-  an eval set of >= `min_eval_size` prompts. An evaluation a run did not reach because it
+- primary metric: mean held-out greedy accuracy over the last `last_k` scheduled evaluations
+  (`window='last_k'`) or over every scheduled evaluation in the second half of training, steps in
+  (S/2, S] (`window='second_half'`), on an eval set of >= `min_eval_size` prompts. An evaluation a run did not reach because it
   aborted on a non-finite loss counts as `missing_after_abort` (0: a diverged policy answers
   nothing). A run that neither finished nor aborted has no score and is left out, named.
 - outcome: 'never learned' if the best evaluation never exceeded the warm start's (step 0) by
   `collapse_margin`; else 'collapsed' if the primary metric ended below the warm start's; else
   'learned'.
+- collapse event (when the protocol declares `collapse_floor`): the first scheduled evaluation after
+  step `collapse_after` at or below the floor, or an abort on a non-finite loss (at its step); a
+  second primary endpoint, compared across paired arms with the exact McNemar test.
 """
 from __future__ import annotations
 
@@ -28,6 +32,10 @@ TRAIN_ACCURACY = "accuracy"
 KL = "mismatch/kl_k1"
 ROUTING = "mismatch/routing_agreement"
 OUTCOMES = ("learned", "collapsed", "never learned")
+WINDOWS = ("last_k", "second_half")
+# Fields added after protocols were published: left out of `as_dict` (and so of the digest) at these
+# defaults, so that an earlier study's digest, recorded by its runs, stays what it was.
+_LATER_FIELDS = {"window": "last_k", "collapse_floor": None, "collapse_after": 20}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +65,9 @@ class Protocol:
   """The pre-registered analysis of one study (module docstring).
 
   A study has `contrasts` (each tested with a paired t-test and an exact Wilcoxon signed-rank test,
-  Holm-corrected over the study's contrasts at `alpha`), or a selection `rule` (a calibration:
+  Holm-corrected over the study's contrasts at `alpha`; with `collapse_floor`, also the collapse
+  event's exact McNemar test, Holm-corrected over the contrasts apart from the first endpoint),
+  or a selection `rule` (a calibration:
   a name in `rl_jax.study.rules.RULES`, read mechanically off the per-seed table), or both.
   `extra_seeds` states the only way seeds may be added after the runs: 'none' (the count is
   fixed), or a rule that applies to every line alike.
@@ -72,8 +82,15 @@ class Protocol:
   missing_after_abort: float = 0.0
   extra_seeds: str = "none"
   planning: Planning | None = None
+  window: str = "last_k"
+  collapse_floor: float | None = None
+  collapse_after: int = 20
 
   def __post_init__(self):
+    if self.window not in WINDOWS:
+      raise ValueError(f"protocol.window must be one of {WINDOWS}, got {self.window!r}")
+    if self.collapse_floor is not None and not 0 <= self.collapse_floor < 1:
+      raise ValueError(f"protocol.collapse_floor must be in [0, 1), got {self.collapse_floor}")
     if self.last_k < 1:
       raise ValueError(f"protocol.last_k must be >= 1, got {self.last_k}")
     if not 0 < self.alpha < 1:
@@ -85,7 +102,27 @@ class Protocol:
       raise ValueError(f"protocol: duplicate contrasts in {names}")
 
   def as_dict(self) -> dict:
-    return dataclasses.asdict(self)
+    d = dataclasses.asdict(self)
+    for k, default in _LATER_FIELDS.items():
+      if d[k] == default:
+        del d[k]
+    return d
+
+  def window_steps(self, steps: int, eval_every: int) -> list[int]:
+    """The scheduled evaluations the primary metric averages."""
+    schedule = eval_schedule(steps, eval_every)
+    if self.window == "second_half":
+      return [s for s in schedule if 2 * s > steps]
+    return schedule[-self.last_k:]
+
+  def describe_metric(self) -> str:
+    where = (f"over every scheduled evaluation in the second half of training (steps in (S/2, S])"
+             if self.window == "second_half" else f"over the last {self.last_k} scheduled evaluations")
+    return f"mean `{self.metric}` {where}"
+
+  def describe_collapse(self) -> str:
+    return (f"collapse event: an evaluation after step {self.collapse_after} with `{self.metric}` <= "
+            f"{self.collapse_floor:g}, or an abort on a non-finite loss")
 
   def digest(self, study_definition: dict) -> str:
     """sha256 (16 hex digits) of this protocol and the study definition it analyses (every run's
@@ -112,6 +149,8 @@ class RunScore:
   commit: str
   protocol: str
   note: str = ""
+  # The collapse event's step (protocol.collapse_floor declared; None: no event), `floor_event`.
+  collapse_step: int | None = None
 
   def as_dict(self) -> dict:
     d = dataclasses.asdict(self)
@@ -125,6 +164,15 @@ def eval_schedule(steps: int, eval_every: int) -> list[int]:
   if not out or out[-1] != steps:
     out.append(steps)
   return out
+
+
+def floor_event(evals: dict[int, float], aborted_step: int | None, floor: float, after: int) -> int | None:
+  """The step of the first evaluation after step `after` at or below `floor`, the abort step of an
+  aborted run when no evaluation before it got there, or None."""
+  hit = next((s for s in sorted(evals) if s > after and evals[s] <= floor), None)
+  if aborted_step is not None and (hit is None or aborted_step < hit):
+    return aborted_step
+  return hit
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -143,7 +191,7 @@ def score_run(run: Run, protocol: Protocol, steps: int, eval_every: int, eval_si
   ev_steps, ev_values = run.series(protocol.metric)
   evals = dict(zip(ev_steps, ev_values))
   aborted = run.aborted_step
-  schedule = eval_schedule(steps, eval_every)[-protocol.last_k:]
+  schedule = protocol.window_steps(steps, eval_every)
   primary, note = None, ""
   if all(s in evals for s in schedule):
     primary = _mean([evals[s] for s in schedule])
@@ -171,13 +219,15 @@ def score_run(run: Run, protocol: Protocol, steps: int, eval_every: int, eval_si
   tr_steps, tr_acc = run.series(TRAIN_ACCURACY)
   first = tr_acc[tr_steps.index(min(tr_steps))] if tr_steps else None
   study = run.study or {}
+  collapse_step = (None if protocol.collapse_floor is None else
+                   floor_event(evals, aborted, protocol.collapse_floor, protocol.collapse_after))
   return RunScore(panel=panel or study.get("panel", ""), line=line or study.get("line", ""),
                   seed=int(run.seed or 0) if seed is None else seed,
                   primary=primary, start=start, peak=peak, outcome=outcome, aborted_step=aborted,
                   first_train_accuracy=first, mean_kl=_mean(run.series(KL)[1]),
                   mean_routing_agreement=_mean(run.series(ROUTING)[1]),
                   evals=tuple(sorted(evals.items())), commit=str(study.get("commit", "unknown")),
-                  protocol=str(study.get("protocol", "")), note=note)
+                  protocol=str(study.get("protocol", "")), note=note, collapse_step=collapse_step)
 
 
 def study_definition(study: Any) -> dict:

@@ -143,6 +143,53 @@ def seeds_for_power(sd_d: float, delta: float, alpha: float = 0.05, target: floa
   return None
 
 
+MCNEMAR_METHOD = "exact McNemar (two-sided binomial test on the discordant pairs, p = 1 with none)"
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedEvents:
+  """A binary event (a run's collapse) in arms A and B over the seeds both ran: the discordant counts
+  `a_only` (A's run had the event, B's did not) and `b_only`, and the exact McNemar p."""
+  n: int
+  a_events: int
+  b_events: int
+  a_only: int
+  b_only: int
+  p: float
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def mcnemar_exact_p(a_only: int, b_only: int) -> float:
+  """Two-sided exact McNemar p: under H0 each discordant pair is A-only or B-only with probability 1/2,
+  so p = min(1, 2 P(X <= min(a_only, b_only))) with X ~ Binomial(a_only + b_only, 1/2); 1 with none."""
+  m = a_only + b_only
+  if m == 0:
+    return 1.0
+  k = min(a_only, b_only)
+  return float(min(1.0, 2 * sum(math.comb(m, i) for i in range(k + 1)) / 2 ** m))
+
+
+def paired_events(a: Mapping[int, bool], b: Mapping[int, bool]) -> PairedEvents:
+  """The event counts and McNemar test of arms a and b over the seeds both ran."""
+  seeds = sorted(set(a) & set(b))
+  a_only = sum(1 for s in seeds if a[s] and not b[s])
+  b_only = sum(1 for s in seeds if b[s] and not a[s])
+  return PairedEvents(n=len(seeds), a_events=sum(1 for s in seeds if a[s]), b_events=sum(1 for s in seeds if b[s]),
+                      a_only=a_only, b_only=b_only, p=mcnemar_exact_p(a_only, b_only))
+
+
+def event_verdict(name_a: str, name_b: str, ev: PairedEvents, p_holm: float, alpha: float) -> str:
+  """The collapse endpoint's mechanical reading: a direction when the Holm-corrected McNemar p < alpha."""
+  counts = (f"{name_a} {ev.a_events}/{ev.n}, {name_b} {ev.b_events}/{ev.n}; discordant {ev.a_only} / "
+            f"{ev.b_only}; exact McNemar p = {ev.p:.3g}, Holm {p_holm:.3g}")
+  if p_holm < alpha:
+    fewer = name_a if ev.a_only < ev.b_only else name_b
+    return f"**{fewer} collapses less often** ({counts})"
+  return f"**null**: no difference in collapses detected ({counts} >= {alpha:g})"
+
+
 def verdict(name_a: str, name_b: str, test: PairedTest, p_holm: float, p_holm_wilcoxon: float,
             alpha: float) -> str:
   """The mechanical reading: a direction when the Holm-corrected paired-t p < alpha, else a null.

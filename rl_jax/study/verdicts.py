@@ -33,9 +33,14 @@ class ContrastResult:
   verdict: str
   power: float | None = None
   min_detectable: float | None = None
+  # The collapse endpoint (protocol.collapse_floor declared): its counts, Holm p and verdict.
+  collapse: stats.PairedEvents | None = None
+  collapse_p_holm: float | None = None
+  collapse_verdict: str = ""
 
   def as_dict(self) -> dict:
-    return {"contrast": dataclasses.asdict(self.contrast), "name": self.contrast.name,
+    return {"collapse": self.collapse.as_dict() if self.collapse else None,
+            "collapse_p_holm": self.collapse_p_holm, "collapse_verdict": self.collapse_verdict,"contrast": dataclasses.asdict(self.contrast), "name": self.contrast.name,
             "test": self.test.as_dict() if self.test else None, "p_holm": self.p_holm,
             "p_holm_wilcoxon": self.p_holm_wilcoxon, "verdict": self.verdict, "power": self.power,
             "min_detectable_80": self.min_detectable}
@@ -96,6 +101,8 @@ def analyze(study: Any, scores: list[RunScore], unscored: list[str], allow_mixed
   if mixed and not allow_mixed:
     raise MixedRunsError("refusing to aggregate (pass --allow_mixed to override; the verdict then says so):\n  "
                          + "\n  ".join(mixed))
+  events = [_collapse_events(c, scored) for c in proto.contrasts] if proto.collapse_floor is not None else []
+  p_c = iter(stats.holm([e.p for e in events if e is not None]))
   p_t = stats.holm([t.p_t for t in tests if t is not None])
   p_w = stats.holm([t.p_wilcoxon for t in tests if t is not None])
   it_t, it_w = iter(p_t), iter(p_w)
@@ -106,13 +113,24 @@ def analyze(study: Any, scores: list[RunScore], unscored: list[str], allow_mixed
     ph, pw = next(it_t), next(it_w)
     pw_, mde = power_of(proto, t.n)
     results.append(ContrastResult(c, t, ph, pw, stats.verdict(c.a, c.b, t, ph, pw, proto.alpha), pw_, mde))
+  for r, e in zip(results, events):
+    if e is not None:
+      r.collapse, r.collapse_p_holm = e, next(p_c)
+      r.collapse_verdict = stats.event_verdict(r.contrast.a, r.contrast.b, e, r.collapse_p_holm, proto.alpha)
   rule = rules_lib.RULES[proto.rule](scored) if proto.rule else None
   return Analysis(protocol=proto, digest=digest, scores=scores, unscored=unscored, contrasts=results,
                   rule=rule, mixed=mixed)
 
 
+def _collapse_events(c: protocol_lib.Contrast, scored: Sequence[RunScore]) -> stats.PairedEvents | None:
+  """The contrast's collapse events over the seeds both arms have a score for (None below 2 seeds)."""
+  a = {s.seed: s.collapse_step is not None for s in scored if s.panel == c.panel and s.line == c.a}
+  b = {s.seed: s.collapse_step is not None for s in scored if s.panel == c.panel and s.line == c.b}
+  return stats.paired_events(a, b) if len(set(a) & set(b)) >= 2 else None
+
+
 PER_SEED_COLUMNS = ("panel", "line", "seed", "primary", "start", "peak", "outcome", "aborted_step",
-                    "first_train_accuracy", "mean_kl", "mean_routing_agreement", "commit", "protocol", "note")
+                    "first_train_accuracy", "mean_kl", "mean_routing_agreement", "commit", "protocol", "note", "collapse_step")
 
 
 def write(analysis: Analysis, root: str) -> dict[str, str]:
@@ -150,11 +168,13 @@ def markdown(analysis: Analysis) -> str:
   p = analysis.protocol
   out = ["## Protocol (pre-registered)", "",
          f"Digest `{analysis.digest}` (rl_jax/study/protocol.py; every run records it with its commit). "
-         f"Primary metric: mean `{p.metric}` over the last {p.last_k} scheduled evaluations on >= "
+         f"Primary metric: {p.describe_metric()} on >= "
          f"{p.min_eval_size} held-out prompts; evaluations an aborted run did not reach count "
          f"{p.missing_after_abort:g}. Outcome per run: never learned (best evaluation < warm start + "
          f"{p.collapse_margin:g}), collapsed (learned, then ended below the warm start), learned. "
-         f"Extra seeds: {p.extra_seeds}.", ""]
+         f"Extra seeds: {p.extra_seeds}." + (f" Second primary endpoint, the {p.describe_collapse()}: per "
+                                             f"contrast the {stats.MCNEMAR_METHOD}, Holm over the contrasts."
+                                             if p.collapse_floor is not None else ""), ""]
   if p.contrasts:
     out += [f"Contrasts: paired over seeds, two-sided paired t-test and {stats.WILCOXON_METHOD}, "
             f"{100 * (1 - p.alpha):.0f}% t interval of the mean paired difference, Holm correction over the "
@@ -175,6 +195,16 @@ def markdown(analysis: Analysis) -> str:
                  f"{t.ci[1]:+.3f}] | {t.p_t:.3g} | {t.p_wilcoxon:.3g} | {r.p_holm:.3g} | {r.p_holm_wilcoxon:.3g} | "
                  f"{_fmt(r.power, '.2f')} | {_fmt(r.min_detectable)} | {r.verdict} |")
     out += ["", "Verdicts (mechanical):", ""] + [f"- {r.contrast.name}: {r.verdict}" for r in analysis.contrasts]
+    if p.collapse_floor is not None:
+      out += ["", "## Collapse endpoint", "", f"The {p.describe_collapse()}; {stats.MCNEMAR_METHOD}.", "",
+              "| contrast | n | A collapsed | B collapsed | A only | B only | p (McNemar) | Holm p | verdict |",
+              "|---|---|---|---|---|---|---|---|---|"]
+      for r in analysis.contrasts:
+        e = r.collapse
+        out.append(f"| {r.contrast.name} | - | - | - | - | - | - | - | not tested: fewer than 2 paired seeds |"
+                   if e is None else
+                   f"| {r.contrast.name} | {e.n} | {e.a_events} | {e.b_events} | {e.a_only} | {e.b_only} | "
+                   f"{e.p:.3g} | {r.collapse_p_holm:.3g} | {r.collapse_verdict} |")
   if analysis.rule is not None:
     table, text, _ = analysis.rule
     out += ["", f"## Selection rule `{p.rule}` (pre-registered, rl_jax/study/rules.py)", "", table, text]
@@ -186,7 +216,8 @@ def markdown(analysis: Analysis) -> str:
           "train acc | mean KL k1 | commit |", "|---|---|---|---|---|---|---|---|---|---|"]
   for s in sorted(analysis.scores, key=lambda s: (s.panel, s.line, s.seed)):
     out.append(f"| {s.panel} | {s.line} | {s.seed} | {_fmt(s.primary)} | {_fmt(s.start)} | {_fmt(s.peak)} | "
-               f"{s.outcome or s.note or '-'} | {_fmt(s.first_train_accuracy)} | {_fmt(s.mean_kl, '.2g')} | "
+               f"{s.outcome or s.note or '-'}{'' if s.collapse_step is None else f'; floor at step {s.collapse_step}'} | "
+               f"{_fmt(s.first_train_accuracy)} | {_fmt(s.mean_kl, '.2g')} | "
                f"{s.commit[:12]} |")
   return "\n".join(out) + "\n"
 
