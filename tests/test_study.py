@@ -16,7 +16,7 @@ from rl_jax import preempt
 from rl_jax.rl import job as job_lib
 from rl_jax.study import __main__ as cli
 from rl_jax.study import config as study_config
-from rl_jax.study import publish, runner, studies
+from rl_jax.study import archive, publish, runner, studies
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -307,3 +307,26 @@ def test_paper_figure_draws_a_study_in_the_papers_layout(tmp_path, monkeypatch):
   out = pf.draw("micro_tis", str(tmp_path))
   assert out == str(tmp_path / "paper_micro_tis.png") and os.path.getsize(out) > 0
   assert pf.main(["micro_tis", "--root", str(tmp_path / "empty")]) != 0     # no finished run: a clear error
+
+
+def test_a_study_carried_to_another_machine_runs_only_what_is_left(tmp_path):
+  a, b = tmp_path / "machine_a", tmp_path / "machine_b"
+  p = runner.plan(studies.get("micro"), str(a))
+  fake = FakeExecutor(crash={("fp32/tis", 1): "killed"})
+  runner.run_study(p, executor=fake, progress=False)
+  with pytest.raises(SystemExit):   # nothing to pack before the warm start exists
+    cli.main(["micro", "--root", str(tmp_path / "empty"), "--pack", str(tmp_path / "x.tgz")])
+  arc = str(tmp_path / "micro.tgz")
+  assert archive.pack(p, arc) == {"runs": 3, "left": 1}
+  members = archive.unpack(arc, str(b))
+  assert "warm_start/study_warm_start.json" in members and "fp32/pg/seed1/summary.json" in members
+  assert not any(m.startswith("fp32/tis/seed1/") for m in members)   # unfinished: not carried
+  q = runner.plan(studies.get("micro"), str(b))
+  assert [runner.status(launch) for launch in q.launches] == ["done", "done", "done", "new"]
+  fake.calls.clear()
+  assert runner.run_study(q, executor=fake, progress=False)["ok"] == 1 and fake.calls == [("fp32/tis", 1)]
+  archive.unpack(arc, str(b))   # the same files again: nothing differs
+  with open(b / "fp32/pg/seed0/summary.json", "w") as f:
+    f.write("{}")
+  with pytest.raises(FileExistsError, match="differ"):
+    archive.unpack(arc, str(b))

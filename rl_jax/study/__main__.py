@@ -13,7 +13,7 @@ import sys
 
 from rl_jax import cli
 from rl_jax import preempt
-from rl_jax.study import dose_figure, publish, runner, studies, verdicts
+from rl_jax.study import archive, dose_figure, publish, runner, studies, verdicts
 
 DEFAULT_ROOT = "/tmp/rl_jax_studies"
 
@@ -65,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--allow_mixed", action="store_true",
                  help="aggregate a protocol study whose cells ran at different commits or protocols "
                       "(refused by default; the verdict then names every difference)")
+  p.add_argument("--pack", default=None, metavar="FILE",
+                 help="only write the warm start and every finished run to FILE (tar.gz), to carry the study "
+                      "to another machine")
+  p.add_argument("--unpack", default=None, metavar="FILE",
+                 help="first extract FILE (written by --pack) under ROOT; then run what is left as usual")
   p.add_argument("--publish", default=None, metavar="DIR",
                  help="after aggregating, copy verdict.md, table.md and a small figure.png to DIR/STUDY")
   args = p.parse_args(argv)
@@ -87,6 +92,20 @@ def main(argv: list[str] | None = None) -> int:
   root = args.root or os.path.join(DEFAULT_ROOT, study.name)
   plan = runner.plan(study, root, seeds=args.seeds, steps=args.steps, wandb_mode=args.wandb_mode,
                      launcher=shlex.split(args.launcher))
+  if args.unpack:
+    try:
+      members = archive.unpack(args.unpack, plan.root)
+    except (FileNotFoundError, FileExistsError) as e:
+      p.error(f"--unpack: {e}")
+    print(f"[study] unpacked {len(members)} files from {args.unpack} under {plan.root}")
+  if args.pack:
+    try:
+      counts = archive.pack(plan, args.pack)
+    except FileNotFoundError as e:
+      p.error(f"--pack: {e}")
+    print(f"[study] packed the warm start and {counts['runs']} finished runs to {args.pack} "
+          f"({counts['left']} not finished, not packed)")
+    return 0
   if args.dry_run:
     runner.dry_run(plan)
     return 0
