@@ -47,6 +47,13 @@ FIGURES: dict[str, PaperFigure] = {
                            "dose_response"),
     "minirl_fig1": PaperFigure("[MiniRL] Fig. 1: on-policy ablations", "minirl_on_policy"),
     "minirl_fig2_4": PaperFigure("[MiniRL] Figs. 2-4: off-policy N x clipping x routing replay", "minirl_off_policy"),
+    "sc_contrasts": PaperFigure("[SC] Figs. 1, 4, 5 at 20 paired seeds (issue 37 step 4): PG, TIS, SC, SC + TIS, "
+                                "top-4 and full SC under a bf16 trainer + FP8 W/A / FP4 KV sampler", "contrasts",
+                                panels=("bf16_fp4kv",), lines=("pg", "tis", "sc", "sc_tis", "sc_top4", "sc_full")),
+    "minirl_fig1_contrasts": PaperFigure("[MiniRL] Fig. 1 at 20 paired seeds (issue 37 step 4): on-policy MiniRL, "
+                                         "without the IS weight, length-normalized, bf16 trainer + FP8 sampler",
+                                         "contrasts", panels=("bf16_fp8",),
+                                         lines=("minirl", "minirl_no_is", "minirl_length_norm")),
     "headline": PaperFigure("[SC] Figs. 4-5 and [MiniRL] Figs. 1, 3: the protocol's headline contrasts", "headline"),
 }
 
