@@ -317,7 +317,7 @@ def test_a_study_carried_to_another_machine_runs_only_what_is_left(tmp_path):
   with pytest.raises(SystemExit):   # nothing to pack before the warm start exists
     cli.main(["micro", "--root", str(tmp_path / "empty"), "--pack", str(tmp_path / "x.tgz")])
   arc = str(tmp_path / "micro.tgz")
-  assert archive.pack(p, arc) == {"runs": 3, "left": 1}
+  assert archive.pack(p, arc) == {"runs": 3, "left": 1, "skipped": 0}
   members = archive.unpack(arc, str(b))
   assert "warm_start/study_warm_start.json" in members and "fp32/pg/seed1/summary.json" in members
   assert not any(m.startswith("fp32/tis/seed1/") for m in members)   # unfinished: not carried
@@ -326,6 +326,17 @@ def test_a_study_carried_to_another_machine_runs_only_what_is_left(tmp_path):
   fake.calls.clear()
   assert runner.run_study(q, executor=fake, progress=False)["ok"] == 1 and fake.calls == [("fp32/tis", 1)]
   archive.unpack(arc, str(b))   # the same files again: nothing differs
+  # A second part, compacted: only the run finished since, no warm start; both parts rebuild the study.
+  part2 = str(tmp_path / "micro_2.tgz")
+  assert archive.pack(q, part2, compact=True, after=(arc,)) == {"runs": 1, "left": 0, "skipped": 3}
+  c = tmp_path / "machine_c"
+  assert cli.main(["micro", "--root", str(c), "--unpack", f"{arc},{part2}", "--dry_run"]) == 0
+  r = runner.plan(studies.get("micro"), str(c))
+  assert [runner.status(launch) for launch in r.launches] == ["done"] * 4
+  rows = [json.loads(x) for x in open(c / "fp32/tis/seed1/metrics.jsonl")]
+  assert rows and all(set(row) <= set(archive.compact_row(row)) for row in rows)
+  assert archive.compact_row({"step": 1, "loss/weight_max": 2.0, "eval_greedy_accuracy": 0.5}) == {
+      "step": 1, "eval_greedy_accuracy": 0.5}
   with open(b / "fp32/pg/seed0/summary.json", "w") as f:
     f.write("{}")
   with pytest.raises(FileExistsError, match="differ"):

@@ -68,8 +68,13 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--pack", default=None, metavar="FILE",
                  help="only write the warm start and every finished run to FILE (tar.gz), to carry the study "
                       "to another machine")
-  p.add_argument("--unpack", default=None, metavar="FILE",
-                 help="first extract FILE (written by --pack) under ROOT; then run what is left as usual")
+  p.add_argument("--pack_compact", action="store_true",
+                 help="with --pack: keep only the metrics columns the analyses read (archive.COMPACT_*)")
+  p.add_argument("--pack_after", default="", metavar="A,B",
+                 help="with --pack: earlier archives of this study; their runs (and warm start) are not packed again")
+  p.add_argument("--unpack", default=None, metavar="A,B",
+                 help="first extract these archives (written by --pack; comma-separated, in order) under ROOT; then "
+                      "run what is left as usual")
   p.add_argument("--publish", default=None, metavar="DIR",
                  help="after aggregating, copy verdict.md, table.md and a small figure.png to DIR/STUDY")
   args = p.parse_args(argv)
@@ -93,18 +98,20 @@ def main(argv: list[str] | None = None) -> int:
   plan = runner.plan(study, root, seeds=args.seeds, steps=args.steps, wandb_mode=args.wandb_mode,
                      launcher=shlex.split(args.launcher))
   if args.unpack:
-    try:
-      members = archive.unpack(args.unpack, plan.root)
-    except (FileNotFoundError, FileExistsError) as e:
-      p.error(f"--unpack: {e}")
-    print(f"[study] unpacked {len(members)} files from {args.unpack} under {plan.root}")
+    for path in [a for a in args.unpack.split(",") if a]:
+      try:
+        members = archive.unpack(path, plan.root)
+      except (FileNotFoundError, FileExistsError) as e:
+        p.error(f"--unpack: {e}")
+      print(f"[study] unpacked {len(members)} files from {path} under {plan.root}")
   if args.pack:
     try:
-      counts = archive.pack(plan, args.pack)
+      counts = archive.pack(plan, args.pack, compact=args.pack_compact,
+                            after=tuple(a for a in args.pack_after.split(",") if a))
     except FileNotFoundError as e:
       p.error(f"--pack: {e}")
-    print(f"[study] packed the warm start and {counts['runs']} finished runs to {args.pack} "
-          f"({counts['left']} not finished, not packed)")
+    print(f"[study] packed {counts['runs']} finished runs to {args.pack} ({counts['skipped']} in earlier parts, "
+          f"{counts['left']} not finished)")
     return 0
   if args.dry_run:
     runner.dry_run(plan)

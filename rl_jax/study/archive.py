@@ -10,9 +10,9 @@ start of a run costs at most one run's time.
 from __future__ import annotations
 
 import io
+import json
 import os
 import tarfile
-from typing import Any
 
 from rl_jax.study import runner
 
@@ -20,34 +20,79 @@ from rl_jax.study import runner
 # trainer's run record and summary (the runner reads `steps` there: the run is done), every logged
 # metric, and failed.json for a run that aborted on a non-finite loss (a finished collapse).
 FILES = ("study.json", "run.json", "summary.json", "metrics.jsonl", "failed.json")
+METRICS = "metrics.jsonl"
+# `compact`: the metrics.jsonl columns every analysis of the project reads (the protocol's scores, the
+# study tables and figures, the collapse predictors, the runner's cost estimate); the rest of the
+# ~55 columns (per-method loss internals, async bookkeeping) is ~2/3 of the file and is dropped.
+COMPACT_PREFIXES = ("eval_", "mismatch/", "drift/", "first_order/", "time/")
+COMPACT_KEYS = ("step", "reward", "accuracy", "response_length", "loss/entropy", "loss/is_ess", "loss/grad_norm",
+                "loss/loss", "loss/num_tokens")
 
 
-def pack(plan: runner.Plan, out_path: str) -> dict[str, int]:
-  """Writes the plan's warm start and finished runs under ROOT-relative paths to `out_path`
-  (tar.gz); returns {'runs': packed, 'left': unfinished}. Refuses a plan whose warm start is not done."""
+def compact_row(row: dict) -> dict:
+  """One metrics.jsonl row cut to the columns the analyses read (`COMPACT_PREFIXES`, `COMPACT_KEYS`)."""
+  return {k: v for k, v in row.items() if k in COMPACT_KEYS or k.startswith(COMPACT_PREFIXES)}
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+  info = tarfile.TarInfo(name)
+  info.size = len(data)
+  tar.addfile(info, io.BytesIO(data))
+
+
+def archived_runs(archives) -> tuple[set[str], bool]:
+  """(the run directories, ROOT-relative, that `archives` hold; whether one of them holds the warm start)."""
+  runs, warm = set(), False
+  for path in archives:
+    with tarfile.open(path, "r:gz") as tar:
+      for name in tar.getnames():
+        if name.endswith("/summary.json") or name.endswith("/failed.json"):
+          runs.add(os.path.dirname(name))
+        warm |= name.startswith("warm_start/")
+  return runs, warm
+
+
+def pack(plan: runner.Plan, out_path: str, compact: bool = False, after: tuple[str, ...] = ()) -> dict[str, int]:
+  """Writes the plan's warm start and finished runs under ROOT-relative paths to `out_path` (tar.gz);
+  returns {'runs': packed, 'left': unfinished, 'skipped': already in `after`}.
+
+  `compact`: metrics.jsonl cut to `compact_row`. `after`: earlier archives of the same study (parts
+  unpacked before this one): their runs, and the warm start if one holds it, are not packed again.
+  Refuses a plan whose warm start is not done."""
   if runner.status(plan.warm_start) != "done":
     raise FileNotFoundError(f"{plan.warm_start.workdir}: the study's warm start is not finished; nothing to pack")
   root = plan.root
-  packed, left = 0, 0
+  earlier, warm_packed = archived_runs(after)
+  packed, left, skipped = 0, 0, 0
   os.makedirs(os.path.dirname(os.path.abspath(out_path)) or ".", exist_ok=True)
   tmp = out_path + ".tmp"
   with tarfile.open(tmp, "w:gz") as tar:
-    tar.add(plan.warm_start.workdir, arcname=os.path.relpath(plan.warm_start.workdir, root))
+    if not warm_packed:
+      tar.add(plan.warm_start.workdir, arcname=os.path.relpath(plan.warm_start.workdir, root))
     for launch in plan.launches:
+      rel = os.path.relpath(launch.workdir, root)
       if runner.status(launch) not in ("done", "collapsed"):
         left += 1
         continue
+      if rel in earlier:
+        skipped += 1
+        continue
       for name in FILES:
         path = os.path.join(launch.workdir, name)
-        if os.path.exists(path):
-          tar.add(path, arcname=os.path.relpath(path, root))
+        if not os.path.exists(path):
+          continue
+        if compact and name == METRICS:
+          with open(path) as f:
+            rows = [compact_row(json.loads(line)) for line in f if line.strip()]
+          _add_bytes(tar, os.path.join(rel, name), "".join(json.dumps(r) + "\n" for r in rows).encode())
+        else:
+          tar.add(path, arcname=os.path.join(rel, name))
       packed += 1
-    note = f"study {plan.study.name}: {packed} finished runs, {left} left\n".encode()
-    info = tarfile.TarInfo("ARCHIVE.txt")
-    info.size = len(note)
-    tar.addfile(info, io.BytesIO(note))
+    _add_bytes(tar, "ARCHIVE.txt", (f"study {plan.study.name}: {packed} finished runs"
+                                    f"{' (metrics compacted)' if compact else ''}, {skipped} in earlier parts, "
+                                    f"{left} left\n").encode())
   os.replace(tmp, out_path)  # a failed pack never leaves a truncated archive under the final name
-  return {"runs": packed, "left": left}
+  return {"runs": packed, "left": left, "skipped": skipped}
 
 
 def unpack(archive: str, root: str) -> list[str]:
