@@ -245,9 +245,12 @@ def protocol_text(p: Plan) -> str:
   """The pre-registered protocol of a plan: metric, contrasts with their power, rule, deviations."""
   proto = p.study.protocol
   n = len({launch.seed for launch in p.launches})
-  lines = [f"protocol {p.protocol}: primary metric = mean {proto.metric} over the last {proto.last_k} "
-           f"evaluations (eval set >= {proto.min_eval_size}); {n} paired seeds; paired t + exact Wilcoxon signed-rank, "
-           f"Holm over {len(proto.contrasts)} contrast(s), alpha {proto.alpha:g}; extra seeds: {proto.extra_seeds}"]
+  lines = [f"protocol {p.protocol}: primary metric = {proto.describe_metric()} (eval set >= {proto.min_eval_size}); "
+           f"{n} paired seeds; paired t + exact Wilcoxon signed-rank, Holm over {len(proto.contrasts)} contrast(s), "
+           f"alpha {proto.alpha:g}; extra seeds: {proto.extra_seeds}"]
+  if proto.collapse_floor is not None:
+    lines.append(f"  second primary endpoint: the {proto.describe_collapse()}; exact McNemar, Holm over the "
+                 "contrasts")
   power, mde = verdicts_lib.power_of(proto, n)
   for c in proto.contrasts:
     q = f" ({c.question})" if c.question else ""
