@@ -337,6 +337,13 @@ def test_a_study_carried_to_another_machine_runs_only_what_is_left(tmp_path):
   assert rows and all(set(row) <= set(archive.compact_row(row)) for row in rows)
   assert archive.compact_row({"step": 1, "loss/weight_max": 2.0, "eval_greedy_accuracy": 0.5}) == {
       "step": 1, "eval_greedy_accuracy": 0.5}
+  # Every column an analysis reads survives compaction.
+  from rl_jax.analysis import aggregate, figures, precursors
+  from rl_jax.study import protocol
+  read = {aggregate.KL, aggregate.COSINE, aggregate.NORM_RATIO, *aggregate.EXTRA_MEANS, *precursors.PREDICTORS,
+          precursors.EVENT_METRIC, protocol.ACCURACY, protocol.TRAIN_ACCURACY, protocol.KL, protocol.ROUTING,
+          *(m for _, m in figures.METRICS)}
+  assert all(archive.compact_row({k: 1.0}) == {k: 1.0} for k in read)
   with open(b / "fp32/pg/seed0/summary.json", "w") as f:
     f.write("{}")
   with pytest.raises(FileExistsError, match="differ"):

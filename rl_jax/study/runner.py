@@ -428,8 +428,21 @@ def verdict_skeleton(p: Plan, summaries: Sequence[aggregate.GroupSummary], comma
               f"{precursors.COSINE_FACTOR:g}x its median over steps < {precursors.BASELINE_STEPS} "
               "(rl_jax/analysis/precursors.py); lead = collapse step - alarm step.", "",
               precursors.markdown(groups)]
+  proto = result.protocol if result is not None else None
+  if groups and proto is not None and proto.collapse_floor is not None:
+    runs = [r for g in groups for r in g.runs]
+    same = (proto.collapse_floor, proto.collapse_after) == (precursors.FLOOR, precursors.FLOOR_AFTER)
+    lines += ["", "## Collapse predictors, matched windows (declared in rl_jax/analysis/precursors.py)", "",
+              f"The event: accuracy <= {precursors.FLOOR:g} after step {precursors.FLOOR_AFTER} or an abort "
+              + ("(the protocol's collapse endpoint)" if same else
+                 f"(NOT the protocol's endpoint, <= {proto.collapse_floor:g} after step {proto.collapse_after})")
+              + f"; {sum(precursors.floor_event_step(r) is not None for r in runs)} of {len(runs)} finished runs "
+              "reach it. Each (collapsed, other) pair is compared over the steps before the collapsed run's event.",
+              "", precursors.matched_markdown(runs, panel_of=lambda r: (r.study or {}).get("panel", ""))]
   if result is not None:
     verdicts = [f"- {r.contrast.name}: {r.verdict}" for r in result.contrasts]
+    verdicts += [f"- {r.contrast.name}, collapse: {r.collapse_verdict}" for r in result.contrasts
+                 if r.collapse_verdict]
     if result.rule is not None:
       verdicts.append(f"- rule `{result.protocol.rule}`: {result.rule[1]}")
     lines += ["", verdicts_lib.markdown(result), "## Verdict", "",
