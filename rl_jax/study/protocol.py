@@ -7,9 +7,9 @@ the analysis (`rl_jax/study/verdicts.py`) refuses to pool cells that differ in e
 Per run (docs/results.md#protocol):
 - primary metric: mean held-out greedy accuracy over the last `last_k` scheduled evaluations
   (`window='last_k'`) or over every scheduled evaluation in the second half of training, steps in
-  (S/2, S] (`window='second_half'`), on an eval set of >= `min_eval_size` prompts. An evaluation a run did not reach because it
-  aborted on a non-finite loss counts as `missing_after_abort` (0: a diverged policy answers
-  nothing). A run that neither finished nor aborted has no score and is left out, named.
+  (S/2, S] (`window='second_half'`), on an eval set of >= `min_eval_size` prompts. An evaluation
+  a run did not reach because it aborted on a non-finite loss counts as `missing_after_abort`
+  (0: a diverged policy answers nothing). A run that neither finished nor aborted has no score and is left out, named.
 - outcome: 'never learned' if the best evaluation never exceeded the warm start's (step 0) by
   `collapse_margin`; else 'collapsed' if the primary metric ended below the warm start's; else
   'learned'.
@@ -66,9 +66,9 @@ class Protocol:
 
   A study has `contrasts` (each tested with a paired t-test and an exact Wilcoxon signed-rank test,
   Holm-corrected over the study's contrasts at `alpha`; with `collapse_floor`, also the collapse
-  event's exact McNemar test, Holm-corrected over the contrasts apart from the first endpoint),
-  or a selection `rule` (a calibration:
-  a name in `rl_jax.study.rules.RULES`, read mechanically off the per-seed table), or both.
+  event's exact McNemar test, Holm-corrected over the contrasts within that endpoint), or a
+  selection `rule` (a calibration: a name in `rl_jax.study.rules.RULES`, read mechanically off
+  the per-seed table), or both.
   `extra_seeds` states the only way seeds may be added after the runs: 'none' (the count is
   fixed), or a rule that applies to every line alike.
   """

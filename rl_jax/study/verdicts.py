@@ -39,11 +39,12 @@ class ContrastResult:
   collapse_verdict: str = ""
 
   def as_dict(self) -> dict:
-    return {"collapse": self.collapse.as_dict() if self.collapse else None,
-            "collapse_p_holm": self.collapse_p_holm, "collapse_verdict": self.collapse_verdict,"contrast": dataclasses.asdict(self.contrast), "name": self.contrast.name,
+    return {"contrast": dataclasses.asdict(self.contrast), "name": self.contrast.name,
             "test": self.test.as_dict() if self.test else None, "p_holm": self.p_holm,
             "p_holm_wilcoxon": self.p_holm_wilcoxon, "verdict": self.verdict, "power": self.power,
-            "min_detectable_80": self.min_detectable}
+            "min_detectable_80": self.min_detectable,
+            "collapse": self.collapse.as_dict() if self.collapse else None,
+            "collapse_p_holm": self.collapse_p_holm, "collapse_verdict": self.collapse_verdict}
 
 
 @dataclasses.dataclass
@@ -130,7 +131,8 @@ def _collapse_events(c: protocol_lib.Contrast, scored: Sequence[RunScore]) -> st
 
 
 PER_SEED_COLUMNS = ("panel", "line", "seed", "primary", "start", "peak", "outcome", "aborted_step",
-                    "first_train_accuracy", "mean_kl", "mean_routing_agreement", "commit", "protocol", "note", "collapse_step")
+                    "first_train_accuracy", "mean_kl", "mean_routing_agreement", "commit", "protocol", "note",
+                    "collapse_step")
 
 
 def write(analysis: Analysis, root: str) -> dict[str, str]:
@@ -215,9 +217,9 @@ def markdown(analysis: Analysis) -> str:
   out += ["", "## Per seed", "", "| panel | line | seed | primary | warm start | peak | outcome | first-step "
           "train acc | mean KL k1 | commit |", "|---|---|---|---|---|---|---|---|---|---|"]
   for s in sorted(analysis.scores, key=lambda s: (s.panel, s.line, s.seed)):
+    floor = "" if s.collapse_step is None else f"; floor at step {s.collapse_step}"
     out.append(f"| {s.panel} | {s.line} | {s.seed} | {_fmt(s.primary)} | {_fmt(s.start)} | {_fmt(s.peak)} | "
-               f"{s.outcome or s.note or '-'}{'' if s.collapse_step is None else f'; floor at step {s.collapse_step}'} | "
-               f"{_fmt(s.first_train_accuracy)} | {_fmt(s.mean_kl, '.2g')} | "
+               f"{s.outcome or s.note or '-'}{floor} | {_fmt(s.first_train_accuracy)} | {_fmt(s.mean_kl, '.2g')} | "
                f"{s.commit[:12]} |")
   return "\n".join(out) + "\n"
 
