@@ -114,5 +114,9 @@ def unpack(archive: str, root: str) -> list[str]:
     if clashes:
       raise FileExistsError(f"{root}: {len(clashes)} files differ from {archive}'s (e.g. {clashes[0]}); "
                             "unpack into an empty ROOT or remove them")
-    tar.extractall(root, members=members, filter="data")
+    bad = [m.name for m in members if os.path.isabs(m.name) or ".." in m.name.split("/")
+           or not (m.isfile() or m.isdir())]
+    if bad:
+      raise ValueError(f"{archive}: not a study archive (member {bad[0]!r} is outside ROOT or not a plain file)")
+    tar.extractall(root, members=members)
   return [m.name for m in members]
