@@ -367,6 +367,8 @@ def test_contrasts_study_is_declared_before_its_runs():
   s = studies.get("contrasts")
   p = s.protocol
   assert (p.window, p.collapse_floor, p.collapse_after, s.seeds, s.steps) == ("second_half", 0.005, 20, 20, 400)
+  # The digest its runs recorded (docs/results/contrasts/runs_part*.tgz, study.json): the declaration is unchanged.
+  assert p.digest(protocol.study_definition(s)) == "7831ef93792b5d74"
   by = {r.name: r.overrides for r in s.runs()}
   assert len(by) == 9 and s.base == studies.DOSE_BASE
   cal = {r.name: r.overrides for r in studies.get("dose_response_lr003").runs()}

@@ -104,20 +104,20 @@ def unpack(archive: str, root: str) -> list[str]:
   root = os.path.abspath(root)
   with tarfile.open(archive, "r:gz") as tar:
     members = [m for m in tar.getmembers() if m.name != "ARCHIVE.txt"]
-    clashes = []
-    for m in members:
-      dest = os.path.join(root, m.name)
-      if m.isfile() and os.path.exists(dest):
-        f = tar.extractfile(m)
-        if f is not None and open(dest, "rb").read() != f.read():
-          clashes.append(m.name)
-    if clashes:
-      raise FileExistsError(f"{root}: {len(clashes)} files differ from {archive}'s (e.g. {clashes[0]}); "
-                            "unpack into an empty ROOT or remove them")
     bad = [m.name for m in members if os.path.isabs(m.name) or ".." in m.name.split("/")
            or not (m.isfile() or m.isdir())]
     if bad:
       raise ValueError(f"{archive}: not a study archive (member {bad[0]!r} is outside ROOT or not a plain file)")
+    clashes = []
+    for m in members:
+      dest = os.path.join(root, m.name)
+      if m.isfile() and os.path.exists(dest):
+        with open(dest, "rb") as have, tar.extractfile(m) as want:
+          if have.read() != want.read():
+            clashes.append(m.name)
+    if clashes:
+      raise FileExistsError(f"{root}: {len(clashes)} files differ from {archive}'s (e.g. {clashes[0]}); "
+                            "unpack into an empty ROOT or remove them")
     # tarfile's own "data" filter as well where it exists (Python >= 3.11.4; 3.12 warns without one).
     tar.extractall(root, members=members, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
   return [m.name for m in members]

@@ -606,18 +606,12 @@ CONTRASTS_PLANNING = Planning(
     sd_diff=0.037, delta=0.027,
     source="dose_response_lr003 (commit 8abc21d): pooled within-cell s.d. 0.0261 of the second-half mean over "
            "24 cells x 3 seeds, x sqrt(2); delta = half clean PG's mean gain 0.054 on the same window")
+# The headline's arms, the same overrides (the headline's R2 / R3 lines are not run here).
 CONTRASTS_LINES: dict[str, Overrides] = {
-    "pg": _m("pg"),
-    "sc": _SC,
-    "tis": _m("tis"),
-    "sc_tis": dict(_SC, **{"loss.method": "tis"}),
-    "sc_top4": dict(_SC, **{"loss.topk": 4}),
-    "sc_full": dict(_m("pg", "full"), **{"sampler.record_topk": sweeps.TINY_VOCAB}),
-}
+    k: HEADLINE_LINES[k] for k in ("pg", "sc", "tis", "sc_tis", "sc_top4", "sc_full")}
 CONTRASTS_MINIRL_LINES: dict[str, Overrides] = {
-    "minirl": dict(MINIRL, **{"loss.minirl_clip": True}),
-    "minirl_no_is": dict(MINIRL, **{"loss.minirl_clip": True, "loss.minirl_train_infer_is": False}),
-    "minirl_length_norm": dict(MINIRL, **{"loss.minirl_clip": True, "loss.aggregation": "seq_mean"}),
+    "minirl": HEADLINE_LINES["minirl"], "minirl_no_is": HEADLINE_LINES["minirl_no_is"],
+    "minirl_length_norm": dict(HEADLINE_LINES["minirl"], **{"loss.aggregation": "seq_mean"}),
 }
 CONTRASTS_REGIME, CONTRASTS_MINIRL_REGIME = "bf16_fp4kv", "bf16_fp8"
 CONTRASTS = (
