@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from rl_jax.rl import step as step_lib
 from rl_jax.sampler import generate as gen
+from rl_jax.sampler.xla_options import sampler_jit
 
 
 def stack(trees: Sequence[Any]) -> Any:
@@ -47,5 +48,5 @@ def vmapped(programs) -> dict[str, Any]:
                           microbatches=programs.forward_microbatches)
   update = functools.partial(step_lib.update, **cfg, aux_coef=job.model.router_aux_loss_coef,
                              optimizer=programs.optimizer, microbatches=programs.update_microbatches)
-  return {"generate": jax.jit(jax.vmap(generate)), "old_forward": jax.jit(jax.vmap(old)),
+  return {"generate": sampler_jit(jax.vmap(generate)), "old_forward": jax.jit(jax.vmap(old)),
           "update": jax.jit(jax.vmap(update), donate_argnums=(0, 1))}

@@ -14,6 +14,7 @@ from rl_jax.rollout import Rollout
 from rl_jax.sampler import continuous
 from rl_jax.sampler import generate as gen
 from rl_jax.sampler.config import SamplerConfig
+from rl_jax.sampler.xla_options import sampler_jit
 from rl_jax.sharding import batch_divisor, shard_batch
 
 # In-flight weight updates (docs/architecture.md#the-sampler-engines): the continuous engine's
@@ -89,13 +90,13 @@ def resume_program(graphdef, state, prompts_BP, valid_BP, key, max_new_B, progre
   return constrain(continuous.resume(model, layout, progress, cfg=cfg, div=div))
 
 
-_start = jax.jit(start_program, static_argnames=_STATIC)
+_start = sampler_jit(start_program, static_argnames=_STATIC)
 # The carry is donated: its KV cache is updated in place, chunk after chunk.
-_advance = jax.jit(advance_program, static_argnames=_STATIC, donate_argnames=("carry",))
-_finish = jax.jit(finish_program, static_argnames=("cfg", "mesh"))
-_unfinished = jax.jit(continuous.unfinished)
-_progress = jax.jit(progress_program, static_argnames=("cfg", "mesh"))
-_resume = jax.jit(resume_program, static_argnames=_STATIC)
+_advance = sampler_jit(advance_program, static_argnames=_STATIC, donate_argnames=("carry",))
+_finish = sampler_jit(finish_program, static_argnames=("cfg", "mesh"))
+_unfinished = sampler_jit(continuous.unfinished)
+_progress = sampler_jit(progress_program, static_argnames=("cfg", "mesh"))
+_resume = sampler_jit(resume_program, static_argnames=_STATIC)
 
 
 def _layout_prompts(prompts_BP, prompt_valid_BP, cfg: SamplerConfig, mesh, max_new_B):

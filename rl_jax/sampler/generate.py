@@ -20,6 +20,7 @@ from rl_jax.rollout import Rollout, expert_id_dtype
 from rl_jax.sampler import continuous
 from rl_jax.sampler.config import SamplerConfig
 from rl_jax.sampler.decode import assemble_rollout, left_pad, prefill, record_topk, sample
+from rl_jax.sampler.xla_options import sampler_jit
 from rl_jax.sharding import BATCH_AXES, batch_divisor, shard_batch
 
 # ----------------------------------------------------------------------------------------
@@ -199,7 +200,7 @@ def _generate_rows(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: Sampl
   return constrain(assemble_rollout(c, pvalid_BP, prompt_len_B, trunc_keys))
 
 
-_generate = jax.jit(generate_program, static_argnames=_STATIC_ARGNAMES)
+_generate = sampler_jit(generate_program, static_argnames=_STATIC_ARGNAMES)
 
 
 def check_prompts(prompts_BP, prompt_valid_BP, cfg: SamplerConfig) -> None:
