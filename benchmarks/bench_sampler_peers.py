@@ -29,6 +29,10 @@ XLA:CPU's single-threaded top-k takes 1.4 ms of a 7.1 ms step (docs/performance.
 the heads-major KV cache, same day, glibc malloc (off / on): dense greedy 1.25x / 1.01x -> 1.60x / 1.24x,
 dense T=1 1.66x / 1.29x -> 2.09x / 1.69x, MoE greedy 1.15x / 0.99x -> 1.29x / 1.11x, MoE T=1 1.43x / 1.18x -> 1.61x
 / 1.34x.
+With the sampler compiled without YNNPACK fusions (`rl_jax/sampler/xla_options.py`; 2026-12-06, 2-core AMD
+EPYC box, 3 rounds, before = `RL_JAX_SAMPLER_XLA_DEFAULT=1` in the same hour), off / on: dense greedy 1.41x /
+1.23x -> 1.56x / 1.24x, dense T=1 1.83x / 1.50x -> 1.96x / 1.61x, MoE greedy 1.07x / 0.95x -> 1.60x / 1.38x,
+MoE T=1 1.50x / 1.32x -> 1.97x / 1.78x.
 """
 from __future__ import annotations
 
