@@ -8,8 +8,8 @@ import jax
 # XLA:CPU hands dots (and some element-wise / reduce ops) to YNNPACK "library fusions". At decode
 # shapes that loses: a step multiplies a few rows by every weight matrix, and YNNPACK packs the
 # weight operand at every call, so the MoE layers' batched expert dots (`[E, C, D] x [E, D, F]`,
-# C ~ 16) ran at 30-45 GFLOP/s where XLA's own dot emitter reaches 60+. Without the fusions, MoE
-# decode ran 1.24-1.37x faster on the peer benchmark's model and dense decode was level (0.97-1.09x)
+# C ~ 16) ran at 30-45 GFLOP/s, 1.38x slower than through XLA's own dot emitter. Without the
+# fusions MoE decode ran 1.23-1.33x faster on the peer benchmark's model, dense decode 1.05-1.08x
 # (`benchmarks/bench_sampler_xla.py`, docs/performance.md). The trainer's programs (large row counts,
 # where the packing amortizes) keep XLA's default: the same A/B on its update and old-policy forward
 # moved nothing outside noise.
