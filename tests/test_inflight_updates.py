@@ -54,6 +54,12 @@ def _prompts(lengths, seed=7):
   return repeat_prompts((toks, valid), 2)
 
 
+# The chunked engine's test rollout: 4 slots for 12 rows, chunks of 3 iterations, chunked refill prefill,
+# two decode phases (cache slots 16 from step 0, 18 from step 9).
+ENGINE = dict(max_prompt_len=P, max_new_tokens=T, temperature=1.5, top_k=24, record_topk=8, eos_id=5,
+              engine="continuous", slots=4, prefill_chunk=3, decode_phases=2, min_phase_steps=1)
+
+
 def _chunked(graphdef, states, toks, valid, key, cfg, chunk, max_new_B=None):
   """Chunks of `chunk` iterations, chunk i sampled by states[min(i, -1)] recorded as version 10 + i."""
   carry = chunked.start(graphdef, states[0], toks, valid, key, cfg, version=10, n_iters=chunk, max_new_B=max_new_B)
@@ -78,8 +84,8 @@ def test_chunked_engine_equals_one_program_and_records_versions(moe):
   toks, valid = _prompts([3, 7, 5, 1, 6, 2])
   key = jax.random.key(4)
   c, n = 3, 4
-  cfg = SamplerConfig(max_prompt_len=P, max_new_tokens=T, temperature=1.5, top_k=24, record_topk=8, eos_id=5,
-                      engine="continuous", slots=n, prefill_chunk=3)
+  cfg = SamplerConfig(**ENGINE)
+  assert cfg.slots == n and continuous.phase_slots(cfg) == (16, 18)  # chunks cut inside both decode phases
   max_new_B = np.array([T, 3, T, T, 5, T, 1, T, T, 7, T, T], np.int32)
   one = gen.generate(graphdef, state, toks, valid, key, cfg, max_new_B=max_new_B)
   ro, chunks = _chunked(graphdef, [state], toks, valid, key, cfg, c, max_new_B)
@@ -102,9 +108,6 @@ def test_chunked_engine_equals_one_program_and_records_versions(moe):
   assert not np.array_equal(np.asarray(mixed.logq_BT)[:n, c:], np.asarray(one.logq_BT)[:n, c:])
 
 
-# The chunked engine's test rollout: 4 slots for 12 rows, chunks of 3 iterations, chunked refill prefill.
-ENGINE = dict(max_prompt_len=P, max_new_tokens=T, temperature=1.5, top_k=24, record_topk=8, eos_id=5,
-              engine="continuous", slots=4, prefill_chunk=3)
 MAX_NEW_B = np.array([T, 3, T, T, 5, T, 1, T, T, 7, T, T], np.int32)
 
 

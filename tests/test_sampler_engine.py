@@ -12,6 +12,7 @@ from rl_jax.models.config import ModelConfig
 from rl_jax.models.transformer import Transformer
 from rl_jax.quant.config import KVSpec, QuantConfig
 from rl_jax.rollout import repeat_prompts
+from rl_jax.sampler import continuous
 from rl_jax.sampler import generate as gen
 from rl_jax.sampler.config import SamplerConfig
 
@@ -69,17 +70,24 @@ def _compare(static, cont, exact: bool):
 def test_continuous_equals_static_bitwise_in_the_invariant_mode(moe):
   """model.batch_invariant: the continuous rollout is the static one bit for bit, with fewer slots
   than rows (refills), chunked refill prefill, ragged prompts, group sampling and top-k sampling
-  (every record, kept sets included): a row's arithmetic and key do not depend on its slot."""
+  (every record, kept sets included): a row's arithmetic and key do not depend on its slot. Both
+  engines in decode phases: the continuous engine's phase follows its furthest slot (up when a row
+  crosses a bound, down when fresh rows take the slots); the invariant attention adds the masked
+  slots a longer cache holds as exact zeros, so the cache length a step reads changes no bit."""
   graphdef, state = nnx.split(_model(moe, invariant=True))
   toks, valid = _prompts([3, 7, 5, 1, 6, 2], seed=7)
   key = jax.random.key(4)
-  base = SamplerConfig(max_prompt_len=P, max_new_tokens=T, temperature=1.5, top_k=24, record_topk=8)
+  t = 24  # three phases: cache slots 16, 24 and 32
+  base = SamplerConfig(max_prompt_len=P, max_new_tokens=t, temperature=1.5, top_k=24, record_topk=8,
+                       decode_phases=3, min_phase_steps=1)
+  assert continuous.phase_slots(base) == (16, 24, 32)
   base = dataclasses.replace(base, eos_id=_frequent_token(graphdef, state, toks, valid, key, base))
   # Per-row length limits too (`max_new_B`: what the engine benchmark forces lengths with).
-  max_new_B = np.array([T, 3, T, T, 5, T, 1, T, T, 7, T, T], np.int32)
+  max_new_B = np.array([t, 3, t, t, 5, t, 1, t, t, 7, t, t], np.int32)
   static = gen.generate(graphdef, state, toks, valid, key, base, max_new_B=max_new_B)
   lengths = np.asarray(static.lengths_B)
-  assert lengths.min() < T and len(set(lengths.tolist())) >= 3, lengths  # rows end at different steps
+  assert lengths.min() < t and len(set(lengths.tolist())) >= 3, lengths  # rows end at different steps
+  assert (lengths > 17).sum() >= 2, lengths  # rows reach the last phase (step 17 writes slot 24)
   assert (lengths <= max_new_B).all() and lengths[6] == 1, lengths
   cont = gen.generate(graphdef, state, toks, valid, key,
                       dataclasses.replace(base, engine="continuous", slots=4, prefill_chunk=3), max_new_B=max_new_B)
@@ -156,7 +164,8 @@ def test_continuous_on_a_batch_mesh_equals_static_bitwise():
   state = shard_state(state, mesh)
   toks, valid = _prompts([3, 7, 5, 1, 6, 2, 4, 8], seed=9)
   key = jax.random.key(6)
-  base = SamplerConfig(max_prompt_len=P, max_new_tokens=T, temperature=1.5, top_k=24, record_topk=8)
+  base = SamplerConfig(max_prompt_len=P, max_new_tokens=T, temperature=1.5, top_k=24, record_topk=8,
+                       decode_phases=2, min_phase_steps=1)  # cache slots 16, then 18
   base = dataclasses.replace(base, eos_id=_frequent_token(graphdef, state, toks, valid, key, base))
   static = gen.generate(graphdef, state, toks, valid, key, base, mesh=mesh)
   assert len(set(np.asarray(static.lengths_B).tolist())) >= 3  # rows end at different steps

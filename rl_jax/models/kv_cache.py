@@ -118,6 +118,28 @@ def cache_len(cache: list[LayerKV]) -> int:
   return cache[0].v.shape[-2]  # v: [(layers,) B, G, C, D], packed codes change D only
 
 
+def _slot_axis(kv: LayerKV, name: str) -> int:
+  """The slot axis of one of a LayerKV's arrays: -2 of `[(layers,) B, G, C, *]`, -1 of unquantized keys."""
+  return -1 if name == "k" and not kv.quantized else -2
+
+
+_ARRAYS = ("k", "v", "k_scale", "v_scale")
+
+
+def _map_slots(cache: list[LayerKV], fn, other: list[LayerKV] | None = None) -> list[LayerKV]:
+  """`fn(array, its slot axis, its fill value[, other's same array])` over every array of the cache
+  (fill: 0 for values, 1 for scales, as `init_cache`)."""
+  out = []
+  for i, kv in enumerate(cache):
+    new = {}
+    for name in _ARRAYS:
+      x = getattr(kv, name)
+      args = (x, _slot_axis(kv, name[0]), 1 if name.endswith("scale") else 0)
+      new[name] = None if x is None else fn(*args) if other is None else fn(*args, getattr(other[i], name))
+    out.append(dataclasses.replace(kv, **new))
+  return out
+
+
 def grow_cache(cache: list[LayerKV], slots: int) -> list[LayerKV]:
   """The cache with `slots` >= C slots: new slots as `init_cache` makes them (zero values,
   unit scales), existing ones unchanged."""
@@ -127,15 +149,29 @@ def grow_cache(cache: list[LayerKV], slots: int) -> list[LayerKV]:
   if slots < c:
     raise ValueError(f"grow_cache: {slots} slots < the cache's {c}")
 
-  def pad(x, value, axis=-2):  # the slot axis: -2 of [(layers,) B, G, C, *], -1 of unquantized keys
+  def pad(x, axis, value):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, slots - c)
     return jnp.pad(x, widths, constant_values=value)
 
-  return [dataclasses.replace(kv, k=pad(kv.k, 0, -2 if kv.quantized else -1), v=pad(kv.v, 0),
-                              k_scale=None if kv.k_scale is None else pad(kv.k_scale, 1),
-                              v_scale=None if kv.v_scale is None else pad(kv.v_scale, 1))
-          for kv in cache]
+  return _map_slots(cache, pad)
+
+
+def cache_prefix(cache: list[LayerKV], slots: int) -> list[LayerKV]:
+  """The cache's first `slots` <= C slots (a copy)."""
+  c = cache_len(cache)
+  if slots > c:
+    raise ValueError(f"cache_prefix: {slots} slots > the cache's {c}")
+  return cache if slots == c else _map_slots(
+      cache, lambda x, axis, _: jax.lax.slice_in_dim(x, 0, slots, axis=x.ndim + axis))
+
+
+def put_cache_prefix(cache: list[LayerKV], prefix: list[LayerKV]) -> list[LayerKV]:
+  """`cache` with its first slots replaced by `prefix` (`cache_prefix`'s layout); the others kept."""
+  if cache_len(prefix) == cache_len(cache):
+    return prefix
+  return _map_slots(cache, lambda x, axis, _, y: jax.lax.dynamic_update_slice_in_dim(
+      x, y.astype(x.dtype), 0, axis=x.ndim + axis), other=prefix)
 
 
 def stack_cache(cfg: ModelConfig, layers: list[LayerKV]) -> list[LayerKV]:

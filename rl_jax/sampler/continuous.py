@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rl_jax.config_utils import ConfigError
 from rl_jax.logprobs import next_token_logq
-from rl_jax.models.kv_cache import init_cache
+from rl_jax.models.kv_cache import cache_prefix, init_cache, put_cache_prefix
 from rl_jax.models.layers import dtype_of
 from rl_jax.models.transformer import default_positions
 from rl_jax.rollout import expert_id_dtype
@@ -201,7 +203,7 @@ def run(model, carry: dict, *, cfg: SamplerConfig, constrain, div: int, version=
                 chunk_N=jnp.where(take_N, jnp.minimum(first_N, p - 1 - ch), c["chunk_N"]),
                 next_row=c["next_row"] + jnp.sum(take_N, dtype=jnp.int32))
 
-  def prefill_chunk(c):
+  def prefill_chunk(c, l):
     """Prompt slots [start, start + ch) of each slot group's first slot still prefilling, into its
     cache region: one row per group (`_groups`: a group is one batch-axis device's slots), so each
     device prefills one of its own slots and no slot's cache leaves its device. A group with no slot
@@ -211,7 +213,7 @@ def run(model, carry: dict, *, cfg: SamplerConfig, constrain, div: int, version=
     r_G, start_G = jnp.minimum(c["row_N"][slot_G], b - 1), c["chunk_N"][slot_G]
     rows = lambda x: jax.vmap(lambda r, st: jax.lax.dynamic_slice(x, (r, st), (1, ch))[0])(r_G, start_G)
     cache, out = _group_chunk(model, c["cache"], rows(c["tokens_BP"]), rows(c["positions_BP"]), rows(c["pvalid_BP"]),
-                              start_G, c["kv_valid_BS"][r_G], has_G, i_G, div)
+                              start_G, c["kv_valid_BS"][r_G, :l], has_G, i_G, div)
     new = dict(c, cache=cache)
     w_G = jnp.where(has_G, r_G, b)  # row b: out of bounds, dropped
     if record_experts:
@@ -223,17 +225,19 @@ def run(model, carry: dict, *, cfg: SamplerConfig, constrain, div: int, version=
     new["chunk_N"] = c["chunk_N"].at[at_G].set(jnp.minimum(start_G + ch, p - 1 - ch), mode="drop")
     return new
 
-  def decode(c):
-    """One token for every slot whose prompt is in the cache, each at its own step."""
+  def decode(c, l):
+    """One token for every slot whose prompt is in the cache, each at its own step; the cache holds
+    the phase's first `l` slots."""
     dec_N = c["live_N"] & c["ready_N"]
     r_N = jnp.minimum(c["row_N"], b - 1)
     j_N = c["step_N"]
     slot_N = p - 1 + j_N
     tok_N1 = c["tokens_BS"][r_N, slot_N][:, None]
     pos_N1 = c["positions_BS"][r_N, slot_N][:, None]
-    # A slot that does not decode writes at the last cache slot, which no query reads.
-    out = model(tok_N1, pos_N1, cache=c["cache"], cache_index=jnp.where(dec_N, slot_N, s - 1),
-                kv_valid_BC=c["kv_valid_BS"][r_N])
+    # A slot that does not decode writes at the phase's last cache slot: at or past its own row's
+    # frontier (>= P - 1), so its row writes that slot before any query of it reads it.
+    out = model(tok_N1, pos_N1, cache=c["cache"], cache_index=jnp.where(dec_N, slot_N, l - 1),
+                kv_valid_BC=c["kv_valid_BS"][r_N, :l])
     logits_NV = out.logits_BSV[:, 0]
     logq_NV = next_token_logq(logits_NV, cfg.temperature)
     y_N, trunc = decode_lib.sample(logits_NV, logq_NV, c["keys_B"][r_N], j_N, cfg)
@@ -262,18 +266,50 @@ def run(model, carry: dict, *, cfg: SamplerConfig, constrain, div: int, version=
     new["live_N"] = c["live_N"] & ~ended_N
     return new
 
-  def body(c):
+  def body(c, l):
     c = refill(c)
     if ch:
-      c = jax.lax.cond(jnp.any(c["live_N"] & ~c["ready_N"]), prefill_chunk, lambda c: c, c)
-    return constrain(decode(c))
+      c = jax.lax.cond(jnp.any(c["live_N"] & ~c["ready_N"]), lambda c: prefill_chunk(c, l), lambda c: c, c)
+    return constrain(decode(c, l))
 
-  if n_iters is None:
-    return jax.lax.while_loop(unfinished, body, carry)
-  # The iteration count rides beside the carry: the same body, stopped early.
-  _, carry = jax.lax.while_loop(lambda ic: (ic[0] < n_iters) & unfinished(ic[1]),
-                                lambda ic: (ic[0] + 1, body(ic[1])), (jnp.zeros((), jnp.int32), carry))
+  budget = jnp.asarray(np.iinfo(np.int32).max if n_iters is None else n_iters, jnp.int32)
+  going = lambda i, c: (i < budget) & unfinished(c)
+  phases = phase_slots(cfg)
+  if len(phases) == 1:  # one phase: one loop over the whole cache
+    _, carry = jax.lax.while_loop(lambda ic: going(*ic), lambda ic: (ic[0] + 1, body(ic[1], s)),
+                                  (jnp.zeros((), jnp.int32), carry))
+    return carry
+
+  # Decode phases (`SamplerConfig.phase_bounds`, as the static engine's): while every slot's next
+  # write is below phase k's bound (and some is at or past phase k - 1's), the iterations run on a
+  # cache of the first `phases[k]` slots, so a step reads no slot that no row has reached. The
+  # phase follows the slots: when the furthest row ends and fresh rows take the slots, it drops
+  # back. Each phase is a loop over a prefix sliced out of the carry's cache and written back
+  # after it (XLA copies a cache sliced inside the loop at every step): the cache costs
+  # S + phases[k] slots during phase k (the static engine's peak when it grows its cache to S).
+  def phase_of(c):
+    dec_N = c["live_N"] & c["ready_N"]
+    frontier = jnp.max(jnp.where(dec_N, p - 1 + c["step_N"], -1))  # the furthest next write
+    return sum((frontier >= l).astype(jnp.int32) for l in phases[:-1])
+
+  def run_phase(k, ic):
+    l = phases[k]
+    i, c = ic
+    full = c["cache"]
+    i, c = jax.lax.while_loop(lambda ic: going(*ic) & (phase_of(ic[1]) == k),
+                              lambda ic: (ic[0] + 1, body(ic[1], l)),
+                              (i, constrain(dict(c, cache=cache_prefix(full, l)))))
+    return i, constrain(dict(c, cache=put_cache_prefix(full, c["cache"])))
+
+  branches = [functools.partial(run_phase, k) for k in range(len(phases))]
+  _, carry = jax.lax.while_loop(lambda ic: going(*ic), lambda ic: jax.lax.switch(phase_of(ic[1]), branches, ic),
+                                (jnp.zeros((), jnp.int32), carry))
   return carry
+
+
+def phase_slots(cfg: SamplerConfig) -> tuple[int, ...]:
+  """The cache slots each decode phase reads (ascending; `SamplerConfig.phase_bounds`)."""
+  return tuple(sorted({slots for _, slots in cfg.phase_bounds()}))
 
 
 def finish(c: dict, *, cfg: SamplerConfig, constrain):
