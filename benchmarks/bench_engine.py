@@ -14,7 +14,7 @@ Useful tokens are the tokens that end up in the rollout (the sum of the row leng
 is that over the wall time of one `generate` call (medians of interleaved rounds, compiled
 before timing). Variants: static (all rows in one wave), static in waves of `slots` rows
 (`max_rows_in_flight`, the same memory as continuous), continuous with `slots` slots (and with
-every row in a slot, for the equal case). HF transformers' continuous batching
+every row in a slot, with and without decode phases, for the equal case). HF transformers' continuous batching
 (`generate_batch`) runs when it works on this machine's torch CPU build (else the line says why).
 """
 from __future__ import annotations
@@ -106,6 +106,7 @@ def main():
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--record_topk", type=int, default=128)
   parser.add_argument("--hf", action="store_true", help="also time HF transformers' generate_batch")
+  parser.add_argument("--workloads", default="heavy-tailed,equal", help="comma-separated: heavy-tailed, equal")
   args = parser.parse_args()
   rows = args.rows or (32 if args.small else 64)
   slots = args.slots or (8 if args.small else 16)
@@ -128,7 +129,10 @@ def main():
 
   workloads = {"heavy-tailed": heavy_tail_lengths(rows, t, args.sigma, 0),
                "equal": np.full((rows,), t, np.int32)}
-  for name, lengths in workloads.items():
+  for name in args.workloads.split(","):
+    if name not in workloads:
+      raise SystemExit(f"--workloads: unknown workload {name!r} (heavy-tailed, equal)")
+    lengths = workloads[name]
     med = float(np.median(lengths))
     print(f"\n{name}: lengths median {med:.0f}, max {lengths.max()} ({lengths.max() / med:.1f}x median), "
           f"useful tokens {int(lengths.sum())}", flush=True)
@@ -137,6 +141,9 @@ def main():
                 f"continuous {slots} slots": dataclasses.replace(base, engine="continuous", slots=slots)}
     if name == "equal":
       variants[f"continuous {rows} slots"] = dataclasses.replace(base, engine="continuous", slots=rows)
+      # The same without decode phases: every step reads each slot's whole cache.
+      variants[f"continuous {rows}, 1 phase"] = dataclasses.replace(base, engine="continuous", slots=rows,
+                                                                    decode_phases=1)
     lengths_j = jnp.asarray(lengths)
     runs = {v: (lambda c=c: gen.generate(graphdef, state, prompts_j, valid_j, key, c, max_new_B=lengths_j))
             for v, c in variants.items()}

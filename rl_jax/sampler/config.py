@@ -43,7 +43,9 @@ class SamplerConfig:
   pad_id: int = 0
   # Decode in up to this many phases, each a loop whose attention reads only the cache slots
   # filled by its end (static lengths: one compiled decode step per phase, so phases are at
-  # least `min_phase_steps` long). 1 = every step reads the whole cache.
+  # least `min_phase_steps` long). Both engines; the continuous one enters the phase of its
+  # furthest slot, and holds the phase's cache prefix beside the whole cache while in it.
+  # 1 = every step reads the whole cache.
   decode_phases: int = 4
   min_phase_steps: int = 32
   # Memory (not results): generate at most this many rows at a time, in waves of strided rows
