@@ -172,3 +172,36 @@ def test_continuous_on_a_batch_mesh_equals_static_bitwise():
   cont = gen.generate(graphdef, state, toks, valid, key,
                       dataclasses.replace(base, engine="continuous", slots=8, prefill_chunk=3), mesh=mesh)
   _compare(static, cont, exact=True)
+
+
+@pytest.mark.parametrize("kv,scan", [(None, False), ("int8", True), ("fp4", False)])
+def test_cache_prefix_put_back_and_grow(kv, scan):
+  """The decode phases' cache moves (`kv_cache.cache_prefix` / `put_cache_prefix` / `grow_cache`),
+  along each array's own slot axis (transposed unquantized keys, packed codes, scales; unrolled and
+  layer-stacked): a prefix put back gives the cache bit for bit, with slots past it untouched; a
+  grown prefix has fresh slots as `init_cache` makes them (zero codes, unit scales)."""
+  from rl_jax.models.kv_cache import cache_len, cache_prefix, grow_cache, init_cache, put_cache_prefix  # pylint: disable=g-import-not-at-top
+  cfg = dataclasses.replace(_model(False, invariant=False).cfg, n_layers=2, scan_layers=scan)
+  spec = None if kv is None else KVSpec(kv, block_size=8) if kv == "fp4" else KVSpec(kv)
+  fresh = init_cache(cfg, 3, 24, jax.numpy.float32, spec)
+  leaves, treedef = jax.tree.flatten(fresh)
+  rng = np.random.default_rng(0)
+  cache = jax.tree.unflatten(treedef, [jax.numpy.asarray(rng.integers(1, 100, x.shape)).astype(x.dtype)
+                                       for x in leaves])
+  part = cache_prefix(cache, 16)
+  assert cache_len(part) == 16
+  edit = jax.tree.map(lambda x: x + jax.numpy.ones((), x.dtype), part)  # a phase's writes
+  back = put_cache_prefix(cache, edit)
+  for b_kv, c_kv, e_kv, f_kv in zip(back, cache, edit, grow_cache(edit, 24)):
+    for name in ("k", "v", "k_scale", "v_scale"):
+      b_, c_, e_, f_ = (getattr(x, name) for x in (b_kv, c_kv, e_kv, f_kv))
+      if c_ is None:
+        continue
+      ax = -1 if name == "k" and kv is None else -2
+      np.testing.assert_array_equal(np.asarray(jax.lax.slice_in_dim(b_, 0, 16, axis=b_.ndim + ax)), np.asarray(e_))
+      np.testing.assert_array_equal(np.asarray(jax.lax.slice_in_dim(b_, 16, 24, axis=b_.ndim + ax)),
+                                    np.asarray(jax.lax.slice_in_dim(c_, 16, 24, axis=c_.ndim + ax)), err_msg=name)
+      tail = np.asarray(jax.lax.slice_in_dim(f_, 16, 24, axis=f_.ndim + ax))
+      assert (tail == (1 if name.endswith("scale") else 0)).all(), name
+  np.testing.assert_array_equal(np.asarray(jax.tree.leaves(put_cache_prefix(cache, part))[0]),
+                                np.asarray(jax.tree.leaves(cache)[0]))
