@@ -138,8 +138,9 @@ def test_continuous_refill_prefill_gathers_no_cache():
   graphdef, state = nnx.split(model)
   mesh = _batch_mesh()
   slots, t = 8, 40
+  # Three decode phases: the phases' cache prefixes (sliced, written back) stay on their devices too.
   cfg = SamplerConfig(max_prompt_len=P, max_new_tokens=t, record_topk=8, engine="continuous", slots=slots,
-                      prefill_chunk=3)
+                      prefill_chunk=3, decode_phases=3, min_phase_steps=1)
   toks, valid = shard_batch((np.ones((16, P), np.int32), np.ones((16, P), bool)), mesh)
   hlo = gen.lower_generate(graphdef, shard_state(state, mesh), toks, valid, jax.random.key(0), cfg,
                            mesh=mesh).compile().as_text()
