@@ -98,12 +98,14 @@ def test_continuous_equals_static_bitwise_in_the_invariant_mode(moe):
                                 pytest.param("int4", marks=pytest.mark.slow)], ids=["fp32", "int8", "int4"])
 def test_continuous_equals_static_to_rounding(kv):
   """Outside the invariant mode: same tokens, top-k ids and lengths; log-probs to float rounding. A
-  quantized KV cache too: the continuous engine writes one row's codes and scales at its own slot."""
+  quantized KV cache too: the continuous engine writes one row's codes and scales at its own slot. Two
+  decode phases (cache slots 16, then 18): a phase's prefix of codes and scales goes back whole."""
   graphdef, state = nnx.split(_model(False, invariant=False))
   toks, valid = _prompts([3, 7, 5, 1, 6, 2], seed=8)
   key = jax.random.key(5)
   quant = QuantConfig() if kv is None else QuantConfig(kv=KVSpec(kv))
-  base = SamplerConfig(max_prompt_len=P, max_new_tokens=T, temperature=1.5, record_topk=8, quant=quant)
+  base = SamplerConfig(max_prompt_len=P, max_new_tokens=T, temperature=1.5, record_topk=8, quant=quant,
+                       decode_phases=2, min_phase_steps=1)
   base = dataclasses.replace(base, eos_id=_frequent_token(graphdef, state, toks, valid, key, base))
   static = gen.generate(graphdef, state, toks, valid, key, base)
   assert np.asarray(static.lengths_B).min() < T
