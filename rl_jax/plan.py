@@ -397,6 +397,12 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
       if kind == "rollout" and rl.inflight_updates:
         g.engine += (f"; in-flight weight updates every {rl.inflight_chunk} iterations, "
                      f"{rl.max_staleness} rollouts in generation")
+    phases = [slots for _, slots in cfg.phase_bounds()]
+    if len(phases) > 1:  # the phases' cache copies are part of `temp` (sampler.decode_phases)
+      held = ("each held beside the whole cache while its phase runs" if cfg.engine == "continuous"
+              else "grown between phases")
+      g.engine += (f"; decode phases reading {', '.join(map(str, phases))} cache slots ({held}; "
+                   "sampler.decode_phases=1 drops them)")
     g.kv_cache, g.kv_cache_sizing = kv_cache_sizing(mcfg, cfg, cache_rows, kv_spec if getattr(
         kv_spec, "format", None) not in (None, "fp32") else None, mesh)
     compile_program(g, progs.lower_generate(state, prompts, pvalid, key, kind))
