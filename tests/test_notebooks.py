@@ -19,7 +19,7 @@ from conftest import need
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(REPO, "notebooks", "*.ipynb")))
-EXPECTED = ("drift_by_enumeration", "explore_mismatch", "reading_runs", "routing_replay")
+EXPECTED = ("drift_by_enumeration", "explore_mismatch", "reading_runs", "routing_replay", "sampler_engines")
 # Run in the default suite (seconds, no model); the others sample and train the tiny MoE.
 FAST = ("drift_by_enumeration",)
 KERNEL = "rl_jax_test_python"
