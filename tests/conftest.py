@@ -20,12 +20,15 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 if (os.environ.get("RL_JAX_TEST_XLA_OPT", "") != "default"
     and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]):
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-# XLA's persistent compilation cache, one fresh directory per test process (each xdist worker; the
-# subprocesses a test starts inherit it): the suite compiles the same programs many times over (every
-# trainer run builds new jitted closures; each module ends with jax.clear_caches() below), and a
-# cache hit skips XLA's backend compile. Measured on 2 cores: tests/test_rl_trainer.py 420 s -> 341 s
-# cold. Per process, so no two writers race on an entry; deleted at exit. Set
-# JAX_COMPILATION_CACHE_DIR yourself to keep one across runs.
+# XLA's persistent compilation cache, one fresh directory per test session: the pytest-xdist controller
+# imports this file first and creates it, and the workers (and the subprocesses a test starts) inherit
+# the variable, so they share it (checked: gw0 and gw1 print the same directory). The suite compiles
+# the same programs many times over (every trainer run builds new jitted closures; each module ends
+# with jax.clear_caches() below), and a cache hit skips XLA's backend compile. Measured on 2 cores:
+# tests/test_rl_trainer.py 420 s -> 341 s cold. Two workers may write one entry at once (jax writes
+# a missing entry without a lock); a read of a half-written entry fails to decompress, and jax then
+# warns and compiles. Deleted when the controller exits. Set JAX_COMPILATION_CACHE_DIR yourself to
+# keep one across runs.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _XLA_CACHE = tempfile.mkdtemp(prefix="rl_jax_test_xla_cache_")
   atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
