@@ -5,6 +5,7 @@ Usage:
   PYTHONPATH=. python benchmarks/bench_recording.py --pairs 9 --engine static,continuous
   PYTHONPATH=. python benchmarks/bench_recording.py --threshold      # also the threshold top-k recording
   PYTHONPATH=. python benchmarks/bench_recording.py --breakdown      # also top-k alone and expert ids alone
+  PYTHONPATH=. python benchmarks/bench_recording.py --no_select      # also the recording without the selection
 
 The models, batch and sampling settings are `bench_sampler_peers.py`'s (32 prompts x 32 tokens, 128
 new, no EOS stop, greedy and T=1, dense and MoE). Per row the variants run in alternating order
@@ -12,7 +13,10 @@ new, no EOS stop, greedy and T=1, dense and MoE). Per row the variants run in al
 t_on / t_off - 1, so load from other processes that comes and goes hits both sides of a pair
 alike. `--threshold` adds a variant whose recorded top-k is `topk.threshold_top_k` instead of
 the default `decode.exact_top_k` (XLA:CPU's top-k custom call at these sizes); the recorded
-values of the two are checked equal first. The load average is printed before and after: on a shared
+values of the two are checked equal first. `--no_select` adds a diagnostic variant that records the
+first k entries of each row instead of the top k: everything recording does (the carry, the
+writes, the head mass) except the selection, so on - no_select is what the top-k itself costs
+inside the loop. The load average is printed before and after: on a shared
 box, quote it with the figures.
 """
 from __future__ import annotations
@@ -38,27 +42,35 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_sampler_peers  # pylint: disable=g-import-not-at-top,wrong-import-position
 from rl_jax import host_memory  # pylint: disable=wrong-import-position
 from rl_jax.models.transformer import Transformer  # pylint: disable=wrong-import-position
-from rl_jax.sampler import decode, topk  # pylint: disable=wrong-import-position
+from rl_jax.sampler import decode, topk, xla_options  # pylint: disable=wrong-import-position
 from rl_jax.sampler import generate as gen  # pylint: disable=wrong-import-position
 from rl_jax.sampler.config import SamplerConfig  # pylint: disable=wrong-import-position
 
 
+def _first_k(logq_BV, k: int):
+  """Not a top-k: the first k entries and their ids (the `--no_select` diagnostic's recording)."""
+  ids_BK = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), logq_BV.shape[:-1] + (k,))
+  return logq_BV[..., :k], ids_BK
+
+
 @contextlib.contextmanager
-def _threshold_recording():
-  """While a program is traced: record the top-k with `topk.threshold_top_k` (not the default)."""
+def _recording_with(recorder):
+  """While a program is traced: record with `recorder` instead of `decode.recorded_top_k`."""
   saved = decode.recorded_top_k
-  decode.recorded_top_k = topk.threshold_top_k
+  decode.recorded_top_k = recorder
   try:
     yield
   finally:
     decode.recorded_top_k = saved
 
 
-def _program(graphdef, state, prompts, valid, cfg, threshold: bool):
-  """A jitted generate of its own (a fresh jit cache: the `threshold` variant is traced patched)."""
-  fn = jax.jit(gen.generate_program, static_argnames=gen._STATIC_ARGNAMES)  # pylint: disable=protected-access
+def _program(graphdef, state, prompts, valid, cfg, recorder=None):
+  """A jitted generate of its own (a fresh jit cache: a variant with a `recorder` is traced patched)."""
+  # Compiled as the sampler compiles its programs (`xla_options`: on CPU without YNNPACK fusions).
+  fn = jax.jit(gen.generate_program, static_argnames=gen._STATIC_ARGNAMES,  # pylint: disable=protected-access
+               compiler_options=xla_options.compiler_options())
   run = lambda: fn(graphdef, state, prompts, valid, jax.random.key(0), None, cfg=cfg, kv_spec=None, mesh=None)
-  with _threshold_recording() if threshold else contextlib.nullcontext():
+  with _recording_with(recorder) if recorder else contextlib.nullcontext():
     out = jax.block_until_ready(run())  # traces and compiles here
   return run, out
 
@@ -69,7 +81,8 @@ def _timed(fn) -> float:
   return time.perf_counter() - t0
 
 
-def bench(name, mcfg, engine: str, pairs: int, threshold: bool, breakdown: bool) -> list[dict]:
+def bench(name, mcfg, engine: str, pairs: int, threshold: bool, breakdown: bool, no_select: bool = False
+          ) -> list[dict]:
   model = Transformer(mcfg, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
   batch, prompt_len, new_tokens = 32, 32, 128
@@ -80,14 +93,16 @@ def bench(name, mcfg, engine: str, pairs: int, threshold: bool, breakdown: bool)
   for mode in ("greedy", "T=1"):
     base = SamplerConfig(max_prompt_len=prompt_len, max_new_tokens=new_tokens, temperature=1.0,
                          greedy=mode == "greedy", eos_id=bench_sampler_peers.EOS_ID, engine=engine)
-    cfgs = {"off": (dataclasses.replace(base, record_topk=0, record_experts=False), False),
-            "on": (dataclasses.replace(base, record_topk=128, record_experts=True), False)}
+    cfgs = {"off": (dataclasses.replace(base, record_topk=0, record_experts=False), None),
+            "on": (dataclasses.replace(base, record_topk=128, record_experts=True), None)}
     if threshold:
-      cfgs["on, threshold top-k"] = (cfgs["on"][0], True)
+      cfgs["on, threshold top-k"] = (cfgs["on"][0], topk.threshold_top_k)
+    if no_select:
+      cfgs["on, no selection"] = (cfgs["on"][0], _first_k)
     if breakdown:
-      cfgs["top-k only"] = (dataclasses.replace(base, record_topk=128, record_experts=False), False)
+      cfgs["top-k only"] = (dataclasses.replace(base, record_topk=128, record_experts=False), None)
       if mcfg.n_experts:
-        cfgs["experts only"] = (dataclasses.replace(base, record_topk=0, record_experts=True), False)
+        cfgs["experts only"] = (dataclasses.replace(base, record_topk=0, record_experts=True), None)
     runs, outs = {}, {}
     for v, (c, b4) in cfgs.items():
       runs[v], outs[v] = _program(graphdef, state, prompts, valid, c, b4)
@@ -117,6 +132,8 @@ def main():
   parser.add_argument("--engine", default="static", help="sampler.engine values, comma-separated")
   parser.add_argument("--threshold", action="store_true", help="also the recording with topk.threshold_top_k")
   parser.add_argument("--breakdown", action="store_true", help="also top-k alone and expert ids alone")
+  parser.add_argument("--no_select", action="store_true",
+                      help="also a diagnostic recording of the first k entries (everything but the selection)")
   args = parser.parse_args()
   if args.pairs < 5:
     parser.error("--pairs: at least 5 (the overhead is a median of pairs)")
@@ -128,7 +145,7 @@ def main():
   for engine in args.engine.split(","):
     for name, mcfg in bench_sampler_peers._models(False).items():  # pylint: disable=protected-access
       if name in args.models.split(","):
-        rows += bench(name, mcfg, engine, args.pairs, args.threshold, args.breakdown)
+        rows += bench(name, mcfg, engine, args.pairs, args.threshold, args.breakdown, args.no_select)
   load1 = os.getloadavg()
   print(f"\nload average at the end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
   variants = [v for v in rows[0]["overhead"]]
