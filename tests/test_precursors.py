@@ -141,3 +141,20 @@ def test_matched_window_auc_compares_each_pair_over_the_collapsed_runs_steps():
   assert within == []        # no healthy run shares the collapsed run's panel
   assert "| `drift/tv_mean` | 1 / 2 | 0.50 [0.00, 1.00] | 0 |" in P.matched_markdown(
       [crash, late, early], panel_of=lambda r: r.name, meters={P.DRIFT: "up"})
+
+
+@pytest.mark.parametrize("accs, aborted, want", [
+    ({0: 0.3, 20: 0.0, 40: 0.2, 60: 0.004, 80: 0.2}, False, 60),  # step 20 is not "after 20"
+    ({0: 0.3, 20: 0.2, 40: 0.003, 60: 0.1}, True, 40),             # the floor before the abort (at 61)
+    ({0: 0.3, 20: 0.2, 40: 0.1, 60: 0.1}, True, 61),               # no floor: the abort step
+    ({0: 0.3, 20: 0.2, 40: 0.1}, False, None),
+])
+def test_floor_event_step_is_the_protocols_collapse_event(accs, aborted, want):
+  """The predictors' event and the study protocol's collapse endpoint are one definition."""
+  from rl_jax import artifacts  # pylint: disable=g-import-not-at-top
+  from rl_jax.study import protocol  # pylint: disable=g-import-not-at-top
+  run = _run("pg", 0, accs, [], [])
+  run.failed = {"reason": artifacts.NON_FINITE} if aborted else None
+  evals = dict(zip(*run.series("eval_greedy_accuracy")))
+  assert P.floor_event_step(run) == want
+  assert protocol.floor_event(evals, run.aborted_step, P.FLOOR, P.FLOOR_AFTER) == want

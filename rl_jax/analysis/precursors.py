@@ -309,12 +309,17 @@ BOOTSTRAP = 2000
 
 
 def floor_event_step(run: Run, metric: str = EVENT_METRIC) -> int | None:
-  """The step of the first evaluation after FLOOR_AFTER at or below FLOOR (the abort step for an aborted
-  run), or None."""
-  if run.aborted_step is not None:
-    return run.aborted_step
+  """The step of the first evaluation after FLOOR_AFTER at or below FLOOR, the abort step of an aborted
+  run when no evaluation before it got there, or None: the declared event, as the protocol's
+  `floor_event` reads it. (Until 2026-12-06 an aborted run's event was its abort step even when an
+  earlier evaluation had reached the floor, which put readings after the event in its window; no
+  published run had aborted, so no published figure changes.)"""
   steps, values = run.series(metric)
-  return next((s for s, v in zip(steps, values) if s > FLOOR_AFTER and v <= FLOOR), None)
+  hit = next((s for s, v in zip(steps, values) if s > FLOOR_AFTER and v <= FLOOR), None)
+  aborted = run.aborted_step
+  if aborted is not None and (hit is None or aborted < hit):
+    return aborted
+  return hit
 
 
 def _excursion_before(steps, values, direction: Direction, end: int, baseline_steps: int) -> float | None:
