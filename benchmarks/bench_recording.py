@@ -65,14 +65,25 @@ def _recording_with(recorder):
 
 
 def _program(graphdef, state, prompts, valid, cfg, recorder=None):
-  """A jitted generate of its own (a fresh jit cache: a variant with a `recorder` is traced patched)."""
+  """A jitted generate of its own, traced afresh (a variant with a `recorder` is traced patched); returns
+  (run, its output, its lowered text).
+
+  A new function object per variant: jax caches a function's trace across `jax.jit` objects that
+  wrap the same function with the same static arguments, so `jax.jit(gen.generate_program)` again
+  would reuse the first variant's trace and the patch would never be traced (this benchmark's
+  `--threshold` variant was that until 2026-12-06)."""
+  def program(*args, **kwargs):
+    return gen.generate_program(*args, **kwargs)
   # Compiled as the sampler compiles its programs (`xla_options`: on CPU without YNNPACK fusions).
-  fn = jax.jit(gen.generate_program, static_argnames=gen._STATIC_ARGNAMES,  # pylint: disable=protected-access
+  fn = jax.jit(program, static_argnames=gen._STATIC_ARGNAMES,  # pylint: disable=protected-access
                compiler_options=xla_options.compiler_options())
-  run = lambda: fn(graphdef, state, prompts, valid, jax.random.key(0), None, cfg=cfg, kv_spec=None, mesh=None)
+  args = (graphdef, state, prompts, valid, jax.random.key(0), None)
+  kwargs = dict(cfg=cfg, kv_spec=None, mesh=None)
+  run = lambda: fn(*args, **kwargs)
   with _recording_with(recorder) if recorder else contextlib.nullcontext():
+    text = fn.lower(*args, **kwargs).as_text()
     out = jax.block_until_ready(run())  # traces and compiles here
-  return run, out
+  return run, out, text
 
 
 def _timed(fn) -> float:
@@ -103,9 +114,11 @@ def bench(name, mcfg, engine: str, pairs: int, threshold: bool, breakdown: bool,
       cfgs["top-k only"] = (dataclasses.replace(base, record_topk=128, record_experts=False), None)
       if mcfg.n_experts:
         cfgs["experts only"] = (dataclasses.replace(base, record_topk=0, record_experts=True), None)
-    runs, outs = {}, {}
+    runs, outs, texts = {}, {}, {}
     for v, (c, b4) in cfgs.items():
-      runs[v], outs[v] = _program(graphdef, state, prompts, valid, c, b4)
+      runs[v], outs[v], texts[v] = _program(graphdef, state, prompts, valid, c, b4)
+      if b4 is not None and texts[v] == texts["on"]:  # the patch must reach the traced program
+        raise AssertionError(f"{name} {mode}: variant {v!r} traced the same program as 'on'")
     if threshold:  # the same recording either way, bit for bit
       for f in ("topk_ids_BTK", "topk_logq_BTK", "head_mass_BT", "tokens_BS"):
         a, b = np.asarray(getattr(outs["on"], f)), np.asarray(getattr(outs["on, threshold top-k"], f))

@@ -54,9 +54,9 @@ def recorded_top_k(logq_BV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
   `exact_top_k` (on CPU below the two-stage range, XLA:CPU's single-threaded top-k custom
   call). `topk.threshold_top_k` gives the same bits from vectorized passes and is 1.2x faster
-  alone at B = 32, V = 4096, k = 128, but not measurably faster inside the decode loop, where the
-  custom call overlaps the forward (docs/performance.md, `bench_recording.py --threshold`);
-  so it is not the default.
+  alone at B = 32, V = 4096, k = 128; inside the decode loop it cut recording's overhead on the
+  dense model only (+27% -> +22% greedy; MoE level: docs/performance.md,
+  `bench_recording.py --threshold`, one 7-pair run), so it is not the default yet.
   """
   return exact_top_k(logq_BV, k)
 

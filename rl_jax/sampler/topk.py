@@ -11,8 +11,8 @@ import numpy as np
 # vectorized passes: a lower bound L on the k-th largest value (the k-th largest of chunk
 # maxima), the few elements >= L gathered into M = 2k slots, and a bitonic sort of those slots
 # whose compare-exchanges run across the batch (the minor axis), so every one is a vector op.
-# Alone it is 1.2x faster than the custom call; inside the decode loop it was not measurably
-# faster (docs/performance.md), so `decode.recorded_top_k` does not call it by default.
+# Alone it is 1.2x faster than the custom call; inside the decode loop it cut recording's overhead
+# on the dense model only (docs/performance.md), so `decode.recorded_top_k` does not call it by default.
 
 _INT_MIN = np.int32(np.iinfo(np.int32).min)
 _BITS = 20
