@@ -6,14 +6,16 @@ Usage:
   PYTHONPATH=. python benchmarks/bench_recording.py --threshold      # also the threshold top-k recording
   PYTHONPATH=. python benchmarks/bench_recording.py --breakdown      # also top-k alone and expert ids alone
   PYTHONPATH=. python benchmarks/bench_recording.py --no_select      # also the recording without the selection
+  PYTHONPATH=. python benchmarks/bench_recording.py --xla_topk       # also the recording through XLA's top-k
 
 The models, batch and sampling settings are `bench_sampler_peers.py`'s (32 prompts x 32 tokens, 128
 new, no EOS stop, greedy and T=1, dense and MoE). Per row the variants run in alternating order
 (off, on, on, off, ...) in one process, and the overhead is the median over pairs of
 t_on / t_off - 1, so load from other processes that comes and goes hits both sides of a pair
-alike. `--threshold` adds a variant whose recorded top-k is `topk.threshold_top_k` instead of
-the default `decode.exact_top_k` (XLA:CPU's top-k custom call at these sizes); the recorded
-values of the two are checked equal first. `--no_select` adds a diagnostic variant that records the
+alike. "on" records as the sampler does (on CPU the native top-k, `native_topk`). `--xla_topk` adds
+a variant whose recorded top-k is `decode.exact_top_k` (XLA:CPU's top-k custom call at these
+sizes), `--threshold` one with `topk.threshold_top_k`; the recorded values of each are checked
+equal to "on"'s first. `--no_select` adds a diagnostic variant that records the
 first k entries of each row instead of the top k: everything recording does (the carry, the
 writes, the head mass) except the selection, so on - no_select is what the top-k itself costs
 inside the loop. The load average is printed before and after: on a shared
@@ -92,8 +94,8 @@ def _timed(fn) -> float:
   return time.perf_counter() - t0
 
 
-def bench(name, mcfg, engine: str, pairs: int, threshold: bool, breakdown: bool, no_select: bool = False
-          ) -> list[dict]:
+def bench(name, mcfg, engine: str, pairs: int, threshold: bool, breakdown: bool, no_select: bool = False,
+          xla_topk: bool = False) -> list[dict]:
   model = Transformer(mcfg, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
   batch, prompt_len, new_tokens = 32, 32, 128
@@ -106,6 +108,8 @@ def bench(name, mcfg, engine: str, pairs: int, threshold: bool, breakdown: bool,
                          greedy=mode == "greedy", eos_id=bench_sampler_peers.EOS_ID, engine=engine)
     cfgs = {"off": (dataclasses.replace(base, record_topk=0, record_experts=False), None),
             "on": (dataclasses.replace(base, record_topk=128, record_experts=True), None)}
+    if xla_topk:
+      cfgs["on, XLA's top-k"] = (cfgs["on"][0], decode.exact_top_k)
     if threshold:
       cfgs["on, threshold top-k"] = (cfgs["on"][0], topk.threshold_top_k)
     if no_select:
@@ -119,11 +123,11 @@ def bench(name, mcfg, engine: str, pairs: int, threshold: bool, breakdown: bool,
       runs[v], outs[v], texts[v] = _program(graphdef, state, prompts, valid, c, b4)
       if b4 is not None and texts[v] == texts["on"]:  # the patch must reach the traced program
         raise AssertionError(f"{name} {mode}: variant {v!r} traced the same program as 'on'")
-    if threshold:  # the same recording either way, bit for bit
-      for f in ("topk_ids_BTK", "topk_logq_BTK", "head_mass_BT", "tokens_BS"):
-        a, b = np.asarray(getattr(outs["on"], f)), np.asarray(getattr(outs["on, threshold top-k"], f))
+    for v in ("on, XLA's top-k", "on, threshold top-k"):  # the same recording either way, bit for bit
+      for f in ("topk_ids_BTK", "topk_logq_BTK", "head_mass_BT", "tokens_BS") if v in outs else ():
+        a, b = np.asarray(getattr(outs["on"], f)), np.asarray(getattr(outs[v], f))
         if a.tobytes() != b.tobytes():
-          raise AssertionError(f"{name} {mode}: {f} differs between the two top-k recordings")
+          raise AssertionError(f"{name} {mode}: {f} differs between 'on' and {v!r}")
     times = {v: [] for v in cfgs}
     order = list(cfgs)
     for r in range(pairs):
@@ -145,6 +149,7 @@ def main():
   parser.add_argument("--engine", default="static", help="sampler.engine values, comma-separated")
   parser.add_argument("--threshold", action="store_true", help="also the recording with topk.threshold_top_k")
   parser.add_argument("--breakdown", action="store_true", help="also top-k alone and expert ids alone")
+  parser.add_argument("--xla_topk", action="store_true", help="also the recording through XLA's top-k custom call")
   parser.add_argument("--no_select", action="store_true",
                       help="also a diagnostic recording of the first k entries (everything but the selection)")
   args = parser.parse_args()
@@ -158,7 +163,8 @@ def main():
   for engine in args.engine.split(","):
     for name, mcfg in bench_sampler_peers._models(False).items():  # pylint: disable=protected-access
       if name in args.models.split(","):
-        rows += bench(name, mcfg, engine, args.pairs, args.threshold, args.breakdown, args.no_select)
+        rows += bench(name, mcfg, engine, args.pairs, args.threshold, args.breakdown, args.no_select,
+                      args.xla_topk)
   load1 = os.getloadavg()
   print(f"\nload average at the end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
   variants = [v for v in rows[0]["overhead"]]

@@ -72,3 +72,29 @@ def test_top_half_is_the_first_half_of_the_sort():
   want = np.argsort(-np.asarray(key), axis=0, kind="stable")[:16]
   np.testing.assert_array_equal(got_idx, want)
   np.testing.assert_array_equal(got_key, np.take_along_axis(np.asarray(key), want, axis=0))
+
+
+NATIVE_SIZES = [(32, 4096, 128), (2, 65, 8), (3, 5000, 1), (2, 40, 40), (2, 152064, 128)]
+
+
+@pytest.mark.parametrize("b,v,k", NATIVE_SIZES)
+def test_native_top_k_equals_lax_top_k(b, v, k):
+  """The native handler (built here: CI has a C++ compiler) is lax.top_k bit for bit on every case,
+  k = 1 and k = V included, and under vmap (leading axes are rows)."""
+  from rl_jax.sampler import native_topk  # pylint: disable=g-import-not-at-top
+  assert native_topk.available(), "the native top-k did not build (see the warning above)"
+  x = 3 * jax.random.normal(jax.random.key(v + k), (b, v))
+  fn = jax.jit(lambda x: native_topk.top_k(x, k))
+  for name, arr in _cases(x).items():
+    try:
+      _assert_same(fn(arr), jax.lax.top_k(arr, k))
+    except AssertionError as e:
+      raise AssertionError(f"case {name}") from e
+  stacked = jnp.stack([x, -x])
+  _assert_same(jax.vmap(lambda r: native_topk.top_k(r, k))(stacked), jax.lax.top_k(stacked, k))
+
+
+def test_recorded_top_k_takes_the_native_handler_on_cpu():
+  """The recording goes through the handler on CPU (its custom call in the program), not XLA's top-k."""
+  text = jax.jit(lambda x: decode.recorded_top_k(x, 8)).lower(jnp.zeros((4, 64))).as_text()
+  assert "rl_jax_topk_f32" in text and "TopK" not in text and "topk" not in text.replace("rl_jax_topk_f32", "")

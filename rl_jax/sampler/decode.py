@@ -10,6 +10,7 @@ from rl_jax.models.kv_cache import cache_len, init_cache
 from rl_jax.models.layers import dtype_of
 from rl_jax.models.transformer import default_positions
 from rl_jax.rollout import Rollout, expert_id_dtype
+from rl_jax.sampler import native_topk
 from rl_jax.sampler.config import SamplerConfig
 
 
@@ -52,12 +53,14 @@ def exact_top_k(x_BV: jax.Array, k: int, min_ratio: int = _TWO_STAGE_MIN_RATIO
 def recorded_top_k(logq_BV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """The recorded top-k of a step (both engines call this): `lax.top_k`'s values and ids bit for bit.
 
-  `exact_top_k` (on CPU below the two-stage range, XLA:CPU's single-threaded top-k custom
-  call). `topk.threshold_top_k` gives the same bits from vectorized passes and is 1.2x faster
-  alone at B = 32, V = 4096, k = 128; inside the decode loop it cut recording's overhead on the
-  dense model only (+27% -> +22% greedy; MoE level: docs/performance.md,
-  `bench_recording.py --threshold`, one 7-pair run), so it is not the default yet.
+  On CPU, float32: `native_topk.top_k` (an FFI handler, ~3x faster than XLA:CPU's top-k custom
+  call; recording then costs 4-10% of a decode step instead of 17-27%: docs/performance.md,
+  `bench_recording.py --native`). Elsewhere, or where it cannot be built: `exact_top_k` (on CPU
+  below the two-stage range, that custom call). `topk.threshold_top_k` gives the same bits from
+  vectorized passes; inside the decode loop it cut the overhead on the dense model only.
   """
+  if native_topk.usable_for(logq_BV):
+    return native_topk.top_k(logq_BV, k)
   return exact_top_k(logq_BV, k)
 
 
