@@ -19,8 +19,8 @@ import numpy as np
 # handler (native/topk_cpu.cc) returns the same bits (values, ids, tie order, -0.0, NaNs) from a
 # selection over the elements above a lower bound, ~3x faster; recording then costs 4-10%
 # (docs/performance.md). It is compiled with the system's C++ compiler against jaxlib's FFI
-# headers into a per-user cache the first time it is needed, keyed by the source, jaxlib's version
-# and the Python ABI; without a compiler, or with RL_JAX_NATIVE_TOPK=0, `lax.top_k` serves.
+# headers into a per-user cache the first time it is needed, keyed by the source, jax's version
+# and headers' path and the Python ABI; without a compiler, or with RL_JAX_NATIVE_TOPK=0, `lax.top_k` serves.
 
 TARGET = "rl_jax_topk_f32"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "topk_cpu.cc")
@@ -36,7 +36,7 @@ def _cache_dir() -> str:
 
 def _library_path() -> str:
   with open(SOURCE, "rb") as f:
-    digest = hashlib.sha256(f.read() + jax.ffi.include_dir().encode() + jax.lib.__version__.encode()
+    digest = hashlib.sha256(f.read() + jax.ffi.include_dir().encode() + jax.__version__.encode()
                             + sys.implementation.cache_tag.encode()).hexdigest()[:16]
   return os.path.join(_cache_dir(), f"topk_cpu_{digest}.so")
 
@@ -79,7 +79,7 @@ def available() -> bool:
     # Rows are independent: the partitioner may keep every axis but the last sharded (a sharded
     # sampler's batch) instead of gathering the operand to each device.
     jax.ffi.register_ffi_target_as_batch_partitionable(TARGET)
-  except (OSError, RuntimeError, AttributeError) as e:
+  except Exception as e:  # pylint: disable=broad-except  # no build or registration may stop sampling
     _log.warning("native top-k unavailable, recording with lax.top_k: %s", e)
     return False
   return True
