@@ -98,3 +98,13 @@ def test_recorded_top_k_takes_the_native_handler_on_cpu():
   """The recording goes through the handler on CPU (its custom call in the program), not XLA's top-k."""
   text = jax.jit(lambda x: decode.recorded_top_k(x, 8)).lower(jnp.zeros((4, 64))).as_text()
   assert "rl_jax_topk_f32" in text and "TopK" not in text and "topk" not in text.replace("rl_jax_topk_f32", "")
+
+
+def test_native_build_failure_is_named_and_leaves_no_library(tmp_path, monkeypatch):
+  """A failing compiler raises with its command (and `available()` then falls back to lax.top_k);
+  nothing half-written is left under the library's name."""
+  from rl_jax.sampler import native_topk  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("CXX", "false")
+  with pytest.raises(RuntimeError, match="building the native top-k failed"):
+    native_topk.build(str(tmp_path / "topk.so"))
+  assert not list(tmp_path.iterdir())
