@@ -19,18 +19,21 @@ def _cases(x):
           "NaNs": jnp.where(x > 1.5, jnp.nan, x), "all equal (fallback)": jnp.zeros_like(x)}
 
 
+def _assert_every_case(fn, x, k):
+  for name, arr in _cases(x).items():
+    try:
+      _assert_same(fn(arr), jax.lax.top_k(arr, k))
+    except AssertionError as e:
+      raise AssertionError(f"case {name}") from e
+
+
 @pytest.mark.parametrize("b,v,k", [pytest.param(32, 4096, 128, marks=pytest.mark.slow),
                                      pytest.param(3, 5000, 16, marks=pytest.mark.slow), (2, 65, 8)])
 def test_threshold_top_k_equals_lax_top_k(b, v, k):
   """Every case, including ones that take the lax.top_k fallback (all equal: every element
   reaches the threshold) and sizes without chunks (V < 8k)."""
   x = 3 * jax.random.normal(jax.random.key(v), (b, v))
-  fn = jax.jit(lambda x: topk.threshold_top_k(x, k))
-  for name, arr in _cases(x).items():
-    try:
-      _assert_same(fn(arr), jax.lax.top_k(arr, k))
-    except AssertionError as e:
-      raise AssertionError(f"case {name}") from e
+  _assert_every_case(jax.jit(lambda x: topk.threshold_top_k(x, k)), x, k)
 
 
 def test_threshold_top_k_takes_the_small_path_on_iid_rows():
@@ -84,12 +87,7 @@ def test_native_top_k_equals_lax_top_k(b, v, k):
   from rl_jax.sampler import native_topk  # pylint: disable=g-import-not-at-top
   assert native_topk.available(), "the native top-k did not build (see the warning above)"
   x = 3 * jax.random.normal(jax.random.key(v + k), (b, v))
-  fn = jax.jit(lambda x: native_topk.top_k(x, k))
-  for name, arr in _cases(x).items():
-    try:
-      _assert_same(fn(arr), jax.lax.top_k(arr, k))
-    except AssertionError as e:
-      raise AssertionError(f"case {name}") from e
+  _assert_every_case(jax.jit(lambda x: native_topk.top_k(x, k)), x, k)
   stacked = jnp.stack([x, -x])
   _assert_same(jax.vmap(lambda r: native_topk.top_k(r, k))(stacked), jax.lax.top_k(stacked, k))
 
