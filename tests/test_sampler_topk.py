@@ -92,10 +92,16 @@ def test_native_top_k_equals_lax_top_k(b, v, k):
   _assert_same(jax.vmap(lambda r: native_topk.top_k(r, k))(stacked), jax.lax.top_k(stacked, k))
 
 
-def test_recorded_top_k_takes_the_native_handler_on_cpu():
-  """The recording goes through the handler on CPU (its custom call in the program), not XLA's top-k."""
-  text = jax.jit(lambda x: decode.recorded_top_k(x, 8)).lower(jnp.zeros((4, 64))).as_text()
-  assert "rl_jax_topk_f32" in text and "TopK" not in text and "topk" not in text.replace("rl_jax_topk_f32", "")
+def test_recorded_top_k_takes_the_native_handler_on_cpu(monkeypatch):
+  """The recording goes through the handler on CPU (its custom call in the program), not XLA's top-k
+  (`chlo.top_k`, which the same program holds when the handler is not usable)."""
+  from rl_jax.sampler import native_topk  # pylint: disable=g-import-not-at-top
+  lowered = lambda: jax.jit(lambda x: decode.recorded_top_k(x, 8)).lower(jnp.zeros((4, 64))).as_text()
+  text = lowered()
+  assert "rl_jax_topk_f32" in text and "chlo.top_k" not in text
+  monkeypatch.setattr(native_topk, "usable_for", lambda x: False)
+  text = lowered()
+  assert "rl_jax_topk_f32" not in text and "chlo.top_k" in text
 
 
 def test_native_build_failure_is_named_and_leaves_no_library(tmp_path, monkeypatch):
