@@ -11,6 +11,7 @@ from flax import nnx
 from rl_jax.models.config import ModelConfig
 from rl_jax.ops import batch_invariant as invariant
 from rl_jax.ops.attention import MASK_VALUE, attention
+from rl_jax.ops import native_attention
 from rl_jax.ops.linear import linear
 
 # Dimension letters in array names (S tokens of this forward, C cache slots attention reads,
@@ -168,10 +169,14 @@ def _decode_attention(q_BGRD, kT_BGDC, v_BGCD, mask_BC):
   """One query token per row over C cache slots -> `[B, 1, H * head dim]`, in float32.
 
   Two matmuls batched over (b, g), `[R, D] @ [D, C]` and `[R, C] @ [C, D]`, whose operands
-  the heads-major cache (`LayerKV`) holds as they are read: nothing of it is copied.
+  the heads-major cache (`LayerKV`) holds as they are read: nothing of it is copied. On CPU with a
+  float32 cache, the native handler computes the same (to float rounding; `native_attention`).
   """
   f32 = jnp.float32
   hd = q_BGRD.shape[-1]
+  if native_attention.usable_for(kT_BGDC, v_BGCD):  # CPU: one pass per (row, kv head), not XLA's dot loop
+    out_BGRD = native_attention.decode_attention(q_BGRD.astype(f32), kT_BGDC, v_BGCD, mask_BC, hd ** -0.5)
+    return einops.rearrange(out_BGRD, "b g r d -> b 1 (g r d)")
   scores_BGRC = jnp.einsum("bgrd,bgdc->bgrc", q_BGRD.astype(f32), kT_BGDC.astype(f32))
   scores_BGRC = jnp.where(mask_BC[:, None, None, :], scores_BGRC * (hd ** -0.5), MASK_VALUE)
   probs_BGRC = jax.nn.softmax(scores_BGRC, axis=-1).astype(v_BGCD.dtype).astype(f32)

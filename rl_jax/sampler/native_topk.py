@@ -2,17 +2,14 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from rl_jax.ops import native_build
 
 # XLA:CPU runs `lax.top_k` as one custom call with a k-heap per row: ~1.5 ms at [32, 4096], k = 128,
 # which made recording the top-k cost 17-27% of a decode step of the peer benchmark's models. The
@@ -25,44 +22,17 @@ import numpy as np
 TARGET = "rl_jax_topk_f32"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "topk_cpu.cc")
 ENV_DISABLE = "RL_JAX_NATIVE_TOPK"
-ENV_CACHE = "RL_JAX_NATIVE_CACHE"
 _log = logging.getLogger(__name__)
 
 
-def _cache_dir() -> str:
-  return os.environ.get(ENV_CACHE) or os.path.join(
-      os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "rl_jax", "native")
-
-
 def _library_path() -> str:
-  with open(SOURCE, "rb") as f:
-    digest = hashlib.sha256(f.read() + jax.ffi.include_dir().encode() + jax.__version__.encode()
-                            + sys.implementation.cache_tag.encode()).hexdigest()[:16]
-  return os.path.join(_cache_dir(), f"topk_cpu_{digest}.so")
+  return native_build.library_path(SOURCE)
 
 
 def build(path: str | None = None) -> str:
-  """Compiles the handler to `path` (default: the cache's) unless it is there; returns the path.
-
-  Raises RuntimeError naming the compiler's output when the build fails. Written under a temporary
-  name and renamed, so processes that build at once (test workers, hosts sharing a home) never
-  load a half-written library."""
-  path = path or _library_path()
-  if os.path.exists(path):
-    return path
-  cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-  if not cxx:
-    raise RuntimeError("no C++ compiler (g++, c++, clang++ or $CXX) to build the native top-k")
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
-  os.close(fd)
-  cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", SOURCE, "-o", tmp]
-  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-  if proc.returncode:
-    os.unlink(tmp)
-    raise RuntimeError(f"building the native top-k failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
-  os.replace(tmp, path)
-  return path
+  """Compiles the handler to `path` (default: the cache's) unless it is there; returns the path
+  (`native_build.build`: RuntimeError naming the compiler's output when the build fails)."""
+  return native_build.build(SOURCE, path, what="the native top-k")
 
 
 @functools.lru_cache(maxsize=None)

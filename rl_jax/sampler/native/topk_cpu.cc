@@ -7,6 +7,7 @@
 #include <functional>
 #include <vector>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -21,7 +22,7 @@ inline uint32_t OrderKey(float x) {
   return static_cast<uint32_t>(bits) ^ 0x80000000u;
 }
 
-ffi::Error TopK(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> values,
+ffi::Error TopK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> values,
                 ffi::ResultBuffer<ffi::S32> indices, int64_t k) {
   auto dims = x.dimensions();
   if (dims.size() < 1) return ffi::Error::InvalidArgument("topk: x must have a last axis");
@@ -38,10 +39,21 @@ ffi::Error TopK(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> values,
   // compare orders by key, then by the lower index first, exactly as lax.top_k breaks ties.
   constexpr int64_t kChunk = 8;
   const int64_t n_chunks = (v + kChunk - 1) / kChunk;
-  std::vector<uint32_t> keys(v), maxima(n_chunks);
-  std::vector<uint64_t> cand;
-  cand.reserve(v);
-  for (int64_t r = 0; r < rows; ++r) {
+  struct Scratch {
+    std::vector<uint32_t> keys, maxima;
+    std::vector<uint64_t> cand;
+  };
+  auto make_scratch = [v, n_chunks] {
+    Scratch s{std::vector<uint32_t>(v), std::vector<uint32_t>(n_chunks), {}};
+    s.cand.reserve(v);
+    return s;
+  };
+  // Rows are independent: spread over XLA's intra-op threads.
+  rl_jax_native::ParallelFor(pool, rows, make_scratch, [&](Scratch& s, int64_t start, int64_t stop) {
+  auto& keys = s.keys;
+  auto& maxima = s.maxima;
+  auto& cand = s.cand;
+  for (int64_t r = start; r < stop; ++r) {
     const float* row = in + r * v;
     for (int64_t c = 0; c < n_chunks; ++c) {
       uint32_t m = 0;
@@ -73,6 +85,7 @@ ffi::Error TopK(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> values,
       out_v[r * k + j] = row[idx];
     }
   }
+  });
   return ffi::Error::Success();
 }
 
@@ -80,6 +93,7 @@ ffi::Error TopK(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> values,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RlJaxTopKF32, TopK,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()

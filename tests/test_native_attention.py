@@ -1,0 +1,59 @@
+"""The native decode attention (rl_jax/ops/native_attention.py) equals the jnp reference it replaces on CPU."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl_jax.models import layers
+from rl_jax.ops import native_attention
+
+
+def _reference(monkeypatch, *args):
+  """`layers._decode_attention` through XLA's dots (the handler switched off while it traces)."""
+  with monkeypatch.context() as m:
+    m.setattr(native_attention, "usable_for", lambda *a: False)
+    return jax.jit(lambda *a: layers._decode_attention(*a))(*args)  # pylint: disable=protected-access
+
+
+def _operands(b, g, r, d, c, seed=0, p_valid=0.7):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q_BGRD = 2 * jax.random.normal(ks[0], (b, g, r, d))
+  kT_BGDC = jax.random.normal(ks[1], (b, g, d, c))
+  v_BGCD = jax.random.normal(ks[2], (b, g, c, d))
+  mask_BC = jax.random.uniform(ks[3], (b, c)) < p_valid
+  return q_BGRD, kT_BGDC, v_BGCD, mask_BC.at[0].set(False)  # row 0 masked whole: uniform weights
+
+
+@pytest.mark.parametrize("b,g,r,d,c", [(3, 2, 3, 8, 7), (4, 2, 2, 32, 96), (2, 1, 1, 128, 33)])
+def test_native_decode_attention_equals_the_reference(monkeypatch, b, g, r, d, c):
+  """Odd sizes (no vector multiple), a grouped query (R > 1), a fully masked row; float32 rounding
+  apart (the sums run in another order, exp is a polynomial), the same output."""
+  assert native_attention.available(), "the native decode attention did not build (see the warning above)"
+  args = _operands(b, g, r, d, c)
+  got = jax.jit(layers._decode_attention)(*args)  # pylint: disable=protected-access
+  want = _reference(monkeypatch, *args)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-6)
+  # Large logits: the softmax's shift by the row maximum, not exp overflow.
+  big = (30 * args[0],) + args[1:]
+  np.testing.assert_allclose(np.asarray(jax.jit(layers._decode_attention)(*big)),  # pylint: disable=protected-access
+                             np.asarray(_reference(monkeypatch, *big)), rtol=2e-5, atol=2e-5)
+
+
+def test_native_decode_attention_under_vmap_and_in_the_program(monkeypatch):
+  """A vmapped call folds the mapped axis into the rows (each slice equals its own call); the
+  decode program holds the handler's custom call on CPU and XLA's dots without it."""
+  args = _operands(3, 2, 2, 16, 20, seed=1)
+  one = jax.jit(layers._decode_attention)(*args)  # pylint: disable=protected-access
+  two = jax.jit(jax.vmap(layers._decode_attention))(*(jnp.stack([x, x]) for x in args))  # pylint: disable=protected-access
+  np.testing.assert_array_equal(np.asarray(two[1]), np.asarray(one))
+  # A new function object per lowering: jax reuses a function's trace across jit objects.
+  lowered = lambda: jax.jit(lambda *a: layers._decode_attention(*a)).lower(*args).as_text()  # pylint: disable=protected-access
+  assert native_attention.TARGET in lowered()
+  monkeypatch.setattr(native_attention, "usable_for", lambda *a: False)
+  assert native_attention.TARGET not in lowered()
+
+
+def test_native_decode_attention_names_a_bad_shape():
+  q, kT, v, mask = _operands(2, 2, 1, 8, 5)
+  with pytest.raises(ValueError, match=r"v_BGCD has shape \(2, 2, 8, 5\), want \(2, 2, 5, 8\)"):
+    native_attention.decode_attention(q, kT, jnp.swapaxes(v, -1, -2), mask, 0.5)
