@@ -57,3 +57,23 @@ def test_native_decode_attention_names_a_bad_shape():
   q, kT, v, mask = _operands(2, 2, 1, 8, 5)
   with pytest.raises(ValueError, match=r"v_BGCD has shape \(2, 2, 8, 5\), want \(2, 2, 5, 8\)"):
     native_attention.decode_attention(q, kT, jnp.swapaxes(v, -1, -2), mask, 0.5)
+
+
+def test_programs_for_several_devices_keep_xla_s_dots():
+  """`per_mesh`: traced for a mesh of several devices the attention stays XLA's (which partitions
+  along the batch; the custom call would gather each layer's cache); for one device, or none,
+  the handler serves."""
+  args = _operands(8, 2, 2, 8, 12, seed=2)
+
+  @native_attention.per_mesh
+  def program(*a, mesh):
+    del mesh
+    return layers._decode_attention(*a)  # pylint: disable=protected-access
+
+  def lowered(mesh):  # a new function object per lowering (jax reuses a function's trace)
+    return jax.jit(lambda *a: program(*a, mesh=mesh)).lower(*args).as_text()
+  devices = np.array(jax.devices())
+  assert devices.size > 1, "tests/conftest.py forces 8 host devices"
+  assert native_attention.TARGET not in lowered(jax.sharding.Mesh(devices, ("data",)))
+  assert native_attention.TARGET in lowered(jax.sharding.Mesh(devices[:1], ("data",)))
+  assert native_attention.TARGET in lowered(None)

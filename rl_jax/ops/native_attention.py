@@ -1,6 +1,8 @@
 """A native decode attention for the sampler on CPU: an XLA FFI handler built from source on first use."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -22,6 +24,8 @@ TARGET = "rl_jax_decode_attention_f32"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "decode_attention_cpu.cc")
 ENV_DISABLE = "RL_JAX_NATIVE_ATTENTION"
 _log = logging.getLogger(__name__)
+# Set while a program for a mesh of several devices traces (`per_mesh`).
+_SHARDED = contextvars.ContextVar("rl_jax_native_attention_sharded", default=False)
 
 
 def build(path: str | None = None) -> str:
@@ -64,6 +68,20 @@ def decode_attention(q_BGRD: jax.Array, kT_BGDC: jax.Array, v_BGCD: jax.Array, m
 
 def usable_for(*arrays: jax.Array) -> bool:
   """Whether `decode_attention` serves these operands here: all float32, traced for the CPU backend,
-  the handler available. (Under a sharded jit the partitioner hands the call whole operands.)"""
+  not inside a program for several devices (`per_mesh`), the handler available."""
   return (all(a.dtype == jnp.float32 for a in arrays) and jax.default_backend() == "cpu"
-          and available())
+          and not _SHARDED.get() and available())
+
+
+def per_mesh(program):
+  """Decorates a program that takes a `mesh` keyword: traced with the handler off when the mesh
+  spans several devices. The partitioner knows nothing of the custom call's rows and would gather
+  every layer's KV cache to each device for it; XLA's dots partition along the batch."""
+  @functools.wraps(program)
+  def traced(*args, mesh, **kwargs):
+    token = _SHARDED.set(_SHARDED.get() or (mesh is not None and mesh.size > 1))
+    try:
+      return program(*args, mesh=mesh, **kwargs)
+    finally:
+      _SHARDED.reset(token)
+  return traced

@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from rl_jax.ops import native_attention
 from rl_jax.rollout import Rollout
 from rl_jax.sampler import continuous
 from rl_jax.sampler import generate as gen
@@ -34,6 +35,7 @@ def _check(cfg: SamplerConfig) -> None:
     raise ValueError(f"chunked generation runs the continuous engine; sampler.engine={cfg.engine!r}")
 
 
+@native_attention.per_mesh
 def start_program(graphdef, state, prompts_BP, valid_BP, key, max_new_B, version, n_iters, *, cfg: SamplerConfig,
                   kv_spec, mesh) -> dict:
   """The carry after the prefill of the first slots and at most `n_iters` iterations at `version`."""
@@ -60,6 +62,7 @@ def _init(model, prompts_BP, valid_BP, key, max_new_B, *, cfg: SamplerConfig, kv
                          kv_spec=kv_spec, constrain=constrain, div=div, versions=True, prefill=prefill)
 
 
+@native_attention.per_mesh
 def advance_program(graphdef, state, carry, version, n_iters, *, cfg: SamplerConfig, kv_spec, mesh) -> dict:
   """At most `n_iters` more iterations of `carry`, sampled by `state` and recorded as `version`."""
   del kv_spec  # the cache's format is the carry's
@@ -80,6 +83,7 @@ def progress_program(carry, *, cfg: SamplerConfig, mesh) -> dict:
   return gen.constrainer(mesh, 1)(continuous.progress(carry, cfg=cfg))
 
 
+@native_attention.per_mesh
 def resume_program(graphdef, state, prompts_BP, valid_BP, key, max_new_B, progress, *, cfg: SamplerConfig, kv_spec,
                    mesh) -> dict:
   """The carry of `progress` (`start_program`'s prompts, key and limits laid out again), its KV

@@ -15,6 +15,7 @@ from rl_jax.logprobs import next_token_logq
 from rl_jax.models.kv_cache import LayerKV, cache_len, grow_cache, init_cache
 from rl_jax.models.layers import dtype_of
 from rl_jax.models.transformer import default_positions
+from rl_jax.ops import native_attention
 # The contract (layout, alignment) lives in rl_jax.rollout.
 from rl_jax.rollout import Rollout, expert_id_dtype
 from rl_jax.sampler import continuous
@@ -60,6 +61,7 @@ def constrainer(mesh: Mesh | None, n_kv_heads: int):
 _STATIC_ARGNAMES = ("graphdef", "cfg", "kv_spec", "mesh")
 
 
+@native_attention.per_mesh
 def generate_program(graphdef, state, prompts_BP, valid_BP, key, max_new_B=None, *, cfg: SamplerConfig, kv_spec,
                      mesh):
   """The traceable generation program (`_generate` is its jit; tests wrap it to count traces).
