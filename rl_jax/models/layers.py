@@ -10,8 +10,8 @@ from flax import nnx
 
 from rl_jax.models.config import ModelConfig
 from rl_jax.ops import batch_invariant as invariant
-from rl_jax.ops.attention import MASK_VALUE, attention
 from rl_jax.ops import native_attention
+from rl_jax.ops.attention import MASK_VALUE, attention
 from rl_jax.ops.linear import linear
 
 # Dimension letters in array names (S tokens of this forward, C cache slots attention reads,
@@ -170,7 +170,9 @@ def _decode_attention(q_BGRD, kT_BGDC, v_BGCD, mask_BC):
 
   Two matmuls batched over (b, g), `[R, D] @ [D, C]` and `[R, C] @ [C, D]`, whose operands
   the heads-major cache (`LayerKV`) holds as they are read: nothing of it is copied. On CPU with a
-  float32 cache, the native handler computes the same (to float rounding; `native_attention`).
+  float32 cache, the native handler computes the same (to float rounding; `native_attention`). Under
+  `scan_layers` a layer's cache is a slice of the stacked cache, which XLA copies for the call: no
+  gain there (peer dense model scanned: 1.3-1.4 s a generate either way), no loss measured either.
   """
   f32 = jnp.float32
   hd = q_BGRD.shape[-1]
