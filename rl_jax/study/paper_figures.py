@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import textwrap
 
 import numpy as np
 
@@ -92,7 +93,8 @@ def draw(name: str, root: str, out: str | None = None) -> str:
   panels = list(dict.fromkeys(g.panel for g in groups))
   lines = list(dict.fromkeys(g.line for g in groups))
   colors = {ln: plt.get_cmap("tab10")(i % 10) for i, ln in enumerate(lines)}
-  fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False, sharey=True)
+  # A one-panel figure is wider than its panel (room for the legend and the wrapped title).
+  fig, axes = plt.subplots(1, len(panels), figsize=(max(3.6 * len(panels), 6.0), 3.8), squeeze=False, sharey=True)
   for j, panel in enumerate(panels):
     ax = axes[0, j]
     for g in (g for g in groups if g.panel == panel):
@@ -107,7 +109,8 @@ def draw(name: str, root: str, out: str | None = None) -> str:
     ax.grid(alpha=0.3)
   axes[0, 0].set_ylabel("held-out greedy accuracy")
   axes[0, 0].legend(fontsize=7)
-  fig.suptitle(f"{fig_def.paper}  (study `{fig_def.study}`; shading: 95% t interval over seeds)", fontsize=9)
+  title = f"{fig_def.paper}  (study `{fig_def.study}`; shading: 95% t interval over seeds)"
+  fig.suptitle(textwrap.fill(title, width=int(13 * fig.get_size_inches()[0])), fontsize=9)
   fig.tight_layout()
   out = out or os.path.join(root, f"paper_{name}.png")
   fig.savefig(out, dpi=110)
