@@ -33,6 +33,8 @@ With the sampler compiled without YNNPACK fusions (`rl_jax/sampler/xla_options.p
 EPYC box, 3 rounds, before = `RL_JAX_SAMPLER_XLA_DEFAULT=1` in the same hour), off / on: dense greedy 1.41x /
 1.23x -> 1.56x / 1.24x, dense T=1 1.83x / 1.50x -> 1.96x / 1.61x, MoE greedy 1.07x / 0.95x -> 1.60x / 1.38x,
 MoE T=1 1.50x / 1.32x -> 1.97x / 1.78x.
+With the native decode attention and top-k (2026-12-06 night, same box, 3 rounds), off / on: dense greedy
+2.02x / 1.89x, dense T=1 2.14x / 2.24x, MoE greedy 1.59x / 1.50x, MoE T=1 1.98x / 2.06x.
 """
 from __future__ import annotations
 
