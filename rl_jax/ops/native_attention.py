@@ -1,10 +1,8 @@
 """A native decode attention for the sampler on CPU: an XLA FFI handler built from source on first use."""
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
-import logging
 import os
 
 import jax
@@ -15,7 +13,7 @@ from rl_jax.ops import native_build
 
 # A decode step attends one query token per row to the KV cache. XLA:CPU runs its two batched
 # matmuls (`[R, D] x [D, C]` and `[R, C] x [C, D]` per row and kv head) as a loop of small products
-# at a few microseconds each: on the peer benchmark's dense model they took ~60% of a decode step
+# at a few microseconds each: on the peer benchmark's dense model they took 62% of a decode step
 # (docs/performance.md). The handler (ops/native/decode_attention_cpu.cc) reads each (row, kv head)'s
 # keys and values once, with the mask and softmax in the same pass, on XLA's intra-op threads.
 # Same build and cache as the native top-k (`native_build`); RL_JAX_NATIVE_ATTENTION=0 keeps XLA's.
@@ -23,7 +21,6 @@ from rl_jax.ops import native_build
 TARGET = "rl_jax_decode_attention_f32"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "decode_attention_cpu.cc")
 ENV_DISABLE = "RL_JAX_NATIVE_ATTENTION"
-_log = logging.getLogger(__name__)
 # Set while a program for a mesh of several devices traces (`per_mesh`).
 _SHARDED = contextvars.ContextVar("rl_jax_native_attention_sharded", default=False)
 
@@ -37,16 +34,8 @@ def build(path: str | None = None) -> str:
 def available() -> bool:
   """Whether the handler is built and registered for the CPU platform (once per process); False, with
   one warning, when it cannot be built, and False when RL_JAX_NATIVE_ATTENTION=0."""
-  if os.environ.get(ENV_DISABLE, "1") == "0":
-    return False
-  try:
-    import ctypes  # pylint: disable=g-import-not-at-top
-    lib = ctypes.cdll.LoadLibrary(build())
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.RlJaxDecodeAttentionF32), platform="cpu")
-  except Exception as e:  # pylint: disable=broad-except  # no build or registration may stop sampling
-    _log.warning("native decode attention unavailable, attending with XLA's dots: %s", e)
-    return False
-  return True
+  return native_build.register(SOURCE, "RlJaxDecodeAttentionF32", TARGET, what="the native decode attention",
+                               fallback="attending with XLA's dots", env_disable=ENV_DISABLE)
 
 
 def decode_attention(q_BGRD: jax.Array, kT_BGDC: jax.Array, v_BGCD: jax.Array, mask_BC: jax.Array,

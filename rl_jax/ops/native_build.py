@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -76,3 +77,24 @@ def build(source: str, path: str | None = None, what: str = "a native handler") 
     raise RuntimeError(f"building {what} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
   os.replace(tmp, path)
   return path
+
+
+def register(source: str, symbol: str, target: str, *, what: str, fallback: str, env_disable: str,
+             batch_partitionable: bool = False) -> bool:
+  """Builds `source` and registers its handler `symbol` as the CPU FFI target `target`; True when
+  it serves. False when `env_disable` is set to 0, and False with one warning (naming `what` and
+  the `fallback` that serves instead) when it cannot be built or registered: no build or
+  registration may stop a run. `batch_partitionable`: the partitioner may keep every axis but the
+  last sharded instead of gathering the operands to each device (independent rows)."""
+  if os.environ.get(env_disable, "1") == "0":
+    return False
+  try:
+    import ctypes  # pylint: disable=g-import-not-at-top
+    lib = ctypes.cdll.LoadLibrary(build(source, what=what))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    if batch_partitionable:
+      jax.ffi.register_ffi_target_as_batch_partitionable(target)
+  except Exception as e:  # pylint: disable=broad-except
+    logging.getLogger(__name__).warning("%s unavailable, %s: %s", what, fallback, e)
+    return False
+  return True

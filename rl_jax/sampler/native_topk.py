@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 import os
 
 import jax
@@ -22,7 +21,6 @@ from rl_jax.ops import native_build
 TARGET = "rl_jax_topk_f32"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "topk_cpu.cc")
 ENV_DISABLE = "RL_JAX_NATIVE_TOPK"
-_log = logging.getLogger(__name__)
 
 
 def _library_path() -> str:
@@ -39,20 +37,10 @@ def build(path: str | None = None) -> str:
 def available() -> bool:
   """Whether the handler is built and registered for the CPU platform (once per process); False, with
   one warning, when it cannot be built, and False when RL_JAX_NATIVE_TOPK=0."""
-  if os.environ.get(ENV_DISABLE, "1") == "0":
-    return False
-  try:
-    import ctypes  # pylint: disable=g-import-not-at-top
-    lib = ctypes.cdll.LoadLibrary(build())
-    capsule = jax.ffi.pycapsule(lib.RlJaxTopKF32)
-    jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
-    # Rows are independent: the partitioner may keep every axis but the last sharded (a sharded
-    # sampler's batch) instead of gathering the operand to each device.
-    jax.ffi.register_ffi_target_as_batch_partitionable(TARGET)
-  except Exception as e:  # pylint: disable=broad-except  # no build or registration may stop sampling
-    _log.warning("native top-k unavailable, recording with lax.top_k: %s", e)
-    return False
-  return True
+  # Rows are independent: a sharded sampler's batch stays sharded through the call.
+  return native_build.register(SOURCE, "RlJaxTopKF32", TARGET, what="the native top-k",
+                               fallback="recording with lax.top_k", env_disable=ENV_DISABLE,
+                               batch_partitionable=True)
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
