@@ -50,41 +50,41 @@ ffi::Error TopK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer
   };
   // Rows are independent: spread over XLA's intra-op threads.
   rl_jax_native::ParallelFor(pool, rows, make_scratch, [&](Scratch& s, int64_t start, int64_t stop) {
-  auto& keys = s.keys;
-  auto& maxima = s.maxima;
-  auto& cand = s.cand;
-  for (int64_t r = start; r < stop; ++r) {
-    const float* row = in + r * v;
-    for (int64_t c = 0; c < n_chunks; ++c) {
-      uint32_t m = 0;
-      const int64_t end = std::min(v, (c + 1) * kChunk);
-      for (int64_t j = c * kChunk; j < end; ++j) {
-        keys[j] = OrderKey(row[j]);
-        m = std::max(m, keys[j]);
+    auto& keys = s.keys;
+    auto& maxima = s.maxima;
+    auto& cand = s.cand;
+    for (int64_t r = start; r < stop; ++r) {
+      const float* row = in + r * v;
+      for (int64_t c = 0; c < n_chunks; ++c) {
+        uint32_t m = 0;
+        const int64_t end = std::min(v, (c + 1) * kChunk);
+        for (int64_t j = c * kChunk; j < end; ++j) {
+          keys[j] = OrderKey(row[j]);
+          m = std::max(m, keys[j]);
+        }
+        maxima[c] = m;
       }
-      maxima[c] = m;
-    }
-    uint32_t lower = 0;
-    if (k <= n_chunks) {
-      std::nth_element(maxima.begin(), maxima.begin() + (k - 1), maxima.end(), std::greater<uint32_t>());
-      lower = maxima[k - 1];
-    }
-    cand.clear();
-    for (int64_t j = 0; j < v; ++j) {
-      if (keys[j] >= lower) {
-        cand.push_back((static_cast<uint64_t>(keys[j]) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(j)));
+      uint32_t lower = 0;
+      if (k <= n_chunks) {
+        std::nth_element(maxima.begin(), maxima.begin() + (k - 1), maxima.end(), std::greater<uint32_t>());
+        lower = maxima[k - 1];
+      }
+      cand.clear();
+      for (int64_t j = 0; j < v; ++j) {
+        if (keys[j] >= lower) {
+          cand.push_back((static_cast<uint64_t>(keys[j]) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(j)));
+        }
+      }
+      if (static_cast<int64_t>(cand.size()) > k) {
+        std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.end(), std::greater<uint64_t>());
+      }
+      std::sort(cand.begin(), cand.begin() + k, std::greater<uint64_t>());
+      for (int64_t j = 0; j < k; ++j) {
+        const uint32_t idx = 0xFFFFFFFFu - static_cast<uint32_t>(cand[j] & 0xFFFFFFFFu);
+        out_i[r * k + j] = static_cast<int32_t>(idx);
+        out_v[r * k + j] = row[idx];
       }
     }
-    if (static_cast<int64_t>(cand.size()) > k) {
-      std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.end(), std::greater<uint64_t>());
-    }
-    std::sort(cand.begin(), cand.begin() + k, std::greater<uint64_t>());
-    for (int64_t j = 0; j < k; ++j) {
-      const uint32_t idx = 0xFFFFFFFFu - static_cast<uint32_t>(cand[j] & 0xFFFFFFFFu);
-      out_i[r * k + j] = static_cast<int32_t>(idx);
-      out_v[r * k + j] = row[idx];
-    }
-  }
   });
   return ffi::Error::Success();
 }
