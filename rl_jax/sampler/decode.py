@@ -54,8 +54,8 @@ def recorded_top_k(logq_BV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """The recorded top-k of a step (both engines call this): `lax.top_k`'s values and ids bit for bit.
 
   On CPU, float32: `native_topk.top_k` (an FFI handler, ~3x faster than XLA:CPU's top-k custom
-  call; recording then costs 6-9% of a decode step instead of 17-27%: docs/performance.md,
-  `bench_recording.py --xla_topk`). Elsewhere, or where it cannot be built: `exact_top_k` (on CPU
+  call; recording then cost 6-9% of a decode step instead of 17-27%, and 4-10% of the step the
+  native decode attention shortened: docs/performance.md, `bench_recording.py --xla_topk`). Elsewhere, or where it cannot be built: `exact_top_k` (on CPU
   below the two-stage range, that custom call). `topk.threshold_top_k` gives the same bits from
   vectorized passes; inside the decode loop it cut the overhead on the dense model only.
   """
