@@ -35,6 +35,8 @@ EPYC box, 3 rounds, before = `RL_JAX_SAMPLER_XLA_DEFAULT=1` in the same hour), o
 MoE T=1 1.50x / 1.32x -> 1.97x / 1.78x.
 With the native decode attention and top-k (2026-12-06 night, same box, 3 rounds), off / on: dense greedy
 2.02x / 1.89x, dense T=1 2.14x / 2.24x, MoE greedy 1.59x / 1.50x, MoE T=1 1.98x / 2.06x.
+With the native top-k's histogram bound (2026-12-07, same box, 3 rounds), off / on: dense greedy 2.01x / 1.88x,
+dense T=1 2.34x / 2.51x, MoE greedy 1.81x / 1.70x, MoE T=1 2.36x / 2.06x.
 """
 from __future__ import annotations
 

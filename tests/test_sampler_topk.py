@@ -77,7 +77,7 @@ def test_top_half_is_the_first_half_of_the_sort():
   np.testing.assert_array_equal(got_key, np.take_along_axis(np.asarray(key), want, axis=0))
 
 
-NATIVE_SIZES = [(32, 4096, 128), (2, 65, 8), (3, 5000, 1), (2, 40, 40), (2, 152064, 128)]
+NATIVE_SIZES = [(32, 4096, 128), (2, 65, 8), (2, 64, 8), (3, 5000, 1), (2, 40, 40), (2, 152064, 128)]
 
 
 @pytest.mark.parametrize("b,v,k", NATIVE_SIZES)

@@ -126,12 +126,26 @@ def user_module(tmp_path, monkeypatch):
 
 def test_user_functions_run_bounded_and_a_killed_worker_is_replaced(user_module):
   pool = sandbox.Pool(workers=1, timeout_s=2.0, memory_mb=1024)
+  # Worker start-ups (importing the verifiers, sympy) never count against a call's deadline, and
+  # they take seconds apiece on a loaded box: timed apart, so the bound is on the calls alone.
+  spawn_s, spawn = [], pool._spawn  # pylint: disable=protected-access
+
+  def timed_spawn():
+    t0 = time.monotonic()
+    w = spawn()
+    spawn_s.append(time.monotonic() - t0)
+    return w
+  pool._spawn = timed_spawn  # pylint: disable=protected-access
   try:
     calls = [(f"{user_module}:{fn}", ["src", "42", "42", {}])
              for fn in ("score", "partial", "spin", "score", "hog", "boom", "die", "nan", "score")]
     t = time.monotonic()
     got = pool.run(calls)
-    assert time.monotonic() - t < 15
+    calls_s = time.monotonic() - t - sum(spawn_s)
+    assert len(spawn_s) == 3, spawn_s  # the first worker and the two replacements
+    # One call spins to its 2 s deadline; the other eight return at once (the hog's 8 GiB fails
+    # at the cap): the batch's own time is ~2 s, and far below the 9 x 2 s of unbounded calls.
+    assert calls_s < 2.0 + 4.0, (calls_s, spawn_s)
     assert got == [(1.0, ""), (0.5, "half"), (0.0, sandbox.TIMEOUT), (1.0, ""), (0.0, sandbox.MEMORY),
                    (0.0, sandbox.EXCEPTION), (0.0, sandbox.CRASHED), (0.0, "bad_result"), (1.0, "")]
     assert pool.restarts == 2   # the spinning and the dying worker

@@ -53,11 +53,13 @@ def exact_top_k(x_BV: jax.Array, k: int, min_ratio: int = _TWO_STAGE_MIN_RATIO
 def recorded_top_k(logq_BV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """The recorded top-k of a step (both engines call this): `lax.top_k`'s values and ids bit for bit.
 
-  On CPU, float32: `native_topk.top_k` (an FFI handler, ~3x faster than XLA:CPU's top-k custom
-  call; recording then cost 6-9% of a decode step instead of 17-27%, and 4-10% of the step the
-  native decode attention shortened: docs/performance.md, `bench_recording.py --xla_topk`). Elsewhere, or where it cannot be built: `exact_top_k` (on CPU
-  below the two-stage range, that custom call). `topk.threshold_top_k` gives the same bits from
-  vectorized passes; inside the decode loop it cut the overhead on the dense model only.
+  On CPU, float32: `native_topk.top_k` (an FFI handler: ~0.2 ms at [32, 4096], k = 128, where
+  XLA:CPU's top-k custom call takes ~1.4 ms; recording top-k 128 + expert ids then costs +1% to
+  +7% of the peer benchmark's decode, every row's 95% interval below 10%, against 17-27% with the
+  custom call: docs/performance.md, `bench_recording.py`). Elsewhere, or where it cannot be built:
+  `exact_top_k` (on CPU below the two-stage range, that custom call). `topk.threshold_top_k` gives
+  the same bits from vectorized passes; inside the decode loop it cut the overhead on the dense
+  model only.
   """
   if native_topk.usable_for(logq_BV):
     return native_topk.top_k(logq_BV, k)

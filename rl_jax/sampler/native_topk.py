@@ -13,10 +13,11 @@ from rl_jax.ops import native_build
 # XLA:CPU runs `lax.top_k` as one custom call with a k-heap per row: ~1.5 ms at [32, 4096], k = 128,
 # which made recording the top-k cost 17-27% of a decode step of the peer benchmark's models. The
 # handler (native/topk_cpu.cc) returns the same bits (values, ids, tie order, -0.0, NaNs) from a
-# selection over the elements above a lower bound, ~3x faster; recording then costs 6-9%
-# (docs/performance.md). It is compiled with the system's C++ compiler against jaxlib's FFI
-# headers into a per-user cache the first time it is needed, keyed by the source, jax's version
-# and headers' path and the Python ABI; without a compiler, or with RL_JAX_NATIVE_TOPK=0, `lax.top_k` serves.
+# selection over the elements above a lower bound, in ~0.2 ms; recording then costs +1% to +7% of a
+# decode step, every row's 95% interval below 10% (docs/performance.md). It is compiled with the
+# system's C++ compiler against jaxlib's FFI headers into a per-user cache the first time it is
+# needed, keyed by the source, jax's version and headers' path and the Python ABI; without a
+# compiler, or with RL_JAX_NATIVE_TOPK=0, `lax.top_k` serves.
 
 TARGET = "rl_jax_topk_f32"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "topk_cpu.cc")
