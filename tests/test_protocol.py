@@ -68,6 +68,16 @@ def test_holm_step_down():
   assert stats.holm([0.9, 0.8]) == pytest.approx([1.0, 1.0])
 
 
+def test_format_p_reads_against_alpha_as_the_verdict_does():
+  assert stats.format_p(0.00833) == "0.00833" and stats.format_p(1.0) == "1"
+  assert stats.format_p(0.0499947754914689) == "0.04999"   # "0.05" would read as failing the threshold
+  assert stats.format_p(0.0500004) == "0.0500004" and stats.format_p(0.05) == "0.05"
+  assert stats.format_p(0.0999996, alpha=0.1) == "0.0999996"
+  text = stats.verdict("a", "b", stats.paired_test({0: .3, 1: .5, 2: .4}, {0: .2, 1: .3, 2: .35}, 0.05),
+                       0.0499947754914689, 0.0499947754914689, 0.05)
+  assert text.startswith("**a > b**") and "Holm 0.04999)" in text, text
+
+
 def test_power_and_detectable_difference():
   assert stats.power(10, 0.1, 0.0, 0.05) == pytest.approx(0.05, abs=1e-9)   # no effect: the test's size
   assert stats.power(10, 0.1, 0.05) < stats.power(20, 0.1, 0.05) < stats.power(20, 0.1, 0.1)

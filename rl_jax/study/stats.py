@@ -180,10 +180,20 @@ def paired_events(a: Mapping[int, bool], b: Mapping[int, bool]) -> PairedEvents:
                       a_only=a_only, b_only=b_only, p=mcnemar_exact_p(a_only, b_only))
 
 
+def format_p(p: float, alpha: float = 0.05) -> str:
+  """p to 3 significant digits, or more where 3 would print it on the other side of alpha or at it
+  (a Holm p of 0.04999 is not "0.05"): the printed value reads against alpha as the verdict does."""
+  for digits in range(3, 10):
+    text = f"{p:.{digits}g}"
+    if (float(text) < alpha) == (p < alpha) and (float(text) != alpha or p == alpha):
+      return text
+  return repr(p)
+
+
 def event_verdict(name_a: str, name_b: str, ev: PairedEvents, p_holm: float, alpha: float) -> str:
   """The collapse endpoint's mechanical reading: a direction when the Holm-corrected McNemar p < alpha."""
   counts = (f"{name_a} {ev.a_events}/{ev.n}, {name_b} {ev.b_events}/{ev.n}; discordant {ev.a_only} / "
-            f"{ev.b_only}; exact McNemar p = {ev.p:.3g}, Holm {p_holm:.3g}")
+            f"{ev.b_only}; exact McNemar p = {format_p(ev.p, alpha)}, Holm {format_p(p_holm, alpha)}")
   if p_holm < alpha:
     fewer = name_a if ev.a_only < ev.b_only else name_b
     return f"**{fewer} collapses less often** ({counts})"
@@ -202,11 +212,11 @@ def verdict(name_a: str, name_b: str, test: PairedTest, p_holm: float, p_holm_wi
   ci = f"mean difference {test.mean:+.3f}, {100 * (1 - alpha):.0f}% CI [{lo:+.3f}, {hi:+.3f}], n = {test.n}"
   if p_holm < alpha:
     head = f"{name_a} > {name_b}" if test.mean > 0 else f"{name_a} < {name_b}"
-    text = f"**{head}** ({ci}; paired t p = {test.p_t:.3g}, Holm {p_holm:.3g})"
+    text = f"**{head}** ({ci}; paired t p = {format_p(test.p_t, alpha)}, Holm {format_p(p_holm, alpha)})"
   else:
     text = (f"**null**: no difference between {name_a} and {name_b} detected ({ci}; paired t p = "
-            f"{test.p_t:.3g}, Holm {p_holm:.3g} >= {alpha:g})")
+            f"{format_p(test.p_t, alpha)}, Holm {format_p(p_holm, alpha)} >= {alpha:g})")
   if (p_holm_wilcoxon < alpha) != (p_holm < alpha):
-    text += (f"; the exact Wilcoxon signed-rank test disagrees (p = {test.p_wilcoxon:.3g}, "
-             f"Holm {p_holm_wilcoxon:.3g})")
+    text += (f"; the exact Wilcoxon signed-rank test disagrees (p = {format_p(test.p_wilcoxon, alpha)}, "
+             f"Holm {format_p(p_holm_wilcoxon, alpha)})")
   return text

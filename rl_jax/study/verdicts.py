@@ -188,13 +188,14 @@ def markdown(analysis: Analysis) -> str:
     out += ["", "## Contrasts", "", "| contrast | question | n | mean diff | 95% CI | p (t) | p (exact Wilcoxon) | "
             "Holm p (t) | Holm p (W) | power at the planned effect | 80%-power detectable diff | verdict |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    pf = lambda x: stats.format_p(x, p.alpha)
     for r in analysis.contrasts:
       t = r.test
       if t is None:
         out.append(f"| {r.contrast.name} | {r.contrast.question} | - | - | - | - | - | - | - | - | - | {r.verdict} |")
         continue
       out.append(f"| {r.contrast.name} | {r.contrast.question} | {t.n} | {t.mean:+.3f} | [{t.ci[0]:+.3f}, "
-                 f"{t.ci[1]:+.3f}] | {t.p_t:.3g} | {t.p_wilcoxon:.3g} | {r.p_holm:.3g} | {r.p_holm_wilcoxon:.3g} | "
+                 f"{t.ci[1]:+.3f}] | {pf(t.p_t)} | {pf(t.p_wilcoxon)} | {pf(r.p_holm)} | {pf(r.p_holm_wilcoxon)} | "
                  f"{_fmt(r.power, '.2f')} | {_fmt(r.min_detectable)} | {r.verdict} |")
     out += ["", "Verdicts (mechanical):", ""] + [f"- {r.contrast.name}: {r.verdict}" for r in analysis.contrasts]
     if p.collapse_floor is not None:
@@ -206,7 +207,7 @@ def markdown(analysis: Analysis) -> str:
         out.append(f"| {r.contrast.name} | - | - | - | - | - | - | - | not tested: fewer than 2 paired seeds |"
                    if e is None else
                    f"| {r.contrast.name} | {e.n} | {e.a_events} | {e.b_events} | {e.a_only} | {e.b_only} | "
-                   f"{e.p:.3g} | {r.collapse_p_holm:.3g} | {r.collapse_verdict} |")
+                   f"{pf(e.p)} | {pf(r.collapse_p_holm)} | {r.collapse_verdict} |")
   if analysis.rule is not None:
     table, text, _ = analysis.rule
     out += ["", f"## Selection rule `{p.rule}` (pre-registered, rl_jax/study/rules.py)", "", table, text]
