@@ -1,10 +1,12 @@
 """rl_jax.study: study grids, launch commands, the runner's skip / resume / aggregate logic (fake executor)."""
+import dataclasses
 import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -147,34 +149,144 @@ def test_runner_skips_resumes_and_aggregates(tmp_path):
     publish.publish(str(tmp_path / "fp32"), "micro", str(tmp_path / "docs"))
 
 
-def test_a_signal_stops_the_study_its_run_checkpoints_and_the_rerun_resumes(tmp_path, monkeypatch):
+# Bounds on waiting for a signal handler or a child process: each event takes milliseconds (the
+# handler runs as soon as the signal wakes the main thread; a `python -c` child starts in ~50 ms);
+# 60 s holds on a machine many times slower than the slowest one measured, and a miss fails loudly
+# instead of letting the test go on regardless.
+WAIT_S = 60
+
+
+@pytest.mark.parametrize("delivery", ["process", "other_thread", "main_masked"])
+def test_a_signal_stops_the_study_its_run_checkpoints_and_the_rerun_resumes(tmp_path, monkeypatch, delivery):
   """SIGTERM to the runner mid-run: forwarded to the runs in progress (which checkpoint and exit 75),
   no further run starts, nothing is marked failed, `Preempted` reaches the caller; the rerun resumes
-  the stopped run and finishes the rest."""
+  the stopped run and finishes the rest.
+
+  Issue 60: Python runs the handler on the main thread only. `other_thread` gives the signal to a
+  bystander thread asleep on a lock (`pthread_kill`), as the kernel may give a process's signal to
+  any thread that does not block it (the suite's workers hold tqdm's monitor thread): before
+  `preempt.MainThreadWaiter` the runner's main thread, asleep until a run finished, ran the handler
+  only then, so this run never saw it and the next one could start. `main_masked` enters the study
+  with SIGTERM blocked on the main thread (and so on the runner's worker threads), as a library may
+  leave it: before `preempt.signals_to_main_thread` no thread took the signal during the study. Both
+  cases failed every time on the old runner (the handler had not run after WAIT_S).
+  """
   p = runner.plan(studies.get("micro"), str(tmp_path))
   fake = FakeExecutor()
-  forwarded = []
-  monkeypatch.setattr(runner, "_forward", forwarded.append)
+  forwarded, handled = [], threading.Event()
+
+  def forward(signum):   # the handler's forwarding, on the main thread
+    forwarded.append(signum)
+    handled.set()
+  monkeypatch.setattr(runner, "_forward", forward)
 
   def preempted_run(launch, log_path):
     if launch.kind == "run" and not forwarded:
-      os.kill(os.getpid(), signal.SIGTERM)   # the runner's guard forwards it ...
-      deadline = time.time() + 30
-      while not forwarded and time.time() < deadline:   # (a real run takes a while to checkpoint)
-        time.sleep(0.01)
+      if delivery == "other_thread":
+        signal.pthread_kill(bystander.ident, signal.SIGTERM)
+      else:
+        os.kill(os.getpid(), signal.SIGTERM)   # the runner's guard forwards it ...
+      assert handled.wait(WAIT_S), "the runner's signal handler did not run while a run was in progress"
       with open(os.path.join(launch.workdir, "metrics.jsonl"), "w") as f:   # ... the run stops after step 1
         f.write(json.dumps({"step": 0, "eval_greedy_accuracy": 0.1}) + "\n")
         f.write(json.dumps({"step": 1, "reward": 0.1, "eval_greedy_accuracy": 0.1}) + "\n")
       return preempt.PREEMPTED_EXIT_CODE
     return fake(launch, log_path)
-  with pytest.raises(preempt.Preempted, match="SIGTERM"):
-    runner.run_study(p, executor=preempted_run, progress=False)
+  # A thread asleep on a lock, as tqdm's monitor thread is in the suite's worker processes.
+  bystander_done = threading.Event()
+  bystander = threading.Thread(target=bystander_done.wait, daemon=True)
+  bystander.start()
+  masked = delivery == "main_masked"
+  old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM] if masked else [])
+  try:
+    with pytest.raises(preempt.Preempted, match="SIGTERM"):
+      runner.run_study(p, executor=preempted_run, progress=False)
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == old_mask | ({signal.SIGTERM} if masked else set())
+  finally:
+    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    bystander_done.set()
   assert forwarded == [signal.SIGTERM]
   assert [runner.status(launch) for launch in p.launches] == ["resume@1", "new", "new", "new"]
   assert not (tmp_path / "fp32/pg/seed0/failed.json").exists()
   counts = runner.run_study(p, executor=fake, progress=False)
   assert counts == {"skipped": 0, "ok": 4, "failed": 0, "preempted": 0}
   assert [runner.status(launch) for launch in p.launches] == ["done"] * 4
+
+
+# A stand-in for `python -m rl_jax.main`: marks that it started (after installing its SIGTERM handler,
+# as the trainer's guard does, unless `late`), then waits for the signal; on it, logs steps 0-1 and
+# exits 75 as a checkpointed run does. Never signalled, it gives up after WAIT_S with exit 3.
+_CHILD = """
+import json, os, signal, sys, time
+workdir, late = sys.argv[1], sys.argv[2] == "late"
+def stop(signum, frame):
+  with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    f.write(json.dumps({"step": 0, "eval_greedy_accuracy": 0.1}) + "\\n")
+    f.write(json.dumps({"step": 1, "reward": 0.1, "eval_greedy_accuracy": 0.1}) + "\\n")
+  sys.exit(75)
+if not late:
+  signal.signal(signal.SIGTERM, stop)
+open(os.path.join(workdir, "started"), "w").close()
+time.sleep(%d)
+sys.exit(3)
+""" % WAIT_S
+
+
+def _child_plan(tmp_path, late=False):
+  p = runner.plan(studies.get("micro"), str(tmp_path))
+  os.makedirs(p.warm_start.workdir)
+  open(os.path.join(p.warm_start.workdir, runner.WARM_START_DONE), "w").close()
+  p.launches = [dataclasses.replace(launch, argv=(sys.executable, "-c", _CHILD, launch.workdir,
+                                                  "late" if late else "ready")) for launch in p.launches]
+  return p
+
+
+def _wait_for(paths):
+  deadline = time.monotonic() + WAIT_S
+  while not all(os.path.exists(x) for x in paths):
+    assert time.monotonic() < deadline, f"not all of {paths} appeared within {WAIT_S} s"
+    time.sleep(0.01)
+
+
+def test_preemption_contract_with_two_jobs_and_real_processes(tmp_path):
+  """Issue 60, `--jobs 2`: SIGTERM while two runs are in progress reaches both (each checkpoints and
+  exits 75), the other two never start, nothing is marked failed."""
+  p = _child_plan(tmp_path)
+  first_two = [os.path.join(launch.workdir, "started") for launch in (p.launches[0], p.launches[2])]  # seed 0
+
+  def signal_when_both_run():
+    _wait_for(first_two)
+    os.kill(os.getpid(), signal.SIGTERM)
+  sender = threading.Thread(target=signal_when_both_run, daemon=True)
+  sender.start()
+  with pytest.raises(preempt.Preempted, match="SIGTERM"):
+    runner.run_study(p, jobs=2, progress=False)
+  sender.join(WAIT_S)
+  assert [runner.status(launch) for launch in p.launches] == ["resume@1", "new", "resume@1", "new"]
+  assert [os.path.exists(os.path.join(launch.workdir, "started")) for launch in p.launches] == [True, False, True, False]
+  assert not list(tmp_path.glob("**/failed.json"))
+
+
+def test_a_run_that_starts_as_the_study_stops_is_stopped_not_failed(tmp_path, monkeypatch):
+  """Issue 60: the executor registers a run under the lock that records the stop. Registered first,
+  it receives the forwarded signal; killed by it before it installed its own handler, it reads as
+  preempted (exit 75), not failed. After the stop is recorded, nothing starts at all."""
+  monkeypatch.setattr(runner, "_STOPPING", [])
+  launch = _child_plan(tmp_path, late=True).launches[0]
+  os.makedirs(launch.workdir)
+  started = os.path.join(launch.workdir, "started")
+
+  def stop_once_started():
+    _wait_for([started])
+    runner._stop(signal.SIGTERM)  # pylint: disable=protected-access
+  stopper = threading.Thread(target=stop_once_started, daemon=True)
+  stopper.start()
+  assert runner.execute(launch, runner.subprocess_executor) == preempt.PREEMPTED_EXIT_CODE
+  stopper.join(WAIT_S)
+  assert runner.stopping() == signal.SIGTERM and not os.path.exists(os.path.join(launch.workdir, "failed.json"))
+  os.remove(started)
+  assert runner.subprocess_executor(launch, str(tmp_path / "log")) == preempt.PREEMPTED_EXIT_CODE
+  assert not os.path.exists(started)
 
 
 def test_launcher_prefixes_every_command(tmp_path):

@@ -70,34 +70,61 @@ class Launch:
 Executor = Callable[[Launch, str], int]   # (launch, log path) -> exit status
 
 
-# The runs in progress, so that a signal to the runner reaches them (`run_study`).
+# Stopping, ordered against starting (`run_study`). A signal's Python handler runs on the main thread
+# while the runs start on worker threads, so "is the study stopping?" and "start this run" are both
+# decided under `_CHILDREN_LOCK`: the handler first records the signal there (`_stop`), then forwards
+# it to the runs in progress; a worker checks that record under the same lock before it starts a run
+# (`_unless_stopped`) and again when it registers the run's process (`subprocess_executor`). So a run
+# either never starts or is in `_CHILDREN` when the signal is forwarded, or sees the record as it
+# registers and is signalled itself.
 _CHILDREN: set = set()
 _CHILDREN_LOCK = threading.Lock()
 _STOPPING: list = []  # the signal, once the runner got one
 
 
+def stopping() -> int | None:
+  """The signal the study is stopping on, or None (read under the lock that orders it with starts)."""
+  with _CHILDREN_LOCK:
+    return _STOPPING[0] if _STOPPING else None
+
+
 def subprocess_executor(launch: Launch, log_path: str) -> int:
-  """Runs the launch's command from the repository root, stdout and stderr to `log_path`."""
+  """Runs the launch's command from the repository root, stdout and stderr to `log_path`.
+
+  A run the study is stopping for is not started (exit PREEMPTED_EXIT_CODE, as a run stopped at
+  step 0). A run started in the instant before the handler ran gets the signal as it registers;
+  killed by it before its own handler was installed, it exits -signum, which is read as preempted
+  too: it resumes from its last checkpoint like any other."""
   with open(log_path, "a") as log:
-    proc = subprocess.Popen(list(launch.argv), cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
     with _CHILDREN_LOCK:
+      if _STOPPING:
+        return preempt.PREEMPTED_EXIT_CODE
+      proc = subprocess.Popen(list(launch.argv), cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
       _CHILDREN.add(proc)
-      if _STOPPING:  # started as the signal came in: it stops too
-        proc.send_signal(_STOPPING[0])
     try:
-      return proc.wait()
+      rc = proc.wait()
     finally:
       with _CHILDREN_LOCK:
         _CHILDREN.discard(proc)
+        signum = _STOPPING[0] if _STOPPING else None
+    return preempt.PREEMPTED_EXIT_CODE if signum is not None and rc == -signum else rc
 
 
 def _forward(signum: int) -> None:
+  """Sends `signum` to every run in progress; called by `_stop` with `_CHILDREN_LOCK` held."""
+  for proc in _CHILDREN:
+    if proc.poll() is None:
+      proc.send_signal(signum)
+
+
+def _stop(signum: int) -> None:
+  """The guard's first-signal callback: record that the study stops, then forward, in one critical
+  section, so that no run starts between the two."""
   with _CHILDREN_LOCK:
-    _STOPPING.append(signum)
-    for proc in _CHILDREN:
-      if proc.poll() is None:
-        proc.send_signal(signum)
+    if not _STOPPING:
+      _STOPPING.append(signum)
+    _forward(signum)
 
 
 def _flag_value(v: Any) -> str:
@@ -346,22 +373,30 @@ def run_study(p: Plan, executor: Executor = subprocess_executor, jobs: int = 1,
                   unit="run", disable=not progress)
   # SIGTERM / SIGINT: forwarded to the runs in progress (each checkpoints its step and exits 75);
   # no new run starts; `preempt.Preempted` then tells the caller (the CLI exits 75 too).
-  _STOPPING.clear()
-  guard = preempt.Guard(on_signal=_forward)
+  with _CHILDREN_LOCK:
+    _STOPPING.clear()
+  guard = preempt.Guard(on_signal=_stop)
   try:
-    with guard, concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-      futures = {pool.submit(_unless_stopped, guard, launch, executor, commit, p.protocol): launch
+    # The main thread waits where a signal wakes it whichever thread the kernel gave it to
+    # (preempt.MainThreadWaiter), with the signal unblocked on it (preempt.signals_to_main_thread).
+    with (guard, preempt.signals_to_main_thread(), preempt.MainThreadWaiter() as waiter,
+          concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool):
+      futures = {pool.submit(_unless_stopped, launch, executor, commit, p.protocol): launch
                  for launch in todo}
-      for fut in concurrent.futures.as_completed(futures):
-        launch = futures[fut]
-        rc = fut.result()
-        if rc is None:
-          continue  # not started: the study was stopped first
-        outcome = "ok" if rc == 0 else "preempted" if rc == preempt.PREEMPTED_EXIT_CODE else "failed"
-        counts[outcome] += 1
-        if outcome == "failed":
-          tqdm.tqdm.write(f"[study] {launch.name}/seed{launch.seed} exited {rc}; see {launch.workdir}/run.log")
-        bar.update(1)
+      waiter.watch(futures)
+      pending = set(futures)
+      while pending:
+        for fut in waiter.wait(pending):
+          pending.discard(fut)
+          launch = futures[fut]
+          rc = fut.result()
+          if rc is None:
+            continue  # not started: the study was stopped first
+          outcome = "ok" if rc == 0 else "preempted" if rc == preempt.PREEMPTED_EXIT_CODE else "failed"
+          counts[outcome] += 1
+          if outcome == "failed":
+            tqdm.tqdm.write(f"[study] {launch.name}/seed{launch.seed} exited {rc}; see {launch.workdir}/run.log")
+          bar.update(1)
   finally:
     bar.close()
   if guard.signum is not None:
@@ -369,8 +404,12 @@ def run_study(p: Plan, executor: Executor = subprocess_executor, jobs: int = 1,
   return counts
 
 
-def _unless_stopped(guard: preempt.Guard, launch: Launch, *args) -> int | None:
-  return None if guard.signum is not None else execute(launch, *args)
+def _unless_stopped(launch: Launch, *args) -> int | None:
+  """Runs `launch` unless the study is stopping (None: not started). The check reads the record
+  `_stop` writes first, not the guard's flag: the check and the record share one lock."""
+  if stopping() is not None:
+    return None
+  return execute(launch, *args)
 
 
 FINISHED = ("done", "collapsed")
