@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib.metadata
 import json
 import os
+import platform
 import socket
 import time
 import uuid
@@ -277,12 +279,44 @@ def new_identity() -> dict:
   return {"run_id": uuid.uuid4().hex[:16], "created": _now(), "host": socket.gethostname()}
 
 
+ENV_PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "ml_dtypes")
+
+
+def _cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def environment() -> dict:
+  """What a run's bits depend on beyond its config: package versions, the CPU and XLA's flags.
+
+  Read without importing jax (this runs before any backend starts), so two runs can be checked for
+  bit-identity across machines by comparing this record first.
+  """
+  versions = {}
+  for name in ENV_PACKAGES:
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      versions[name] = None
+  return {"python": platform.python_version(), "packages": versions, "cpu": _cpu_model(),
+          "machine": platform.machine(), "cpu_count": os.cpu_count(),
+          "xla_flags": os.environ.get("XLA_FLAGS", ""), "jax_platforms": os.environ.get("JAX_PLATFORMS", "")}
+
+
 @dataclasses.dataclass
 class RunDir:
   """An opened workdir: `.path(...)` for files in it, `.identity`, `.config`, `.lock`, `.resuming`.
 
-  `<workdir>/run.json` = {"identity": {run_id, created, host}, "config": resolved config,
-  "history": [{time, host, changed keys} per resume with changes]}. It is (re)written when a run starts
+  `<workdir>/run.json` = {"identity": {run_id, created, host}, "environment": `environment()` at
+  creation, "config": resolved config, "history": [{time, host, changed keys and / or the new
+  environment} per resume that changed either]}. It is (re)written when a run starts
   with nothing to resume (no checkpoint), so a new experiment in a reused path gets a new
   identity (and wandb run); with a checkpoint the stored config is checked first.
   """
@@ -332,16 +366,22 @@ class RunDir:
     resuming = has_checkpoint(root, subdir)
     stored = _read_json(run_file) if run_file.exists() else {}
     new = json.loads(json.dumps(config_dict, default=str))
+    env = environment()
     if resuming and stored.get("config") is not None:
       diff = check_config(stored["config"], new, resume, defaults)
       identity = stored.get("identity")
-      if diff and is_writer:
+      # A resume on another machine or package set is recorded: its steps may differ in the last bit.
+      last_env = next((h["environment"] for h in reversed(stored.get("history", [])) if "environment" in h),
+                      stored.get("environment"))
+      if (diff or env != last_env) and is_writer:
         forced = [k for k, _, _ in diff if not is_safe_key(k)]
         if forced:
           print(f"[workdir] resume='force': resuming with changed keys {forced}")
+        entry = {"time": _now(), "host": new_identity()["host"], "changed": [k for k, _, _ in diff]}
+        if env != last_env:
+          entry["environment"] = env
         record = dict(stored, config=new)
-        record["history"] = stored.get("history", []) + [
-            {"time": _now(), "host": new_identity()["host"], "changed": [k for k, _, _ in diff]}]
+        record["history"] = stored.get("history", []) + [entry]
         write_atomic(run_file, json.dumps(record, indent=1))
       return cls(root, identity, new, True, lock, diff)
     if resuming and is_writer:
@@ -349,7 +389,8 @@ class RunDir:
       print(f"[workdir] {root} has checkpoints but no {RUN_NAME}: recording the current config")
     identity = new_identity() if is_writer else stored.get("identity")
     if is_writer:
-      write_atomic(run_file, json.dumps({"identity": identity, "config": new, "history": []}, indent=1))
+      write_atomic(run_file, json.dumps({"identity": identity, "environment": env, "config": new, "history": []},
+                                        indent=1))
     return cls(root, identity, new, resuming, lock)
 
   def path(self, *parts: str) -> epath.Path:

@@ -241,6 +241,27 @@ def test_changed_config_fails_listing_keys_safe_keys_pass_force_overrides(tmp_pa
   assert stored["config"]["seed"] == 1 and "seed" in stored["history"][-1]["changed"]
 
 
+def test_run_json_records_the_environment_and_a_resume_on_another(tmp_path, monkeypatch):
+  """Issue 53: run.json names the jax / jaxlib versions, the CPU model and the XLA flags; a resume
+  under another environment appends it to the history, an unchanged one writes nothing."""
+  import importlib.metadata  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --some_flag=1")
+  wd.RunDir.open(tmp_path, _cfg()).close()
+  env = json.loads((tmp_path / wd.RUN_NAME).read_text())["environment"]
+  assert env["packages"]["jax"] == importlib.metadata.version("jax")
+  assert env["packages"]["jaxlib"] == importlib.metadata.version("jaxlib")
+  assert env["xla_flags"] == "--xla_force_host_platform_device_count=8 --some_flag=1" and env["cpu"]
+  _fake_checkpoint(tmp_path)
+  wd.RunDir.open(tmp_path, _cfg()).close()
+  assert json.loads((tmp_path / wd.RUN_NAME).read_text())["history"] == []
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  wd.RunDir.open(tmp_path, _cfg()).close()
+  (entry,) = json.loads((tmp_path / wd.RUN_NAME).read_text())["history"]
+  assert entry["changed"] == [] and entry["environment"]["xla_flags"] == "--xla_force_host_platform_device_count=8"
+  wd.RunDir.open(tmp_path, _cfg()).close()   # the same again: compared with the latest, nothing new
+  assert len(json.loads((tmp_path / wd.RUN_NAME).read_text())["history"]) == 1
+
+
 def test_a_key_the_stored_config_lacks_compares_as_the_default_the_caller_passes(tmp_path):
   """Issue 40: RunDir takes the job's schema defaults as an argument (it imports no schema)."""
   wd.RunDir.open(tmp_path, _cfg()).close()
