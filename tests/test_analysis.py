@@ -47,16 +47,21 @@ def test_moving_average_centered_shrinking():
 
 
 def test_collapse_detector():
-  steps = [0, 10, 20, 30, 40, 50]
-  assert aggregate.collapse_step(steps, [0.1, 0.3, 0.4, 0.35, 0.3, 0.41]) is None   # never below 0.2
-  assert aggregate.collapse_step(steps, [0.1, 0.4, 0.1, 0.3, 0.1, 0.1]) == 40       # one dip is noise
-  assert aggregate.collapse_step(steps, [0.1, 0.4, 0.1, 0.3, 0.1, 0.1], patience=1) == 20
-  assert aggregate.collapse_step(steps, [0.1, 0.4, 0.21, 0.19, 0.19, 0.4], fraction=0.5) == 30
-  assert aggregate.collapse_step(steps, [0.1, 0.4, 0.3, float("nan"), 0.3, 0.3]) == 30
-  assert aggregate.collapse_step(steps, [0.0] * 6) is None                          # nothing to lose
-  # Smoothing the per-step reward: isolated dips vanish, a sustained fall stays.
-  assert aggregate.collapse_step(range(8), [.4, .4, .1, .4, .4, .1, .4, .4], patience=1, smooth=3) is None
-  assert aggregate.collapse_step(range(8), [.4, .4, .4, .4, .1, .0, .0, .0], patience=2, smooth=3) == 4
+  """The one definition (issue 53): the protocol's collapse endpoint, an evaluation after step 20 at or
+  below 0.005 (or non-finite), or an abort when no evaluation before it got there."""
+  steps = [0, 20, 40, 60, 80, 100]
+  assert (aggregate.COLLAPSE_FLOOR, aggregate.COLLAPSE_AFTER) == (0.005, 20)
+  assert aggregate.collapse_step(steps, [0.3, 0.4, 0.1, 0.3, 0.1, 0.1]) is None    # dips, never the floor
+  assert aggregate.collapse_step(steps, [0.3, 0.0, 0.3, 0.3, 0.3, 0.3]) is None    # at step 20: not after it
+  assert aggregate.collapse_step(steps, [0.3, 0.4, 0.1, 0.005, 0.3, 0.3]) == 60    # at the floor; recovery counts not
+  assert aggregate.collapse_step(steps, [0.3, 0.4, 0.1, 0.0051, 0.3, 0.3]) is None
+  assert aggregate.collapse_step(steps, [0.3, 0.4, float("nan"), 0.3, 0.0, 0.0]) == 40   # non-finite
+  assert aggregate.collapse_step(steps, [0.0] * 6) == 40                           # a floor run is one
+  assert aggregate.collapse_step(steps, [0.3] * 6, aborted_step=55) == 55          # an abort
+  assert aggregate.collapse_step(steps, [0.3, 0.3, 0.0, 0.3, 0.3, 0.3], aborted_step=55) == 40   # floor first
+  assert aggregate.collapse_step(steps, [0.3, 0.3, 0.1, 0.01, 0.3, 0.3], floor=0.01, after=0) == 60
+  with pytest.raises(ValueError):
+    aggregate.collapse_step(steps, [0.3] * 6, floor=1.0)
 
 
 def test_load_dedup_aliases_and_aggregate(tmp_path):
@@ -90,8 +95,10 @@ def test_nonfinite_and_aborted_runs_collapse(tmp_path):
   write_run(tmp_path / "abort" / "seed0", rows_of([0.1, 0.4], [0, 1e-3]),
             failed={"rc": 1, "error": "FloatingPointError: non-finite loss or gradient at RL step 2"})
   groups = analysis.group_runs(analysis.load_runs(str(tmp_path / "*" / "seed*")))
-  got = {g.name: aggregate.summarize_group(g).collapse_steps for g in groups}
+  # These runs log every step, so the endpoint's "after step 20" is moved to 0 (an abort counts anywhere).
+  got = {g.name: aggregate.summarize_group(g, after=0).collapse_steps for g in groups}
   assert got == {"nan": [2], "abort": [2]}
+  assert {g.name: aggregate.summarize_group(g).collapse_steps for g in groups} == {"nan": [None], "abort": [2]}
 
 
 def test_group_by_config_key_and_figures_tables(tmp_path):

@@ -33,7 +33,7 @@ def test_alarm_step_up_down_and_edge_cases():
 
 def test_kinds_leads_and_table():
   healthy = {0: 0.1, 20: 0.2, 40: 0.3, 60: 0.3, 80: 0.3}
-  collapsing = {0: 0.1, 20: 0.3, 40: 0.3, 60: 0.1, 80: 0.05}   # two evals below 0.15: collapse at 60
+  collapsing = {0: 0.1, 20: 0.3, 40: 0.3, 60: 0.0, 80: 0.0}   # at the floor (<= 0.005 after step 20): collapse at 60
   warned = _run("a", 0, collapsing, tv=[0.05] * 30 + [0.2] * 51, cos=[0.9, 0.9, 0.9, 0.3, 0.2, 0.1, 0, 0, 0])
   late = _run("a", 1, collapsing, tv=[0.05] * 70 + [0.2] * 11, cos=[0.9] * 9)
   false_alarm = _run("b", 0, healthy, tv=[0.05] * 50 + [0.2] * 31, cos=[0.9] * 9)

@@ -9,14 +9,14 @@ from rl_jax.analysis.runs import Group, Run, group_runs, load_runs
 
 
 def compare(groups: Sequence[Group], out_dir: str, title: str | None = None,
-            fraction: float = aggregate.COLLAPSE_FRACTION, patience: int = aggregate.COLLAPSE_PATIENCE,
+            floor: float = aggregate.COLLAPSE_FLOOR, after: int = aggregate.COLLAPSE_AFTER,
             collapse_metric: str = aggregate.COLLAPSE_METRIC, smooth: int = figures.SMOOTH
             ) -> tuple[dict[str, str], list[aggregate.GroupSummary]]:
   """Writes OUT/figure.png and OUT/table.{md,csv,json} for `groups` (and OUT/attribution.{png,md} when
   runs logged `attribution/*`); returns the paths and the rows."""
   os.makedirs(out_dir, exist_ok=True)
-  summaries = [aggregate.summarize_group(g, collapse_metric=collapse_metric, fraction=fraction,
-                                         patience=patience) for g in groups]
+  summaries = [aggregate.summarize_group(g, collapse_metric=collapse_metric, floor=floor, after=after)
+               for g in groups]
   paths = tables.write_tables(summaries, out_dir)
   paths["png"] = figures.plot_groups(groups, os.path.join(out_dir, "figure.png"), smooth=smooth, title=title)
   # Imported here: `python -m rl_jax.analysis.attribution_report` must find it unimported by the package.

@@ -29,8 +29,9 @@ def main(argv: list[str] | None = None) -> int:
                  help="pool runs that differ in keys --group_by does not name (refused by default)")
   p.add_argument("--panel_by", default=None, help="config key drawn as one panel per value")
   p.add_argument("--collapse_metric", default=aggregate.COLLAPSE_METRIC)
-  p.add_argument("--collapse_fraction", type=float, default=aggregate.COLLAPSE_FRACTION)
-  p.add_argument("--collapse_patience", type=int, default=aggregate.COLLAPSE_PATIENCE)
+  p.add_argument("--collapse_floor", type=float, default=aggregate.COLLAPSE_FLOOR,
+                 help="collapse: an evaluation after --collapse_after at or below this, or an abort")
+  p.add_argument("--collapse_after", type=int, default=aggregate.COLLAPSE_AFTER)
   p.add_argument("--smooth", type=int, default=figures.SMOOTH, help="moving-average window (steps)")
   p.add_argument("--title", default=None)
   args = p.parse_args(argv)
@@ -49,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
   for g in groups:
     if g.mixed:
       print(f"warning: group {g.name!r} pools runs that differ in {', '.join(g.mixed)} (--allow_mixed)")
-  paths, summaries = analysis.compare(groups, args.out, title=args.title, fraction=args.collapse_fraction,
-                                      patience=args.collapse_patience, collapse_metric=args.collapse_metric,
+  paths, summaries = analysis.compare(groups, args.out, title=args.title, floor=args.collapse_floor,
+                                      after=args.collapse_after, collapse_metric=args.collapse_metric,
                                       smooth=args.smooth)
   print(analysis.tables.markdown(summaries))
   print(f"{len(runs)} runs in {len(groups)} groups -> " + ", ".join(paths[k] for k in ("png", "md", "csv", "json")))

@@ -3,15 +3,14 @@
 Standard error: s.e. = std(values, ddof=1) / sqrt(n) over the n seeds that logged a step;
 undefined (nan, no shading) for n = 1.
 
-Collapse (of one run, on one curve, by default held-out greedy accuracy at each evaluation):
-  the step of the first of `patience` (M) consecutive evaluations whose value is below
-  `fraction` (f) times the running best, where the running best is the maximum of the finite
-  values up to and including that evaluation and is > 0; or the step of the first non-finite
-  value; or, for a run the trainer aborted on a non-finite loss/gradient (`Run.aborted_step`),
-  that step. A run that never collapsed has collapse step None. Defaults f = 0.5, M = 2: one
-  bad evaluation is noise at this scale, two in a row below half the best is not.
-  With `smooth` > 1 the curve is first replaced by its centered moving average (for the
-  per-step train reward).
+Collapse (of one run, on one curve, by default held-out greedy accuracy at each evaluation): the
+  project's one definition, the protocol's declared collapse endpoint (docs/results.md#protocol):
+  the step of the first evaluation after step `after` (20) at or below `floor` (0.005), or of the
+  first non-finite evaluation after it (a diverged policy answers nothing); or, for a run the
+  trainer aborted on a non-finite loss/gradient (`Run.aborted_step`), that step when no evaluation
+  before it reached the floor. A run that never collapsed has collapse step None. The exploratory
+  studies' earlier criterion (two consecutive evaluations below half the running best) flagged
+  recoverable dips; it is no longer computed, and the tables published under it say so.
 """
 from __future__ import annotations
 
@@ -23,8 +22,8 @@ import numpy as np
 
 from rl_jax.analysis.runs import Group, Run
 
-COLLAPSE_FRACTION = 0.5
-COLLAPSE_PATIENCE = 2
+COLLAPSE_FLOOR = 0.005
+COLLAPSE_AFTER = 20
 COLLAPSE_METRIC = "eval_greedy_accuracy"
 ACCURACY = "eval_greedy_accuracy"
 KL = "mismatch/kl_k1"
@@ -75,41 +74,22 @@ def aggregate_curve(runs: Sequence[Run], metric: str) -> Curve:
                n=np.asarray([k for _, _, k in stats], dtype=np.int64))
 
 
-def collapse_step(steps: Sequence[int], values: Sequence[float], fraction: float = COLLAPSE_FRACTION,
-                  patience: int = COLLAPSE_PATIENCE, smooth: int = 1) -> int | None:
-  """The collapse step of one curve (module docstring), or None."""
-  if fraction <= 0 or patience < 1:
-    raise ValueError(f"collapse: need fraction > 0 and patience >= 1, got {fraction}, {patience}")
-  v = np.asarray(values, dtype=np.float64)
-  bad = ~np.isfinite(v)
-  if bad.any():
-    first_bad = int(np.argmax(bad))
-    v, steps = v[:first_bad], list(steps)[:first_bad + 1]
-  else:
-    first_bad = None
-  if smooth > 1:
-    v = moving_average(v, smooth)
-  best = -math.inf
-  below = 0
-  for i, x in enumerate(v):
-    best = max(best, x)
-    if best > 0 and x < fraction * best:
-      below += 1
-      if below == patience:
-        return int(steps[i - patience + 1])
-    else:
-      below = 0
-  return int(steps[first_bad]) if first_bad is not None else None
+def collapse_step(steps: Sequence[int], values: Sequence[float], floor: float = COLLAPSE_FLOOR,
+                  after: int = COLLAPSE_AFTER, aborted_step: int | None = None) -> int | None:
+  """The collapse step of one curve (module docstring), or None; `aborted_step` the run's abort."""
+  if not 0 <= floor < 1 or after < 0:
+    raise ValueError(f"collapse: need 0 <= floor < 1 and after >= 0, got {floor}, {after}")
+  hit = next((int(s) for s, v in zip(steps, values) if s > after and not (math.isfinite(v) and v > floor)),
+             None)
+  if aborted_step is not None and (hit is None or aborted_step < hit):
+    return int(aborted_step)
+  return hit
 
 
-def run_collapse(run: Run, metric: str = COLLAPSE_METRIC, fraction: float = COLLAPSE_FRACTION,
-                 patience: int = COLLAPSE_PATIENCE, smooth: int = 1) -> int | None:
+def run_collapse(run: Run, metric: str = COLLAPSE_METRIC, floor: float = COLLAPSE_FLOOR,
+                 after: int = COLLAPSE_AFTER) -> int | None:
   steps, values = run.series(metric)
-  c = collapse_step(steps, values, fraction, patience, smooth)
-  aborted = run.aborted_step
-  if aborted is not None and (c is None or aborted < c):
-    return aborted
-  return c
+  return collapse_step(steps, values, floor, after, run.aborted_step)
 
 
 @dataclasses.dataclass
@@ -156,8 +136,7 @@ def defined_cosine(run: Run, steps: Sequence[int], values: Sequence[float]) -> t
 
 
 def summarize_group(group: Group, accuracy: str = ACCURACY, collapse_metric: str = COLLAPSE_METRIC,
-                    fraction: float = COLLAPSE_FRACTION, patience: int = COLLAPSE_PATIENCE,
-                    smooth: int = 1) -> GroupSummary:
+                    floor: float = COLLAPSE_FLOOR, after: int = COLLAPSE_AFTER) -> GroupSummary:
   """Final / best held-out accuracy, final reward and per-run mean KL over seeds, and each seed's collapse."""
   def per_run(metric: str, reduce) -> list[float]:
     out = []
@@ -184,5 +163,5 @@ def summarize_group(group: Group, accuracy: str = ACCURACY, collapse_metric: str
       best_accuracy=mean_se(per_run(accuracy, best)),
       final_reward=mean_se(per_run("reward", lambda v: v[-1])),
       mean_kl=mean_se(per_run(KL, mean_finite)),
-      collapse_steps=[run_collapse(r, collapse_metric, fraction, patience, smooth) for r in group.runs],
+      collapse_steps=[run_collapse(r, collapse_metric, floor, after) for r in group.runs],
       extra=extra)

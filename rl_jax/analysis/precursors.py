@@ -8,7 +8,9 @@ For one run and one meter:
              drift meter (`drift/tv_mean`, which grows as trainer and sampler part), downward for the
              first-order cosine (`first_order/cosine`, which falls as the token-level objective stops
              approximating the sequence-level one). A baseline <= 0 gives no alarm (nothing to scale).
-Against the run's accuracy collapse (`aggregate.run_collapse`), an alarm is a *warning* when it comes
+Against the run's accuracy collapse (`aggregate.run_collapse`: the project's one definition, an
+evaluation after step 20 at or below 0.005 or an abort; until issue 53 it was two evaluations below
+half the running best, and the exploratory studies' tables were computed under that), an alarm is a *warning* when it comes
 at or before the collapse step, *late* when after it, and a *false alarm* in a run that never
 collapsed. Lead = collapse step - alarm step (>= 0 for a warning). These definitions are fixed here,
 before they were applied to any study.
@@ -142,11 +144,13 @@ def markdown(groups: Sequence[Group], meters: dict[str, tuple[Direction, float]]
 
 # --- Collapse predictors over many runs (docs/results.md#collapse-predictors) ----------------------
 #
-# Declared before being applied to the headline study's meters. The event is the protocol's decline:
-# a run *collapses* when its primary metric (the mean of its last 3 evaluations) ends below its warm
-# start's accuracy (step 0), or it aborted on a non-finite loss; its collapse step is the first
-# evaluation from which the trailing mean of 3 evaluations stays below step 0's (the abort step for
-# an aborted run).
+# Declared before being applied to the headline study's meters. The event is the protocol's decline
+# (round 1 called it a collapse; since issue 53 the project's one collapse is the floor event of the
+# round-2 block below, and this event is named a *decline*): a run *declines* when its primary metric
+# (the mean of its last 3 evaluations) ends below its warm start's accuracy (step 0), or it aborted on
+# a non-finite loss; its decline step is the first evaluation from which the trailing mean of 3
+# evaluations stays below step 0's (the abort step for an aborted run). Below, "collapsed" in this
+# block's names means declined.
 # Each meter is read against its own baseline (`baseline`), and a run's *peak excursion* is the
 # largest value / baseline (an 'up' meter) or baseline / value (a 'down' meter; a reading <= 0 counts
 # as infinite) over its readings after the baseline window, up to its collapse step for a run that
@@ -280,7 +284,7 @@ def evaluate_predictors(runs: Sequence[Run], meters: dict[str, Direction] = PRED
 def predictors_markdown(rows: Sequence[PredictorRow]) -> str:
   """The table of `evaluate_predictors`: one line per meter and alarm factor."""
   fmt = lambda x, d=2: "-" if x is None else f"{x:.{d}f}"
-  out = ["| meter | collapsed / other runs | AUC | alarm at | TPR (warned in time) | FPR (false alarms) | median lead, steps |",
+  out = ["| meter | declined / other runs | AUC | alarm at | TPR (warned in time) | FPR (false alarms) | median lead, steps |",
          "|---|---|---|---|---|---|---|"]
   for r in rows:
     for i, (f, tpr, fpr, lead) in enumerate(r.by_factor):
@@ -303,8 +307,8 @@ def predictors_markdown(rows: Sequence[PredictorRow]) -> str:
 #    the study's runs (primary) and, secondary, formed only within one panel (one regime), which
 #    removes the pooling of regimes too. 95% CI: percentile bootstrap, BOOTSTRAP resamples of the
 #    collapsed and the other runs drawn apart, with replacement (seed 0).
-FLOOR = 0.005
-FLOOR_AFTER = 20
+FLOOR = aggregate.COLLAPSE_FLOOR        # 0.005: the one collapse definition's floor
+FLOOR_AFTER = aggregate.COLLAPSE_AFTER  # 20
 BOOTSTRAP = 2000
 
 
@@ -314,12 +318,7 @@ def floor_event_step(run: Run, metric: str = EVENT_METRIC) -> int | None:
   `floor_event` reads it. (Until 2026-12-06 an aborted run's event was its abort step even when an
   earlier evaluation had reached the floor, which put readings after the event in its window; no
   published run had aborted, so no published figure changes.)"""
-  steps, values = run.series(metric)
-  hit = next((s for s, v in zip(steps, values) if s > FLOOR_AFTER and v <= FLOOR), None)
-  aborted = run.aborted_step
-  if aborted is not None and (hit is None or aborted < hit):
-    return aborted
-  return hit
+  return aggregate.run_collapse(run, metric, FLOOR, FLOOR_AFTER)
 
 
 def _excursion_before(steps, values, direction: Direction, end: int, baseline_steps: int) -> float | None:
@@ -415,8 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         f.write(table)
     return 0
   table = predictors_markdown(evaluate_predictors(found))
-  print(f"{len(done)} finished runs of {len(found)}; {sum(decline_step(r) is not None for r in done)} collapsed "
-        "(ended below the warm start)\n")
+  print(f"{len(done)} finished runs of {len(found)}; {sum(decline_step(r) is not None for r in done)} declined "
+        "(ended below the warm start; round 1's event, not a collapse)\n")
   print(table)
   if a.out:
     with open(a.out, "w", encoding="utf-8") as f:

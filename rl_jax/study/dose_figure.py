@@ -3,9 +3,9 @@
 Reads a protocol study's per_seed.json (panels `clean` and `<source>_<dose>`, e.g. async_4, noise_0.2,
 bf16_fp8, stale_16; lines such as `pg`, `sc`) and draws one column per source: the top row is the mean
 held-out greedy accuracy over the ladder's window (the rule's last 3 evaluations) with a 95% t
-interval over seeds, the bottom row the share of seeds that collapsed (the analysis' definition:
-2 consecutive evaluations below half the running best) and, dashed, the share with an evaluation at
-or below the rule's floor. The clean arm is drawn at dose 0 of every source.
+interval over seeds, the bottom row the share of seeds that collapsed (the project's one definition,
+the protocol's collapse endpoint: an evaluation after step 20 at or below 0.005, or an abort;
+`rl_jax.analysis.aggregate.collapse_step`). The clean arm is drawn at dose 0 of every source.
 """
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ class Cell:
   line: str
   window_means: tuple[float, ...]
   collapsed: tuple[bool, ...]
-  at_floor: tuple[bool, ...]
 
   @property
   def n(self) -> int:
@@ -75,11 +74,10 @@ def cells(per_seed: Sequence[dict]) -> list[Cell]:
     if wm is None:
       continue
     steps = sorted(ev)
-    collapsed = aggregate.collapse_step(steps, [ev[k] for k in steps]) is not None
-    floor = any(v <= rules.COLLAPSE_FLOOR for k, v in ev.items() if k > 0)
+    collapsed = aggregate.collapse_step(steps, [ev[k] for k in steps], aborted_step=s.aborted_step) is not None
     source, dose = (CLEAN, "0") if s.panel == CLEAN else _split(s.panel)
-    out.setdefault((source, dose, s.line), []).append((wm, collapsed, floor))
-  return [Cell(src, dose, line, tuple(x[0] for x in v), tuple(x[1] for x in v), tuple(x[2] for x in v))
+    out.setdefault((source, dose, s.line), []).append((wm, collapsed))
+  return [Cell(src, dose, line, tuple(x[0] for x in v), tuple(x[1] for x in v))
           for (src, dose, line), v in sorted(out.items())]
 
 
@@ -95,7 +93,7 @@ def markdown(cs: Sequence[Cell]) -> str:
   """One row per (source, dose): each line's window mean [95% CI] and collapse counts."""
   lines = sorted({c.line for c in cs})
   by = {(c.source, c.dose, c.line): c for c in cs}
-  head = ("| source | dose | " + " | ".join(f"{ln} window mean [95% CI] | {ln} collapsed / eval <= floor"
+  head = ("| source | dose | " + " | ".join(f"{ln} window mean [95% CI] | {ln} collapsed"
                                             for ln in lines) + " |")
   rows = [head, "|" + "---|" * (2 + 2 * len(lines))]
   keys = sorted({(c.source, c.dose) for c in cs}, key=lambda k: (k[0] != CLEAN, k[0], _dose_x(*k)))
@@ -107,7 +105,7 @@ def markdown(cs: Sequence[Cell]) -> str:
         parts += ["-", "-"]
         continue
       m, h = mean_ci(c.window_means)
-      parts += [f"{m:.3f} [{m - h:.3f}, {m + h:.3f}]", f"{sum(c.collapsed)}/{c.n} / {sum(c.at_floor)}/{c.n}"]
+      parts += [f"{m:.3f} [{m - h:.3f}, {m + h:.3f}]", f"{sum(c.collapsed)}/{c.n}"]
     rows.append(f"| {src} | {dose} | " + " | ".join(parts) + " |")
   return "\n".join(rows) + "\n"
 
@@ -132,14 +130,13 @@ def plot(cs: Sequence[Cell], path: str, title: str = "") -> str:
       axes[0, j].plot(x, m, "o-", color=colors[ln], label=ln)
       axes[0, j].fill_between(x, m - h, m + h, color=colors[ln], alpha=0.2)
       axes[1, j].plot(x, [sum(c.collapsed) / c.n for c in pts], "o-", color=colors[ln], label=f"{ln} collapsed")
-      axes[1, j].plot(x, [sum(c.at_floor) / c.n for c in pts], "x--", color=colors[ln], alpha=0.7,
-                      label=f"{ln} eval <= {rules.COLLAPSE_FLOOR:g}")
     axes[1, j].set_xlabel(SOURCE_TITLES.get(src, src))
     if src in NAMED_DOSES:
       for ax in axes[:, j]:
         ax.set_xticks([0, *range(1, 1 + len(NAMED_DOSES[src]))], ["clean", *NAMED_DOSES[src]])
   axes[0, 0].set_ylabel("held-out greedy accuracy\n(window mean, 95% CI)")
-  axes[1, 0].set_ylabel("share of seeds")
+  axes[1, 0].set_ylabel(f"share of seeds collapsed\n(eval <= {rules.COLLAPSE_FLOOR:g} after step "
+                        f"{aggregate.COLLAPSE_AFTER}, or abort)")
   axes[1, 0].set_ylim(-0.05, 1.05)
   axes[0, 0].legend(fontsize=8)
   axes[1, 0].legend(fontsize=7)

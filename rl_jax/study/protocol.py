@@ -11,11 +11,14 @@ Per run (docs/results.md#protocol):
   a run did not reach because it aborted on a non-finite loss counts as `missing_after_abort`
   (0: a diverged policy answers nothing). A run that neither finished nor aborted has no score and is left out, named.
 - outcome: 'never learned' if the best evaluation never exceeded the warm start's (step 0) by
-  `collapse_margin`; else 'collapsed' if the primary metric ended below the warm start's; else
-  'learned'.
+  `collapse_margin`; else 'declined' if the primary metric ended below the warm start's; else
+  'learned'. (Descriptive only: 'declined' is not a collapse. Until issue 53 this class was named
+  'collapsed'; the project's one collapse is the event below.)
 - collapse event (when the protocol declares `collapse_floor`): the first scheduled evaluation after
   step `collapse_after` at or below the floor, or an abort on a non-finite loss (at its step); a
-  second primary endpoint, compared across paired arms with the exact McNemar test.
+  second primary endpoint, compared across paired arms with the exact McNemar test. It is the
+  project's one definition of a collapse (`rl_jax.analysis.aggregate.collapse_step`, floor 0.005
+  after step 20), which every table and figure uses.
 """
 from __future__ import annotations
 
@@ -25,13 +28,14 @@ import json
 import math
 from typing import Any, Sequence
 
+from rl_jax.analysis import aggregate
 from rl_jax.analysis.runs import Run
 
 ACCURACY = "eval_greedy_accuracy"
 TRAIN_ACCURACY = "accuracy"
 KL = "mismatch/kl_k1"
 ROUTING = "mismatch/routing_agreement"
-OUTCOMES = ("learned", "collapsed", "never learned")
+OUTCOMES = ("learned", "declined", "never learned")
 WINDOWS = ("last_k", "second_half")
 # Fields added after protocols were published: left out of `as_dict` (and so of the digest) at these
 # defaults, so that an earlier study's digest, recorded by its runs, stays what it was.
@@ -149,7 +153,9 @@ class RunScore:
   commit: str
   protocol: str
   note: str = ""
-  # The collapse event's step (protocol.collapse_floor declared; None: no event), `floor_event`.
+  # The collapse event's step (None: no event), `floor_event`: at the protocol's collapse_floor, or at
+  # the one definition's floor (`aggregate.COLLAPSE_FLOOR`) where the protocol declares none, which
+  # reports it per run but tests it in no contrast.
   collapse_step: int | None = None
 
   def as_dict(self) -> dict:
@@ -168,11 +174,10 @@ def eval_schedule(steps: int, eval_every: int) -> list[int]:
 
 def floor_event(evals: dict[int, float], aborted_step: int | None, floor: float, after: int) -> int | None:
   """The step of the first evaluation after step `after` at or below `floor`, the abort step of an
-  aborted run when no evaluation before it got there, or None."""
-  hit = next((s for s in sorted(evals) if s > after and evals[s] <= floor), None)
-  if aborted_step is not None and (hit is None or aborted_step < hit):
-    return aborted_step
-  return hit
+  aborted run when no evaluation before it got there, or None: `aggregate.collapse_step`, the one
+  definition (a non-finite evaluation counts as at the floor)."""
+  steps = sorted(evals)
+  return aggregate.collapse_step(steps, [evals[s] for s in steps], floor, after, aborted_step)
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -213,14 +218,14 @@ def score_run(run: Run, protocol: Protocol, steps: int, eval_every: int, eval_si
     if peak < start + protocol.collapse_margin:
       outcome = "never learned"
     elif primary < start:
-      outcome = "collapsed"
+      outcome = "declined"
     else:
       outcome = "learned"
   tr_steps, tr_acc = run.series(TRAIN_ACCURACY)
   first = tr_acc[tr_steps.index(min(tr_steps))] if tr_steps else None
   study = run.study or {}
-  collapse_step = (None if protocol.collapse_floor is None else
-                   floor_event(evals, aborted, protocol.collapse_floor, protocol.collapse_after))
+  floor = aggregate.COLLAPSE_FLOOR if protocol.collapse_floor is None else protocol.collapse_floor
+  collapse_step = floor_event(evals, aborted, floor, protocol.collapse_after)
   return RunScore(panel=panel or study.get("panel", ""), line=line or study.get("line", ""),
                   seed=int(run.seed or 0) if seed is None else seed,
                   primary=primary, start=start, peak=peak, outcome=outcome, aborted_step=aborted,

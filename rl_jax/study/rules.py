@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+from rl_jax.analysis import aggregate
 from rl_jax.study.protocol import RunScore
 
 Rule = Callable[[Sequence[RunScore]], tuple[str, str, dict]]
@@ -40,7 +41,7 @@ LR_TIE = 0.01
 
 def best_lr(scores: Sequence[RunScore]) -> tuple[str, str, dict]:
   """Panels `lr_<value>` of the clean arm: the lr with the highest mean primary metric over seeds,
-  among those where every seed learned (none collapsed, aborted or never learned); an lr within
+  among those where every seed learned (none declined, aborted or never learned); an lr within
   LR_TIE of the best is tied with it and the smallest tied lr is chosen (the most stable step)."""
   panels = _by_panel(scores)
   rows, ok = [], {}
@@ -133,7 +134,7 @@ CLEAR_GAIN = 0.05
 # evaluation after the peak at or below COLLAPSE_FLOOR, an abort, or a window mean below the warm
 # start) on at least FAIL_SHARE of its seeds.
 LEARN_MARGIN = 0.05
-COLLAPSE_FLOOR = 0.005
+COLLAPSE_FLOOR = aggregate.COLLAPSE_FLOOR   # 0.005, the collapse endpoint's floor
 FAIL_SHARE = 1 / 3
 # (c) The sampler is not broken at step 0: PG's mean first-step train accuracy (the reward's
 # success rate) >= this share of clean PG's.
@@ -181,6 +182,15 @@ def learned_then_failed(s: RunScore, window: Sequence[int]) -> bool:
           or (end is not None and end < s.start))
 
 
+def collapsed(s: RunScore) -> bool:
+  """The collapse endpoint (`aggregate.collapse_step`, the one definition): an evaluation after step
+  20 at or below COLLAPSE_FLOOR, or an abort. Descriptive here: the rule's (b) reads
+  `learned_then_failed`, not this."""
+  ev = _evals(s)
+  steps = sorted(ev)
+  return aggregate.collapse_step(steps, [ev[k] for k in steps], aborted_step=s.aborted_step) is not None
+
+
 def plateau_step(runs: Sequence[RunScore]) -> tuple[int | None, bool]:
   """(plateau step, still rising?) of the runs' mean held-out curve (PLATEAU_TOL; module comment)."""
   common = sorted(set.intersection(*(set(_evals(s)) for s in runs))) if runs else []
@@ -219,7 +229,7 @@ def dose_response(scores: Sequence[RunScore]) -> tuple[str, str, dict]:
       runs = lines.get(line, {})
       wm = _mean(window_mean(s, window) for s in runs.values())
       fails = sum(learned_then_failed(s, window) for s in runs.values())
-      zero = sum(any(v <= COLLAPSE_FLOOR for k, v in _evals(s).items() if k > 0) for s in runs.values())
+      zero = sum(collapsed(s) for s in runs.values())
       cells.append(f"{_f(wm)} ({fails}/{len(runs)}, {zero}/{len(runs)})")
     fail_pg = sum(learned_then_failed(s, window) for s in pg.values())
     first = _mean(s.first_train_accuracy for s in pg.values())
@@ -237,7 +247,8 @@ def dose_response(scores: Sequence[RunScore]) -> tuple[str, str, dict]:
       f"Window: evaluations at steps {', '.join(map(str, window))}. Clean PG gain per seed: "
       + ", ".join(f"{g:+.3f}" for _, g in sorted(clean_gain.items()))
       + f" ({'clear' if gains_ok else 'NOT clear'}: mean >= {CLEAR_GAIN:g}, every seed > 0).", "",
-      "| regime | PG window mean (learned then failed, any eval <= floor) | SC likewise | PG first-step train acc "
+      "| regime | PG window mean (learned then failed, collapsed: eval <= floor after step 20 or abort) | SC likewise "
+      "| PG first-step train acc "
       "(share of clean) | PG mean KL k1 | qualifies? |", "|---|---|---|---|---|---|", *rows]) + "\n"
   chosen = min(qualifying, key=qualifying.get) if qualifying else None
   per_source: dict[str, str] = {}

@@ -453,9 +453,9 @@ def verdict_skeleton(p: Plan, summaries: Sequence[aggregate.GroupSummary], comma
   if left:
     lines += [f"**Unfinished: {len(left)} of {len(p.launches)} runs** had not finished and are left out of "
               "every number below: " + ", ".join(f"{launch.name}/seed{launch.seed}" for launch in left) + ".", ""]
-  lines += [f"Collapse: first of {aggregate.COLLAPSE_PATIENCE} consecutive evaluations with held-out greedy "
-            f"accuracy below {aggregate.COLLAPSE_FRACTION} x its running best, or a non-finite value "
-            "(rl_jax/analysis/aggregate.py).", "", "## Numbers (mean +- s.e. over seeds)", "",
+  lines += [f"Collapse (the one definition, the protocol's declared endpoint): an evaluation after step "
+            f"{aggregate.COLLAPSE_AFTER} with held-out greedy accuracy <= {aggregate.COLLAPSE_FLOOR:g} (or "
+            "non-finite), or an abort on a non-finite loss (rl_jax/analysis/aggregate.py).", "", "## Numbers (mean +- s.e. over seeds)", "",
             tables.markdown(summaries), "## Final held-out greedy accuracy, best first, per panel", ""]
   for panel in dict.fromkeys(s.panel for s in summaries):
     row = sorted((s for s in summaries if s.panel == panel),

@@ -173,7 +173,7 @@ def markdown(analysis: Analysis) -> str:
          f"Primary metric: {p.describe_metric()} on >= "
          f"{p.min_eval_size} held-out prompts; evaluations an aborted run did not reach count "
          f"{p.missing_after_abort:g}. Outcome per run: never learned (best evaluation < warm start + "
-         f"{p.collapse_margin:g}), collapsed (learned, then ended below the warm start), learned. "
+         f"{p.collapse_margin:g}), declined (learned, then ended below the warm start; descriptive, not a collapse), learned. "
          f"Extra seeds: {p.extra_seeds}." + (f" Second primary endpoint, the {p.describe_collapse()}: per "
                                              f"contrast the {stats.MCNEMAR_METHOD}, Holm over the contrasts."
                                              if p.collapse_floor is not None else ""), ""]
@@ -218,7 +218,7 @@ def markdown(analysis: Analysis) -> str:
   out += ["", "## Per seed", "", "| panel | line | seed | primary | warm start | peak | outcome | first-step "
           "train acc | mean KL k1 | commit |", "|---|---|---|---|---|---|---|---|---|---|"]
   for s in sorted(analysis.scores, key=lambda s: (s.panel, s.line, s.seed)):
-    floor = "" if s.collapse_step is None else f"; floor at step {s.collapse_step}"
+    floor = "" if s.collapse_step is None else f"; collapsed at step {s.collapse_step}"
     out.append(f"| {s.panel} | {s.line} | {s.seed} | {_fmt(s.primary)} | {_fmt(s.start)} | {_fmt(s.peak)} | "
                f"{s.outcome or s.note or '-'}{floor} | {_fmt(s.first_train_accuracy)} | {_fmt(s.mean_kl, '.2g')} | "
                f"{s.commit[:12]} |")
