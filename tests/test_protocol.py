@@ -411,3 +411,49 @@ def test_collapse_endpoint_in_the_analysis():
   assert (r.collapse.n, r.collapse.a_only, r.collapse.b_only) == (8, 0, 7) and r.collapse.p == pytest.approx(2 / 128)
   assert r.collapse_p_holm == pytest.approx(2 / 128) and "a collapses less often" in r.collapse_verdict
   assert "Collapse endpoint" in verdicts.markdown(an) and "second half" not in verdicts.markdown(an)
+
+
+def test_rule_pg_fails_reads_only_clean_and_pg_and_takes_the_largest_deficit():
+  """Issue 53's rule by hand: clean primaries 0.40 / 0.42 / 0.44 (gains +0.10 / +0.12 / +0.14, s.d.
+  0.02, so clause (b) needs a PG deficit > 0.04)."""
+  sc = lambda panel, line, seed, primary, start=0.30: dataclasses_replace(
+      _score(panel, seed, primary, start=start, line=line), collapse_step=None)
+  scores = [sc("clean", "pg", k, 0.40 + 0.02 * k) for k in range(3)]
+  # stale_16: PG 0.28 / 0.29 / 0.31 -> mean 0.2933, deficit 0.1267, below its start on 2 of 3: qualifies.
+  scores += [sc("stale_16", "pg", k, v) for k, v in enumerate((0.28, 0.29, 0.31))]
+  # async_8: PG 0.20 / 0.25 / 0.35 -> deficit 0.153 (larger), below on 2 of 3: qualifies, chosen.
+  scores += [sc("async_8", "pg", k, v) for k, v in enumerate((0.20, 0.25, 0.35))]
+  # stale_32: deficit 0.22 but below its start on 1 of 3 only (its warm start is lower): no.
+  scores += [sc("stale_32", "pg", k, v, start=s) for k, (v, s) in enumerate(((0.2, 0.3), (0.2, 0.1), (0.2, 0.1)))]
+  # async_6: below its (higher) start on 3 of 3, deficit 0.03 <= 0.04: no.
+  scores += [sc("async_6", "pg", k, 0.39, start=0.45) for k in range(3)]
+  others = [sc(p, line, k, 0.5 + 0.01 * k) for p in ("stale_16", "async_8", "stale_32", "async_6")
+            for line in ("sc", "tis", "sc_tis") for k in range(3)]
+  table, text, d = rules.pg_fails(scores + others)
+  assert d["clean_gain_clear"] and d["clean_sd"] == pytest.approx(0.02)
+  assert d["qualifying"] == ["async_8", "stale_16"] and d["regime"] == "async_8"
+  assert d["cells"]["stale_16"]["deficit"] == pytest.approx(0.42 - (0.28 + 0.29 + 0.31) / 3)
+  assert d["cells"]["stale_32"]["pg_below_start"] == 1 and d["cells"]["async_6"]["pg_below_start"] == 3
+  assert d["paired"]["sc-pg"]["mean"] == pytest.approx((0.30 + 0.26 + 0.17) / 3)
+  assert "**async_8**" in text and "| async_6 |" in table
+  # The other arms decide nothing: any values there leave the choice as it was.
+  flipped = [dataclasses_replace(s, primary=0.0) for s in others]
+  assert rules.pg_fails(scores + flipped)[2]["qualifying"] == d["qualifying"]
+  # Without a clear clean gain (one seed loses) nothing qualifies.
+  dull = [dataclasses_replace(s, primary=0.29) if s.panel == "clean" and s.seed == 0 else s for s in scores]
+  assert rules.pg_fails(dull)[2]["regime"] is None
+
+
+def test_calibrate3_is_declared_before_its_runs():
+  s = studies.get("calibrate3")
+  p = s.protocol
+  assert (p.rule, p.window, p.collapse_floor, s.seeds, s.steps) == ("pg_fails", "second_half", 0.005, 6, 600)
+  by = {r.name: r.overrides for r in s.runs()}
+  assert sorted(by) == sorted(["clean/pg"] + [f"{c}/{a}" for c in ("stale_16", "stale_32", "async_6", "async_8")
+                                              for a in ("pg", "sc", "tis", "sc_tis")])
+  cal = {r.name: r.overrides for r in studies.get("dose_response_lr003").runs()}
+  # The same cells as the round-2 ladder, only longer: its PG there differs by rl.steps alone.
+  for cell in ("stale_16", "async_8"):
+    assert dict(by[f"{cell}/pg"], **{"rl.steps": 400}) == cal[f"{cell}/pg"] and by[f"{cell}/pg"]["rl.steps"] == 600
+  assert by["clean/pg"]["optim.lr"] == 0.03
+  assert by["async_8/sc_tis"]["loss.method"] == "tis" and by["async_8/sc_tis"]["loss.score_centering"] == "topk"

@@ -277,7 +277,95 @@ def dose_response(scores: Sequence[RunScore]) -> tuple[str, str, dict]:
   return table, text, decision
 
 
-RULES: dict[str, Rule] = {"best_lr": best_lr, "bites": bites, "dose_response": dose_response}
+# -- `pg_fails` (issue 53, calibration 3; fixed before its runs) -------------------------------------
+# Panels `clean` (line `pg` only) and the mismatch cells; lines `pg`, `sc`, `tis`, `sc_tis`. Every
+# quantity is the protocol's primary metric, the run's second-half mean (RunScore.primary), against
+# its own warm start (step 0). ONLY the clean and the PG arms decide; SC, TIS and SC + TIS are
+# reported beside them and read by no clause.
+# (a) The clean arm gains clearly: mean gain >= CLEAR_GAIN and every seed's gain > 0.
+# (b) PG's mean is below the clean arm's mean by more than DEFICIT_SDS x the clean arm's seed-to-seed
+#     s.d. of the primary metric.
+# (c) PG ends below its warm start (primary < start) on at least PG_BELOW_SHARE of its seeds.
+# Chosen: among qualifying cells, the one with the LARGEST PG deficit (clean mean - PG mean).
+DEFICIT_SDS = 2.0
+PG_BELOW_SHARE = 2 / 3
+FAIL_LINES = ("pg", "sc", "tis", "sc_tis")
+
+
+def _sd(xs: Sequence[float]) -> float | None:
+  if len(xs) < 2:
+    return None
+  m = sum(xs) / len(xs)
+  return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def pg_fails(scores: Sequence[RunScore]) -> tuple[str, str, dict]:
+  """The regime for issue 53's contrasts: where plain PG fails while the clean arm learns (module
+  comments above; clauses (a)-(c) read only `clean/pg` and `<cell>/pg`)."""
+  panels: dict[str, dict[str, dict[int, RunScore]]] = {}
+  for s in scores:
+    panels.setdefault(s.panel, {}).setdefault(s.line, {})[s.seed] = s
+  if CLEAN not in panels or DOSE_PG not in panels[CLEAN]:
+    raise ValueError(f"rule 'pg_fails' needs a '{CLEAN}' panel with a '{DOSE_PG}' line; panels: {sorted(panels)}")
+  clean = [s for _, s in sorted(panels[CLEAN][DOSE_PG].items()) if s.primary is not None and s.start is not None]
+  gains = [s.primary - s.start for s in clean]
+  clean_mean = _mean([s.primary for s in clean])
+  clean_sd = _sd([s.primary for s in clean])
+  clear = bool(gains) and _mean(gains) >= CLEAR_GAIN and all(g > 0 for g in gains)
+  rows, qualifying, per_cell = [], {}, {}
+  for panel in sorted(p for p in panels if p != CLEAN):
+    lines = panels[panel]
+    pg = [s for _, s in sorted(lines.get(DOSE_PG, {}).items()) if s.primary is not None and s.start is not None]
+    pg_mean = _mean([s.primary for s in pg])
+    deficit = clean_mean - pg_mean if clean_mean is not None and pg_mean is not None else None
+    below = sum(s.primary < s.start for s in pg)
+    floor = sum(s.collapse_step is not None for s in pg)
+    ok_b = deficit is not None and clean_sd is not None and deficit > DEFICIT_SDS * clean_sd
+    ok_c = bool(pg) and below >= PG_BELOW_SHARE * len(pg) - 1e-9
+    ok = clear and ok_b and ok_c
+    if ok:
+      qualifying[panel] = deficit
+    others = []
+    for line in FAIL_LINES[1:]:   # reported, never read by a clause
+      runs = [s for s in lines.get(line, {}).values() if s.primary is not None]
+      others.append(_f(_mean([s.primary for s in runs])) + f" ({len(runs)})")
+    per_cell[panel] = {"pg_mean": pg_mean, "deficit": deficit, "pg_below_start": below, "pg_at_floor": floor,
+                       "pg_seeds": len(pg), "kl": _mean(s.mean_kl for s in pg),
+                       "routing_agreement": _mean(s.mean_routing_agreement for s in pg)}
+    rows.append(f"| {panel} | {_f(pg_mean)} ({len(pg)}) | {_f(deficit)} | {below}/{len(pg)} | {floor}/{len(pg)} | "
+                + " | ".join(others) + f" | {_g(per_cell[panel]['kl'])} | {_f(per_cell[panel]['routing_agreement'])} | "
+                + ("**qualifies**" if ok else "no") + " |")
+  bar = DEFICIT_SDS * clean_sd if clean_sd is not None else None
+  table = "\n".join([
+      f"Clean PG: second-half mean {_f(clean_mean)} over {len(clean)} seeds, seed-to-seed s.d. {_f(clean_sd)} "
+      f"(clause (b) needs a PG deficit > {_f(bar)}); gain per seed "
+      + ", ".join(f"{g:+.3f}" for g in gains) + f" ({'clear' if clear else 'NOT clear'}: mean >= {CLEAR_GAIN:g}, "
+      "every seed > 0).", "",
+      "| cell | PG mean (seeds) | PG deficit | PG below warm start | PG collapse events | SC mean | TIS mean "
+      "| SC + TIS mean | PG mean KL k1 | PG routing agreement | qualifies? |",
+      "|---|---|---|---|---|---|---|---|---|---|---|", *rows]) + "\n"
+  chosen = max(qualifying, key=qualifying.get) if qualifying else None
+  decision: dict = {"regime": chosen, "qualifying": sorted(qualifying), "clean_gain_clear": clear,
+                    "clean_mean": clean_mean, "clean_sd": clean_sd, "cells": per_cell}
+  text = (f"Qualifying cells: {', '.join(sorted(qualifying)) or 'none'}. Chosen (largest PG deficit): "
+          f"**{chosen or 'none'}**.")
+  step, rising = plateau_step(clean)
+  decision["clean_plateau"] = {"step": step, "still_rising": rising}
+  text += f" Clean PG's plateau: " + ("-" if step is None else f"step {step}") + (" (still rising)." if rising else ".")
+  if chosen:   # what the contrasts' power statement needs; read by no clause
+    runs = panels[chosen]
+    for line in FAIL_LINES[1:]:
+      d = [runs[line][k].primary - runs[DOSE_PG][k].primary
+           for k in sorted(set(runs.get(line, {})) & set(runs.get(DOSE_PG, {})))
+           if runs[line][k].primary is not None and runs[DOSE_PG][k].primary is not None]
+      if len(d) >= 2:
+        decision.setdefault("paired", {})[f"{line}-pg"] = {"mean": sum(d) / len(d), "sd": _sd(d), "n": len(d)}
+        text += f" {line} - PG there: {sum(d) / len(d):+.3f}, paired s.d. {_sd(d):.3f} ({len(d)} seeds)."
+  return table, text, decision
+
+
+RULES: dict[str, Rule] = {"best_lr": best_lr, "bites": bites, "dose_response": dose_response,
+                          "pg_fails": pg_fails}
 
 
 def planning_from(scores: Sequence[RunScore]) -> dict:

@@ -650,3 +650,47 @@ def _contrasts() -> Study:
 
 
 _add(_contrasts())
+
+
+# -- calibration 3: the regime where PG fails (issue 53) ------------------------------------------------
+# Declared before any of its runs. Round 2's calibration chose a regime where PG does not fail (every
+# arm of `contrasts` gained +0.034 to +0.036): its rule let one seed of three qualify a cell and took
+# the qualifying cell with the smallest KL. The ladders of `dose_response_lr003` already held cells
+# where PG ends below its warm start while the clean arm learns (staleness 16: 3 of 3 seeds; async lag
+# 8: 2 of 3), but with 3 seeds, no TIS arms and 400 steps against the clean arm's plateau at ~600.
+# Here: the clean arm, and PG / SC (top-16) / TIS / SC + TIS under staleness 16 and 32 and async lag 6
+# and 8 (fp32 sampler), from the sharper warm start at lr 0.03, the papers' recipe, 600 steps,
+# CALIBRATION3_SEEDS seeds (102 runs). Primary metric per run: the second-half mean held-out greedy
+# accuracy (evaluations at steps 320, 340, ..., 600); the collapse event (an evaluation after step 20
+# at or below 0.005, or an abort) is recorded for every run. Rule `pg_fails` (rules.py) reads ONLY
+# the clean and PG arms: (a) the clean arm gains clearly (mean gain >= 0.05, every seed > 0); (b) PG's
+# mean is below the clean arm's by more than 2 x the clean arm's seed-to-seed s.d.; (c) PG ends below
+# its warm start (second-half mean < its step-0 accuracy) on >= 2/3 of its seeds; chosen: the
+# qualifying cell with the LARGEST PG deficit. SC / TIS / SC + TIS are run and published; no clause
+# reads them. They, the clean arm's plateau and the paired s.d. of each arm - PG in the chosen cell
+# size the contrasts that follow (>= 30 paired seeds, or what a power calculation for half the
+# observed SC - PG difference at Holm's strictest alpha asks, if larger).
+CALIBRATION3_SEEDS = 6
+CALIBRATION3_STEPS = 600
+CALIBRATION3_CELLS = ("stale_16", "stale_32", "async_6", "async_8")
+CALIBRATION3_LINES: dict[str, Overrides] = {k: HEADLINE_LINES[k] for k in ("pg", "sc", "tis", "sc_tis")}
+
+
+def _calibrate3() -> Study:
+  lr = SHARP_LR
+  cells = {"clean": FP32, **{k: DOSE_CELLS[k] for k in CALIBRATION3_CELLS}}
+  return Study(
+      name="calibrate3",
+      description=f"Issue 53 calibration 3: clean PG, and PG / SC / TIS / SC + TIS under staleness 16 / 32 and "
+                  f"async lag 6 / 8, {CALIBRATION3_SEEDS} seeds, from the sharper warm start, the papers' recipe "
+                  f"at lr {lr:g}, {CALIBRATION3_STEPS} steps; rule pg_fails (reads only the clean and PG arms). "
+                  "Declared before any run.",
+      base=DOSE_BASE,
+      panels=tuple((k, dict(recipe(lr), **v)) for k, v in cells.items()),
+      lines=tuple(CALIBRATION3_LINES.items()),
+      skip=tuple(("clean", k) for k in CALIBRATION3_LINES if k != "pg"),
+      seeds=CALIBRATION3_SEEDS, steps=CALIBRATION3_STEPS,
+      protocol=Protocol(rule="pg_fails", window="second_half", collapse_floor=0.005, collapse_after=20))
+
+
+_add(_calibrate3())
