@@ -232,12 +232,16 @@ sys.exit(3)
 """ % WAIT_S
 
 
-def _child_plan(tmp_path, late=False):
+def _child_plan(tmp_path, late=False, warm_done=True):
   p = runner.plan(studies.get("micro"), str(tmp_path))
-  os.makedirs(p.warm_start.workdir)
-  open(os.path.join(p.warm_start.workdir, runner.WARM_START_DONE), "w").close()
-  p.launches = [dataclasses.replace(launch, argv=(sys.executable, "-c", _CHILD, launch.workdir,
-                                                  "late" if late else "ready")) for launch in p.launches]
+  mode = "late" if late else "ready"
+  if warm_done:
+    os.makedirs(p.warm_start.workdir)
+    open(os.path.join(p.warm_start.workdir, runner.WARM_START_DONE), "w").close()
+  else:
+    p.warm_start = dataclasses.replace(p.warm_start, argv=(sys.executable, "-c", _CHILD, p.warm_start.workdir, mode))
+  p.launches = [dataclasses.replace(launch, argv=(sys.executable, "-c", _CHILD, launch.workdir, mode))
+                for launch in p.launches]
   return p
 
 
@@ -248,22 +252,33 @@ def _wait_for(paths):
     time.sleep(0.01)
 
 
-def test_preemption_contract_with_two_jobs_and_real_processes(tmp_path):
+@pytest.mark.parametrize("stage", ["runs", "warm_start"])
+def test_preemption_contract_with_two_jobs_and_real_processes(tmp_path, stage):
   """Issue 60, `--jobs 2`: SIGTERM while two runs are in progress reaches both (each checkpoints and
-  exits 75), the other two never start, nothing is marked failed."""
-  p = _child_plan(tmp_path)
-  first_two = [os.path.join(launch.workdir, "started") for launch in (p.launches[0], p.launches[2])]  # seed 0
+  exits 75), the other two never start, nothing is marked failed. During the shared warm start the
+  warm start is stopped the same way and no run starts."""
+  p = _child_plan(tmp_path, warm_done=stage == "runs")
+  if stage == "runs":
+    first = [os.path.join(launch.workdir, "started") for launch in (p.launches[0], p.launches[2])]  # seed 0
+  else:
+    os.makedirs(p.warm_start.workdir)
+    first = [os.path.join(p.warm_start.workdir, "started")]
 
-  def signal_when_both_run():
-    _wait_for(first_two)
+  def signal_when_started():
+    _wait_for(first)
     os.kill(os.getpid(), signal.SIGTERM)
-  sender = threading.Thread(target=signal_when_both_run, daemon=True)
+  sender = threading.Thread(target=signal_when_started, daemon=True)
   sender.start()
   with pytest.raises(preempt.Preempted, match="SIGTERM"):
     runner.run_study(p, jobs=2, progress=False)
   sender.join(WAIT_S)
-  assert [runner.status(launch) for launch in p.launches] == ["resume@1", "new", "resume@1", "new"]
-  assert [os.path.exists(os.path.join(launch.workdir, "started")) for launch in p.launches] == [True, False, True, False]
+  started = [os.path.exists(os.path.join(launch.workdir, "started")) for launch in p.launches]
+  if stage == "runs":
+    assert [runner.status(launch) for launch in p.launches] == ["resume@1", "new", "resume@1", "new"]
+    assert started == [True, False, True, False]
+  else:
+    assert runner.status(p.warm_start) == "new" and os.path.exists(os.path.join(p.warm_start.workdir, "metrics.jsonl"))
+    assert not any(started) and [runner.status(launch) for launch in p.launches] == ["new"] * 4
   assert not list(tmp_path.glob("**/failed.json"))
 
 

@@ -360,27 +360,34 @@ def run_study(p: Plan, executor: Executor = subprocess_executor, jobs: int = 1,
     raise ValueError(f"--jobs must be >= 1, got {jobs}")
   counts = {"skipped": 0, "ok": 0, "failed": 0, "preempted": 0}
   commit = code_version()
-  if status(p.warm_start) != "done":
-    print(f"[study] warm start -> {p.warm_start.workdir}", flush=True)
-    if execute(p.warm_start, executor) != 0:
-      raise RuntimeError(f"study warm start failed; log: {p.warm_start.workdir}/study_warm_start.log")
-  # Seed-major: every cell's seed 0 runs before any seed 1, so a grid stopped early has every cell
-  # at fewer seeds rather than some cells at all seeds and others at none.
-  todo = sorted((launch for launch in p.launches if status(launch) not in ("done", "collapsed")),
-                key=lambda launch: launch.seed)
-  counts["skipped"] = len(p.launches) - len(todo)
-  bar = tqdm.tqdm(total=len(p.launches), initial=counts["skipped"], desc=f"study {p.study.name}",
-                  unit="run", disable=not progress)
-  # SIGTERM / SIGINT: forwarded to the runs in progress (each checkpoints its step and exits 75);
-  # no new run starts; `preempt.Preempted` then tells the caller (the CLI exits 75 too).
+  # SIGTERM / SIGINT: forwarded to the runs in progress, the warm start included (each checkpoints
+  # its step and exits 75); no new run starts; `preempt.Preempted` then tells the caller (the CLI
+  # exits 75 too).
   with _CHILDREN_LOCK:
     _STOPPING.clear()
   guard = preempt.Guard(on_signal=_stop)
+  bar = None
   try:
     # The main thread waits where a signal wakes it whichever thread the kernel gave it to
-    # (preempt.MainThreadWaiter), with the signal unblocked on it (preempt.signals_to_main_thread).
+    # (preempt.MainThreadWaiter), with the signal unblocked on it (preempt.signals_to_main_thread);
+    # every launch, the warm start too, runs on the pool.
     with (guard, preempt.signals_to_main_thread(), preempt.MainThreadWaiter() as waiter,
           concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool):
+      if status(p.warm_start) != "done":
+        print(f"[study] warm start -> {p.warm_start.workdir}", flush=True)
+        warm = pool.submit(_unless_stopped, p.warm_start, executor)
+        waiter.watch([warm])
+        waiter.wait({warm})
+        rc = warm.result()
+        if guard.signum is None and rc != 0:
+          raise RuntimeError(f"study warm start failed (exit {rc}); log: {p.warm_start.workdir}/study_warm_start.log")
+      # Seed-major: every cell's seed 0 runs before any seed 1, so a grid stopped early has every cell
+      # at fewer seeds rather than some cells at all seeds and others at none.
+      todo = sorted((launch for launch in p.launches if status(launch) not in ("done", "collapsed")),
+                    key=lambda launch: launch.seed)
+      counts["skipped"] = len(p.launches) - len(todo)
+      bar = tqdm.tqdm(total=len(p.launches), initial=counts["skipped"], desc=f"study {p.study.name}",
+                      unit="run", disable=not progress)
       futures = {pool.submit(_unless_stopped, launch, executor, commit, p.protocol): launch
                  for launch in todo}
       waiter.watch(futures)
@@ -398,7 +405,8 @@ def run_study(p: Plan, executor: Executor = subprocess_executor, jobs: int = 1,
             tqdm.tqdm.write(f"[study] {launch.name}/seed{launch.seed} exited {rc}; see {launch.workdir}/run.log")
           bar.update(1)
   finally:
-    bar.close()
+    if bar is not None:
+      bar.close()
   if guard.signum is not None:
     raise preempt.Preempted(None, guard.signum, p.root)
   return counts
