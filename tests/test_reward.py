@@ -1,6 +1,5 @@
 """Countdown reward: hand-checked cases and adversarial-input properties (never raises, always fast)."""
 import time
-from datetime import timedelta
 from fractions import Fraction
 
 import pytest
@@ -10,6 +9,10 @@ from hypothesis import strategies as st
 from rl_jax.tasks import reward as R
 
 NUMS, TARGET = (3, 7, 2), 23
+# Per call, in CPU time of the calling thread (time.thread_time): what a pathological parser would
+# spend (catastrophic backtracking costs seconds) and what load on a shared machine cannot inflate
+# (wall time can: a preempted call measured 4.6 ms wall for 0.4 ms CPU beside a test suite). The
+# slowest of 1,200 adversarial calls took 0.4 ms CPU, so 0.1 s leaves 250x for a slower machine.
 TIME_BOUND_S = 0.1
 
 
@@ -158,11 +161,11 @@ def _timed_checks(text: str) -> None:
   for fn in (lambda: R.countdown_reward(text, NUMS, TARGET),
              lambda: R.countdown_reward(text, NUMS, TARGET, integer_intermediate=True),
              lambda: R.format_reward(text)):
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     r = fn()
-    dt = time.perf_counter() - t0
+    dt = time.thread_time() - t0
     assert r in (0.0, 1.0) and isinstance(r, float)
-    assert dt < TIME_BOUND_S, f"{dt:.3f}s on input of length {len(text)}"
+    assert dt < TIME_BOUND_S, f"{dt:.3f} s CPU on input of length {len(text)}"
   d = R.score_countdown(text, NUMS, TARGET)
   assert d.error != "internal_error"
   assert d.correct == (d.error == "")
@@ -199,14 +202,15 @@ def adversarial_texts(draw):
   return body
 
 
-@settings(max_examples=250, deadline=timedelta(milliseconds=500), database=None,
+# deadline=None: hypothesis's deadline is wall time, which load inflates; the bound is TIME_BOUND_S.
+@settings(max_examples=250, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(adversarial_texts())
 def test_adversarial_inputs_never_raise_and_are_fast(text):
   _timed_checks(text)
 
 
-@settings(max_examples=150, deadline=timedelta(milliseconds=500), database=None)
+@settings(max_examples=150, deadline=None, database=None)
 @given(st.text())
 def test_arbitrary_text_never_raises(text):
   _timed_checks(text)
