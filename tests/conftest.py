@@ -139,23 +139,49 @@ def pytest_collection_modifyitems(items):
       item.add_marker(pytest.mark.slow)
 
 
+# `python -m rl_jax.main ARGS` whose Checkpointer.save, once step HOLD's checkpoint is written and
+# finalized, prints "held" and blocks: a SIGKILL then lands between that checkpoint and the next on any
+# machine, however fast or loaded (polling the checkpoint directory raced the run's next steps).
+_HOLD_AFTER_CHECKPOINT = """
+import runpy, sys, threading
+from rl_jax import host_memory
+host_memory.reexec_tuned()   # as rl_jax.main does first; re-runs this code with the allocator
+from rl_jax import checkpoint
+hold = int(sys.argv.pop(1))
+real = checkpoint.Checkpointer.save
+def save(self, step, items, meta):
+  real(self, step, items, meta)
+  if step == hold:
+    self.wait_until_finished()
+    print("held", flush=True)
+    threading.Event().wait()
+checkpoint.Checkpointer.save = save
+sys.argv[0] = "rl_jax.main"
+runpy.run_module("rl_jax.main", run_name="__main__", alter_sys=True)
+"""
+
+
 def run_clean_and_killed(cmd, clean, killed, kill_after: int, last: int):
-  """Runs `cmd(clean)` to the end; runs `cmd(killed)`, SIGKILLs it once checkpoint `kill_after`
-  exists (and before `last`), then reruns it to the end: the two workdirs of a kill -9 resume test."""
+  """Runs `cmd(clean)` to the end; runs `cmd(killed)` until checkpoint `kill_after` is finalized,
+  SIGKILLs it there (before `last`), then reruns it to the end: the two workdirs of a kill -9
+  resume test. `cmd(w)` is `["-m", "rl_jax.main", ARGS...]`."""
   import signal  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
   subprocess.run([sys.executable, *cmd(clean)], cwd=repo, env=env, check=True, capture_output=True)
-  proc = subprocess.Popen([sys.executable, *cmd(killed)], cwd=repo, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
-  deadline = time.time() + 600
-  while time.time() < deadline and not (killed / "checkpoints" / str(kill_after)).exists():
-    time.sleep(0.2)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
+  argv = cmd(killed)
+  assert argv[:2] == ["-m", "rl_jax.main"], argv
+  proc = subprocess.Popen([sys.executable, "-c", _HOLD_AFTER_CHECKPOINT, str(kill_after), *argv[2:]], cwd=repo,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  try:
+    # Blocks until the run prints "held" (or exits: a crash before the checkpoint fails below).
+    held = any(line.strip() == "held" for line in proc.stdout)
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  assert held, f"the run exited with {proc.returncode} before checkpoint {kill_after}"
   assert (killed / "checkpoints" / str(kill_after)).exists()
-  assert not (killed / "checkpoints" / str(last)).exists(), "killed too late to test anything"
+  assert not (killed / "checkpoints" / str(last)).exists()
   subprocess.run([sys.executable, *cmd(killed)], cwd=repo, env=env, check=True, capture_output=True)
