@@ -530,7 +530,8 @@ def test_on_policy_corrections_and_switches_are_pg_bit_for_bit():
 
 def test_sequence_methods_by_hand():
   """seq_tis, seq_mis, geo_mask and opsm on the four responses, at their defaults, at overrides and
-  with each threshold at +-inf (the unmasked forms: exp(S_i), token TIS, plain PG)."""
+  with each threshold at +-inf (the unmasked forms: exp(S_i), token TIS, plain PG; the rejection
+  switch's: the method alone)."""
   logp, logq, adv = _seq_batch()
   r = SEQ_R.astype(np.float64)
   inf = math.inf
@@ -555,6 +556,9 @@ def test_sequence_methods_by_hand():
       # a negative statistic (p above q): kept.
       (LossConfig(method="opsm"), _rows([1.0, 0.0, 1.0, 1.0]), 0, [1]),
       (LossConfig(method="opsm", opsm_delta=inf), _rows([1.0, 1.0, 1.0, 1.0]), 0, []),
+      # The rejection switch at threshold inf rejects nothing: TIS as it is.
+      (LossConfig(method="tis", rejection="k3", rejection_reduce="max", rejection_threshold=inf),
+       np.minimum(r, 2.0) * SEQ_MASK, 0, []),
   ]
   # OPSM over PPO: response 0 (A > 0) loses its r > 1.2 tokens to PPO's band, response 1 to OPSM.
   ppo_cfg = LossConfig(method="opsm", opsm_base="ppo")
