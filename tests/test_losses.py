@@ -627,6 +627,10 @@ def test_decoupled_ratio_and_decoupled_ppo_by_hand():
   np.testing.assert_allclose(w, want, rtol=1e-5)
   np.testing.assert_allclose(loss, -np.sum(want * adv[:, None] * logp) / 12, rtol=1e-5)
   np.testing.assert_allclose(m["frac_masked"], 3 / 12, atol=1e-7)
+  # A sequence statistic reads p_old too: exp(S_i) = prod_t p_old / q = 38.5 (prod_t p / q = 138.7).
+  [(loss, _, w)] = _rules([LossConfig(method="seq_tis", is_ratio="p_old", seq_tis_c=math.inf)],
+                          logp, logq, adv, logp_old_BT=logp_old, metrics=False)
+  np.testing.assert_allclose(w, np.full((2, 6), 1.0 * 7.0 * 2.0 * 0.5 * 5.5 * 1.0), rtol=1e-5)
 
 
 def test_rejection_statistic_by_hand():

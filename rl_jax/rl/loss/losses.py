@@ -393,7 +393,8 @@ def rl_loss(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array, ad
     logq_BT: sampler log q(y_t), the temperature-scaled full-vocabulary log-softmax.
     cfg: LossConfig (static; one compile per config and shape).
     logp_old_BT: trainer log p_old(y_t) at theta_old; required by MiniRL's mask and its
-      `- train_infer_is` ablation; else used only for the KL / prob-diff diagnostics.
+      `- train_infer_is` ablation, by decoupled_ppo and by `is_ratio='p_old'`
+      (`cfg.needs_logp_old`); else used only for the KL / prob-diff diagnostics.
     topk_ids_BTK, topk_logq_BTK: sampler top-k ids and logprobs (sorted descending);
       required by score centering (K = V for 'full'); also give `head_mass_*` and, with or
       without centering, the drift meter `drift/tv_mean`, `drift/tv_max` (meters.topk_tv:
