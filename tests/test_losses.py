@@ -299,10 +299,12 @@ def _rules(cfgs, logp, logq, adv, mask=None, metrics=True, **kw):
   """
   mask = np.ones_like(logp) if mask is None else mask
 
+  def loss(y, c):
+    out = rl_loss_from_logprobs(y, mask, adv, logq, c, **kw)
+    return out if metrics else (out[0], {})
+
   @jax.jit
   def run(lp):
-    loss = lambda y, c: (lambda out: out if metrics else (out[0], {}))(
-        rl_loss_from_logprobs(y, mask, adv, logq, c, **kw))
     return [jax.value_and_grad(lambda y, c=c: loss(y, c), has_aux=True)(lp) for c in cfgs]
 
   n = float(mask.sum())
