@@ -601,37 +601,41 @@ def test_decoupled_ratio_and_decoupled_ppo_by_hand():
   logp_old = (logp - np.log(s)).astype(np.float32)
   logq = (logp_old - np.log(b)).astype(np.float32)
   adv = np.array([1.0, -2.0], np.float32)
-  cfgs = [LossConfig(method="decoupled_ppo"), LossConfig(method="ppo", is_ratio="p_old"),
+  cfgs = [LossConfig(method="decoupled_ppo"), LossConfig(method="minirl", is_ratio="p_old"),
+          LossConfig(method="ppo", is_ratio="p_old"),
           LossConfig(method="decoupled_ppo", decoupled_ppo_c=math.inf),
-          LossConfig(method="tis", is_ratio="p_old"), LossConfig(method="minirl", is_ratio="p_old")]
-  outs = _rules(cfgs, logp, logq, adv, logp_old_BT=logp_old)
+          LossConfig(method="tis", is_ratio="p_old"),
+          LossConfig(method="seq_tis", is_ratio="p_old", seq_tis_c=math.inf)]
+  # Diagnostics of the first two (the others': weights and losses only, faster).
+  outs = (_rules(cfgs[:2], logp, logq, adv, logp_old_BT=logp_old)
+          + _rules(cfgs[2:], logp, logq, adv, logp_old_BT=logp_old, metrics=False))
   # PPO on s: A > 0 drops s = 1.3 and 4.0 (> 1.2); A < 0 drops s = 0.7 (< 0.8), dual-clips 4.0 (> 3).
   js, ws = zip(*[_ppo_expected(s, a, 0.8, 1.2) for a in adv])
   j_ppo, w_ppo = np.stack(js), np.stack(ws)
   np.testing.assert_array_equal(w_ppo == 0, [[1, 0, 0, 0, 0, 1], [0, 0, 1, 0, 0, 1]])
-  for cap, (loss, m, w) in zip((5.0, math.inf), outs[:2]):
+  for cap, (loss, m, w) in zip((5.0, math.inf), (outs[0], outs[2])):
     bw = np.minimum(b, cap)[None]
     np.testing.assert_allclose(w, bw * w_ppo, rtol=1e-5, err_msg=str(cap))
     np.testing.assert_allclose(loss, -np.sum(bw * j_ppo) / 12, rtol=1e-5, err_msg=str(cap))
-    np.testing.assert_allclose(m["frac_clipped"], np.mean(b > cap), atol=1e-7)
-    np.testing.assert_allclose(m["frac_dual_clipped"], 1 / 12, atol=1e-7)
-  assert outs[1][0] == outs[2][0]
-  np.testing.assert_array_equal(outs[1][2], outs[2][2])
+  m = outs[0][1]
+  np.testing.assert_allclose(m["frac_clipped"], np.mean(b > 5.0), atol=1e-7)   # 7.0 and 5.5
+  np.testing.assert_allclose(m["frac_dual_clipped"], 1 / 12, atol=1e-7)
+  assert outs[2][0] == outs[3][0]   # decoupled_ppo at cap inf is PPO under is_ratio='p_old'
+  np.testing.assert_array_equal(outs[2][2], outs[3][2])
   # TIS reads min(p_old / q, 2), whatever p / p_old is.
-  loss, _, w = outs[3]
+  loss, _, w = outs[4]
   want = np.minimum(b, 2.0)[None].repeat(2, 0)
   np.testing.assert_allclose(w, want, rtol=1e-5)
   np.testing.assert_allclose(loss, -np.sum(want * adv[:, None] * logp) / 12, rtol=1e-5)
   # MiniRL: its mask on s (A > 0: s > 1.27; A < 0: s < 0.8), its weight min(p_old / q, 5).
-  loss, m, w = outs[4]
+  loss, m, w = outs[1]
   keep = np.array([[0, 1, 1, 1, 1, 0], [1, 1, 0, 1, 1, 1]])
   want = keep * np.minimum(b, 5.0)[None]
   np.testing.assert_allclose(w, want, rtol=1e-5)
   np.testing.assert_allclose(loss, -np.sum(want * adv[:, None] * logp) / 12, rtol=1e-5)
   np.testing.assert_allclose(m["frac_masked"], 3 / 12, atol=1e-7)
   # A sequence statistic reads p_old too: exp(S_i) = prod_t p_old / q = 38.5 (prod_t p / q = 138.7).
-  [(loss, _, w)] = _rules([LossConfig(method="seq_tis", is_ratio="p_old", seq_tis_c=math.inf)],
-                          logp, logq, adv, logp_old_BT=logp_old, metrics=False)
+  w = outs[5][2]
   np.testing.assert_allclose(w, np.full((2, 6), 1.0 * 7.0 * 2.0 * 0.5 * 5.5 * 1.0), rtol=1e-5)
 
 
@@ -641,13 +645,14 @@ def test_rejection_statistic_by_hand():
   l = np.log(SEQ_R.astype(np.float64))
   per_token = {"k1": -l, "k2": l * l / 2, "k3": SEQ_R - 1.0 - l}
   on = SEQ_MASK > 0
-  for estimator, reduce in REJECTIONS:
+  all_nine = jax.jit(lambda l_BT, m_BT: [losses.rejection_statistic(l_BT, m_BT, e, red)
+                                         for e, red in REJECTIONS])
+  got = all_nine(jnp.asarray(l * SEQ_MASK, jnp.float32), jnp.asarray(SEQ_MASK))
+  for (estimator, reduce), got_B in zip(REJECTIONS, got):
     k = per_token[estimator]
     want = {"mean": np.where(on, k, 0).sum(1) / on.sum(1), "sum": np.where(on, k, 0).sum(1),
             "max": np.where(on, k, -np.inf).max(1)}[reduce]
-    got = losses.rejection_statistic(jnp.asarray(l * SEQ_MASK, jnp.float32), jnp.asarray(SEQ_MASK),
-                                     estimator, reduce)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8, err_msg=f"{estimator} {reduce}")
+    np.testing.assert_allclose(got_B, want, rtol=1e-5, atol=1e-8, err_msg=f"{estimator} {reduce}")
 
 
 def test_rejection_and_weight_normalization_by_hand():
@@ -663,7 +668,9 @@ def test_rejection_and_weight_normalization_by_hand():
   rej = dict(rejection="k1", rejection_threshold=-0.02)
   cfgs = [LossConfig(method="tis", **rej), LossConfig(method="tis", weight_norm=True, **rej),
           LossConfig(method="ppo", weight_norm=True), LossConfig(method="seq_mis", weight_norm=True)]
-  outs = _rules(cfgs, logp, logq, adv, mask=SEQ_MASK)
+  # Diagnostics of the two rejection configs (the others': weights and losses only, faster).
+  outs = (_rules(cfgs[:2], logp, logq, adv, mask=SEQ_MASK)
+          + _rules(cfgs[2:], logp, logq, adv, mask=SEQ_MASK, metrics=False))
   tis_w = np.minimum(r, 2.0) * SEQ_MASK
   kept_rows = np.array([[1], [0], [0], [1]])
   m_rej = (2.0 + 1.5 + 1.0 + 1.25 + 0.85 + 1.1) / 6          # min(r, 2) over responses 0 and 3
@@ -680,6 +687,8 @@ def test_rejection_and_weight_normalization_by_hand():
     if want_j is None:
       want_j = want * adv[:, None] * logp
     np.testing.assert_allclose(loss, -want_j.sum() / N_SEQ_TOKENS, rtol=1e-5, err_msg=err)
+    if not m:
+      continue
     np.testing.assert_allclose(m["weight_mean"], want.sum() / N_SEQ_TOKENS, rtol=1e-5, err_msg=err)
     if cfg.weight_norm:
       np.testing.assert_allclose(m["weight_norm_divisor"], divisor, rtol=1e-6, err_msg=err)
@@ -689,7 +698,7 @@ def test_rejection_and_weight_normalization_by_hand():
       np.testing.assert_allclose(m["rejection_stat_mean"], k1_mean.mean(), rtol=1e-5)
       np.testing.assert_allclose(m["rejection_stat_max"], k1_mean.max(), rtol=1e-5)
       np.testing.assert_allclose(m["frac_dropped"], 0.0)   # rejected, not dropped by the method
-  assert "frac_rejected" not in outs[2][1] and "weight_norm_divisor" not in outs[0][1]
+  assert "weight_norm_divisor" not in outs[0][1]
 
   # Centering with TIS: with weight normalization, loss and gradient (sampled token and head)
   # are the unnormalized ones over the mean TIS weight.
@@ -713,7 +722,8 @@ def test_rejection_and_weight_normalization_by_hand():
 
 def test_a_dropped_sequence_contributes_exactly_zero_gradient():
   """Response 0 (A < 0, the sampler e times likelier than the trainer at each token) is dropped by
-  seq_mis, geo_mask, opsm and the rejection switch (with centering and weight normalization on):
+  geo_mask, opsm and the rejection switch (with centering and weight normalization on; seq_mis
+  drops through the same code as geo_mask):
   its log-probs and its head's get exactly 0 gradient, and moving them leaves the loss unchanged
   bit for bit. PG, the control, does both."""
   r = _rollout(seed=13, b=3, t=6, v=9, k=3)
@@ -723,8 +733,7 @@ def test_a_dropped_sequence_contributes_exactly_zero_gradient():
   logq[0] = logp[0] + 1.0
   adv = r["adv"].copy()
   adv[0] = -1.0
-  cfgs = [LossConfig(), LossConfig(method="seq_mis"), LossConfig(method="geo_mask"),
-          LossConfig(method="opsm", opsm_base="ppo"),
+  cfgs = [LossConfig(), LossConfig(method="geo_mask"), LossConfig(method="opsm", opsm_base="ppo"),
           LossConfig(method="tis", score_centering="topk", topk=3, rejection="k2",
                      rejection_reduce="max", weight_norm=True)]
 
