@@ -185,6 +185,13 @@ def test_unknown_config_args_fail():
     RLJob.from_config(sweeps.apply_overrides(countdown_tiny.get_config(), {"loss.sampling_mask": "kept_set"}))
   RLJob.from_config(sweeps.apply_overrides(countdown_tiny.get_config(), {"loss.sampling_mask": "kept_set",
                                                                           "sampler.top_p": 0.9}))
+  # Weight normalization needs the whole mini-batch in one loss call (docs/math.md#weight-normalization).
+  mesh = sh.make_mesh(sh.MeshConfig(data=1, fsdp=-1), jax.devices()[:1])
+  wn = {"loss.weight_norm": True, "rl.update_microbatch": 64}
+  with pytest.raises(ConfigError, match="loss.weight_norm.*rl.update_microbatch=64"):
+    RLJob.from_config(sweeps.apply_overrides(countdown_tiny.get_config(), wn)).microbatch_counts(mesh)
+  wn["rl.update_microbatch"] = 0
+  RLJob.from_config(sweeps.apply_overrides(countdown_tiny.get_config(), wn)).microbatch_counts(mesh)
 
 
 def test_sweep_runs_validate():

@@ -1,5 +1,6 @@
 """RL loss: every weight rule (docs/math.md#correction-methods), on-policy == PG, aggregation, jit, errors."""
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,9 @@ SC_METHODS = tuple(sc_composable_methods())
 TABLE_METHODS = ("pg", "naive_is", "tis", "cispo", "mis", "ppo", "dapo", "gspo", "topr", "dppo",
                 "minirl")
 TABLE_SC_METHODS = ("pg", "naive_is", "tis", "cispo", "mis", "ppo", "dapo")
+# docs/math.md#sequence-level-corrections: the field's corrections, registered after the papers'.
+SEQ_METHODS = ("seq_tis", "seq_mis", "geo_mask", "opsm", "decoupled_ppo")
+REJECTIONS = [(e, r) for e in ("k1", "k2", "k3") for r in ("mean", "sum", "max")]
 
 
 # Tests batch many configs into one jit: the programs are tiny, compiling dominates.
@@ -63,7 +67,15 @@ def test_config_defaults_are_spec():
   assert (c.minirl_eps_low, c.minirl_eps_high, c.minirl_tis_c) == (0.2, 0.27, 5.0)
   assert c.minirl_train_infer_is and c.minirl_clip
   assert (c.topk, c.sc_eps, c.temperature, c.chunk_size) == (128, 1e-6, 1.0, 0)
+  # docs/references.md#defaults-of-the-sequence-level-corrections gives each value's source.
+  assert (c.seq_tis_c, c.seq_mis_low, c.seq_mis_high) == (2.0, 0.5, 2.0)
+  assert (c.geo_mask_low, c.geo_mask_high, c.geo_mask_tis_c) == (0.99, 1.01, 2.0)
+  assert (c.opsm_delta, c.opsm_base) == (1e-4, "pg")
+  assert (c.decoupled_ppo_low, c.decoupled_ppo_high, c.decoupled_ppo_c) == (0.8, 1.2, 5.0)
+  assert (c.is_ratio, c.rejection, c.rejection_reduce, c.rejection_threshold, c.weight_norm) == (
+      "current", "none", "mean", 0.01, False)
   assert tuple(METHOD_REGISTRY) == METHODS and METHODS[:11] == TABLE_METHODS
+  assert METHODS[11:16] == SEQ_METHODS
   assert hash(c) == hash(LossConfig())  # static jit argument: equal configs share a compile
 
 
@@ -83,6 +95,28 @@ def test_config_defaults_are_spec():
     ({"dual_clip": 1.0}, "dual_clip"),
     ({"topk": 0}, "topk"),
     ({"temperature": 0.0}, "temperature"),
+    *[({"method": m, "score_centering": "topk"}, "score_centering.*whole sequence")
+      for m in ("seq_tis", "seq_mis", "geo_mask", "opsm")],
+    ({"method": "decoupled_ppo", "score_centering": "full"}, "score_centering.*p_old"),
+    ({"is_ratio": "old"}, "loss.is_ratio"),
+    ({"method": "gspo", "is_ratio": "p_old"}, "is_ratio.*gspo.*geometric-mean"),
+    ({"method": "dppo", "is_ratio": "p_old"}, "is_ratio.*dppo.*total variation"),
+    ({"method": "tis", "is_ratio": "p_old", "score_centering": "topk"}, "is_ratio.*head id"),
+    ({"method": "minirl", "is_ratio": "p_old", "minirl_train_infer_is": False}, "is_ratio.*choose one"),
+    ({"rejection": "kl"}, "loss.rejection"),
+    ({"rejection_reduce": "min"}, "loss.rejection_reduce"),
+    ({"rejection_threshold": math.nan}, "rejection_threshold.*NaN"),
+    ({"weight_norm": "batch"}, "loss.weight_norm"),
+    ({"seq_tis_c": 0.0}, "seq_tis_c"),
+    ({"seq_mis_low": 1.5}, "seq_mis_low"),
+    ({"seq_mis_high": 0.9}, "seq_mis_high"),
+    ({"geo_mask_low": 1.0, "geo_mask_high": 1.0}, "geo_mask_high"),
+    ({"geo_mask_tis_c": -1.0}, "geo_mask_tis_c"),
+    ({"opsm_delta": -1e-3}, "opsm_delta"),
+    ({"opsm_base": "gspo"}, "opsm_base"),
+    ({"opsm_base": "opsm"}, "opsm_base"),
+    ({"decoupled_ppo_low": 1.2}, "decoupled_ppo_low"),
+    ({"decoupled_ppo_c": 0.0}, "decoupled_ppo_c"),
 ])
 def test_config_rejects(section, match):
   with pytest.raises(ConfigError, match=match):
@@ -204,6 +238,10 @@ def test_on_policy_every_method_equals_pg():
   variants += [(LossConfig(method=m, score_centering="full"), full) for m in ("pg", "tis", "mis")]
   # A sampler that recorded more than cfg.topk (sorted): its first cfg.topk entries are used.
   variants += [(LossConfig(method="tis", score_centering="topk", topk=3), full)]
+  # Centering composes with the rejection switch and weight normalization
+  # (docs/math.md#sequence-level-corrections; bit for bit without centering in the test below).
+  variants += [(LossConfig(method="tis", score_centering="topk", topk=3, rejection="k3",
+                           weight_norm=True), head)]
   args = (r["targets"], r["mask"], r["adv"], logq)
 
   @jax.jit
@@ -252,18 +290,22 @@ def _ratio_batch(ratios=RATIOS, advs=ADVS, q=0.1):
   return logp, logq, np.asarray(advs, np.float32)
 
 
-def _rules(cfgs, logp, logq, adv, mask=None, **kw):
+def _rules(cfgs, logp, logq, adv, mask=None, metrics=True, **kw):
   """(loss, metrics, w) per config, w_t recovered from d loss / d log p; one compile for all.
 
   batch_tokens: loss = -(1/N) sum_t J_t and dJ_t / dlog p_t = w_t A, so w = -grad N / A.
+  `metrics=False` returns {} for the metrics: the diagnostics are then dead code, and the
+  programs compile in about half the time.
   """
   mask = np.ones_like(logp) if mask is None else mask
 
+  def loss(y, c):
+    out = rl_loss_from_logprobs(y, mask, adv, logq, c, **kw)
+    return out if metrics else (out[0], {})
+
   @jax.jit
   def run(lp):
-    return [jax.value_and_grad(
-        lambda y, c=c: rl_loss_from_logprobs(y, mask, adv, logq, c, **kw), has_aux=True)(lp)
-            for c in cfgs]
+    return [jax.value_and_grad(lambda y, c=c: loss(y, c), has_aux=True)(lp) for c in cfgs]
 
   n = float(mask.sum())
   return [(float(l), m, -np.asarray(g) * n / adv[:, None]) for (l, m), g in run(logp)]
@@ -429,6 +471,288 @@ def test_minirl_on_policy_reduces_to_tis_on_pold_over_q():
   (loss, g), (want, g_want) = run(r["logits"])
   np.testing.assert_allclose(loss, want, rtol=1e-5)
   np.testing.assert_allclose(g, g_want, rtol=1e-5, atol=1e-7)
+
+
+# --- The field's sequence-level corrections and switches (docs/math.md#sequence-level-corrections)
+
+# Four responses (the third has 2 tokens) with their token ratios r = p / q written out; q = 0.2.
+SEQ_R = np.array([[2.0, 1.5, 1.0], [0.5, 0.5, 1.0], [1.01, 0.995, 1.0], [1.25, 0.85, 1.1]],
+                 np.float32)
+SEQ_MASK = np.array([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1]], np.float32)
+SEQ_ADV = np.array([1.0, -1.0, 0.5, -2.0], np.float32)
+# Per response: the sequence ratio exp(S_i) = prod_t r_t; the geometric means G_i = exp(S_i / L_i)
+# are 1.442, 0.630, 1.0025, 1.053 (only the third is inside geo_mask's [0.99, 1.01]).
+SEQ_PROD = np.array([2.0 * 1.5 * 1.0, 0.5 * 0.5 * 1.0, 1.01 * 0.995, 1.25 * 0.85 * 1.1])
+N_SEQ_TOKENS = 11
+
+
+def _seq_batch():
+  """(log p, log q, A) of the four responses: log p = log q + log r."""
+  logq = np.full(SEQ_R.shape, np.log(0.2), np.float32)
+  return (logq + np.log(SEQ_R)).astype(np.float32), logq, SEQ_ADV
+
+
+def _rows(w_B):
+  """A weight per response, on each of its tokens (0 on padding)."""
+  return np.asarray(w_B, np.float64)[:, None] * SEQ_MASK
+
+
+def _ess(w):
+  """(sum w)^2 / (n sum w^2) over the response tokens, a dropped token counting with weight 0."""
+  w = w[SEQ_MASK > 0]
+  return w.sum() ** 2 / (w.size * np.sum(w ** 2)) if np.any(w) else 0.0
+
+
+def test_on_policy_corrections_and_switches_are_pg_bit_for_bit():
+  """q = p = p_old (one array): every sequence method, the decoupled ratio, the rejection switch
+  and weight normalization have weight 1 and drop nothing, so loss and gradient are PG's bit for
+  bit (a ratio surrogate's value is sum_t A / N, PPO's, its gradient PG's)."""
+  logp, _, adv = _seq_batch()
+  cfgs = [LossConfig(method=m) for m in SEQ_METHODS]
+  # Each switch and each rejection estimator at least once.
+  cfgs += [LossConfig(method="opsm", opsm_base="ppo", is_ratio="p_old", rejection="k3"),
+           LossConfig(method="tis", is_ratio="p_old", rejection="k2", rejection_reduce="sum",
+                      weight_norm=True),
+           LossConfig(method="ppo", is_ratio="p_old", rejection="k1", rejection_reduce="max",
+                      weight_norm=True)]
+
+  @jax.jit
+  def run(lp):
+    f = lambda c: jax.value_and_grad(lambda y: rl_loss_from_logprobs(
+        y, SEQ_MASK, adv, lp, c, logp_old_BT=lp)[0])(lp)
+    return f(LossConfig()), f(LossConfig(method="ppo")), [f(c) for c in cfgs]
+
+  (l_pg, g_pg), (l_ppo, _), outs = run(logp)
+  assert np.abs(g_pg).max() > 0
+  for cfg, (loss, g) in zip(cfgs, outs):
+    surrogate = cfg.method in ("ppo", "decoupled_ppo") or (cfg.method, cfg.opsm_base) == ("opsm", "ppo")
+    assert float(loss) == float(l_ppo if surrogate else l_pg), cfg
+    np.testing.assert_array_equal(g, g_pg, err_msg=str(cfg))
+
+
+def test_sequence_methods_by_hand():
+  """seq_tis, seq_mis, geo_mask and opsm on the four responses, at their defaults, at overrides and
+  with each threshold at +-inf (the unmasked forms: exp(S_i), token TIS, plain PG; the rejection
+  switch's: the method alone)."""
+  logp, logq, adv = _seq_batch()
+  r = SEQ_R.astype(np.float64)
+  inf = math.inf
+  only_2 = np.array([[0], [0], [1], [0]])
+  # (config, weights, tokens clipped, responses dropped); every response dropped whole here.
+  # The defaults' diagnostics are checked; the overrides' weights and losses only (faster).
+  cases = [
+      # min(exp(S_i), 2): response 0's 3.0 is capped.
+      (LossConfig(method="seq_tis"), _rows([2.0, SEQ_PROD[1], SEQ_PROD[2], SEQ_PROD[3]]), 3, []),
+      (LossConfig(method="seq_tis", seq_tis_c=inf), _rows(SEQ_PROD), 0, []),
+      # exp(S_i) inside [0.5, 2]: responses 0 (3.0) and 1 (0.25) are dropped.
+      (LossConfig(method="seq_mis"), _rows([0.0, 0.0, SEQ_PROD[2], SEQ_PROD[3]]), 0, [0, 1]),
+      (LossConfig(method="seq_mis", seq_mis_low=0.0, seq_mis_high=inf), _rows(SEQ_PROD), 0, []),
+      # G_i inside [0.99, 1.01]: only response 2, with token weights min(r, 2).
+      (LossConfig(method="geo_mask"), only_2 * np.minimum(r, 2.0) * SEQ_MASK, 0, [0, 1, 3]),
+      # A wide band keeps all; cap 1: r = 2, 1.5, 1.01, 1.25, 1.1 are capped.
+      (LossConfig(method="geo_mask", geo_mask_low=0.5, geo_mask_high=2.0, geo_mask_tis_c=1.0),
+       np.minimum(r, 1.0) * SEQ_MASK, 5, []),
+      (LossConfig(method="geo_mask", geo_mask_low=0.0, geo_mask_high=inf),
+       np.minimum(r, 2.0) * SEQ_MASK, 0, []),
+      # A_1 < 0 and mean_t (log q - log p) = log(4) / 3 > 1e-4: dropped; response 3 has A < 0 but
+      # a negative statistic (p above q): kept.
+      (LossConfig(method="opsm"), _rows([1.0, 0.0, 1.0, 1.0]), 0, [1]),
+      (LossConfig(method="opsm", opsm_delta=inf), _rows([1.0, 1.0, 1.0, 1.0]), 0, []),
+      # The rejection switch at threshold inf rejects nothing: TIS as it is.
+      (LossConfig(method="tis", rejection="k3", rejection_reduce="max", rejection_threshold=inf),
+       np.minimum(r, 2.0) * SEQ_MASK, 0, []),
+  ]
+  # OPSM over PPO: response 0 (A > 0) loses its r > 1.2 tokens to PPO's band, response 1 to OPSM.
+  ppo_cfg = LossConfig(method="opsm", opsm_base="ppo")
+  defaults = [c for c, *_ in cases if c in [LossConfig(method=m) for m in SEQ_METHODS]] + [ppo_cfg]
+  outs = dict(zip(defaults, _rules(defaults, logp, logq, adv, mask=SEQ_MASK)))
+  others = [c for c, *_ in cases if c not in outs]
+  outs.update(zip(others, _rules(others, logp, logq, adv, mask=SEQ_MASK, metrics=False)))
+  for cfg, want, clipped, dropped in cases:
+    loss, m, w = outs[cfg]
+    err = str(cfg)
+    np.testing.assert_allclose(w, want, rtol=1e-5, atol=1e-7, err_msg=err)
+    np.testing.assert_allclose(loss, -np.sum(want * adv[:, None] * logp) / N_SEQ_TOKENS,
+                               rtol=1e-5, err_msg=err)
+    if not m:
+      continue
+    np.testing.assert_allclose(m["frac_clipped"], clipped / N_SEQ_TOKENS, atol=1e-7, err_msg=err)
+    np.testing.assert_allclose(m["frac_dropped"], SEQ_MASK[dropped].sum() / N_SEQ_TOKENS,
+                               atol=1e-7, err_msg=err)
+    np.testing.assert_allclose(m["seq_frac_dropped"], len(dropped) / 4, atol=1e-7, err_msg=err)
+    np.testing.assert_allclose(m["weight_ess"], _ess(want), rtol=1e-5, err_msg=err)
+  loss, m, w = outs[ppo_cfg]
+  js, ws = zip(*[_ppo_expected(r[i], adv[i], 0.8, 1.2) for i in range(4)])
+  want_w = np.stack(ws) * SEQ_MASK * np.array([[1], [0], [1], [1]])
+  np.testing.assert_array_equal(want_w[0], [0.0, 0.0, 1.0])
+  np.testing.assert_allclose(w, want_w, rtol=1e-5, atol=1e-7)
+  want_j = np.stack(js) * SEQ_MASK * np.array([[1], [0], [1], [1]])
+  np.testing.assert_allclose(loss, -want_j.sum() / N_SEQ_TOKENS, rtol=1e-5)
+  np.testing.assert_allclose(m["frac_dropped"], 5 / N_SEQ_TOKENS, atol=1e-7)  # 2 by PPO, 3 by OPSM
+  np.testing.assert_allclose(m["seq_frac_dropped"], 1 / 4, atol=1e-7)
+
+
+def test_decoupled_ratio_and_decoupled_ppo_by_hand():
+  """is_ratio='p_old': an IS weight reads p_old / q, PPO's band the staleness ratio s = p / p_old;
+  decoupled_ppo is that PPO with the behaviour weight capped at 5 (at cap inf, exactly it)."""
+  s = np.array([1.3, 1.1, 0.7, 0.9, 1.0, 4.0])    # p / p_old
+  b = np.array([1.0, 7.0, 2.0, 0.5, 5.5, 1.0])    # p_old / q
+  logp = np.full((2, 6), np.log(0.1), np.float32)
+  logp_old = (logp - np.log(s)).astype(np.float32)
+  logq = (logp_old - np.log(b)).astype(np.float32)
+  adv = np.array([1.0, -2.0], np.float32)
+  cfgs = [LossConfig(method="decoupled_ppo"), LossConfig(method="minirl", is_ratio="p_old"),
+          LossConfig(method="ppo", is_ratio="p_old"),
+          LossConfig(method="decoupled_ppo", decoupled_ppo_c=math.inf),
+          LossConfig(method="tis", is_ratio="p_old"),
+          LossConfig(method="seq_tis", is_ratio="p_old", seq_tis_c=math.inf)]
+  # Diagnostics of the first two (the others': weights and losses only, faster).
+  outs = (_rules(cfgs[:2], logp, logq, adv, logp_old_BT=logp_old)
+          + _rules(cfgs[2:], logp, logq, adv, logp_old_BT=logp_old, metrics=False))
+  # PPO on s: A > 0 drops s = 1.3 and 4.0 (> 1.2); A < 0 drops s = 0.7 (< 0.8), dual-clips 4.0 (> 3).
+  js, ws = zip(*[_ppo_expected(s, a, 0.8, 1.2) for a in adv])
+  j_ppo, w_ppo = np.stack(js), np.stack(ws)
+  np.testing.assert_array_equal(w_ppo == 0, [[1, 0, 0, 0, 0, 1], [0, 0, 1, 0, 0, 1]])
+  for cap, (loss, m, w) in zip((5.0, math.inf), (outs[0], outs[2])):
+    bw = np.minimum(b, cap)[None]
+    np.testing.assert_allclose(w, bw * w_ppo, rtol=1e-5, err_msg=str(cap))
+    np.testing.assert_allclose(loss, -np.sum(bw * j_ppo) / 12, rtol=1e-5, err_msg=str(cap))
+  m = outs[0][1]
+  np.testing.assert_allclose(m["frac_clipped"], np.mean(b > 5.0), atol=1e-7)   # 7.0 and 5.5
+  np.testing.assert_allclose(m["frac_dual_clipped"], 1 / 12, atol=1e-7)
+  assert outs[2][0] == outs[3][0]   # decoupled_ppo at cap inf is PPO under is_ratio='p_old'
+  np.testing.assert_array_equal(outs[2][2], outs[3][2])
+  # TIS reads min(p_old / q, 2), whatever p / p_old is.
+  loss, _, w = outs[4]
+  want = np.minimum(b, 2.0)[None].repeat(2, 0)
+  np.testing.assert_allclose(w, want, rtol=1e-5)
+  np.testing.assert_allclose(loss, -np.sum(want * adv[:, None] * logp) / 12, rtol=1e-5)
+  # MiniRL: its mask on s (A > 0: s > 1.27; A < 0: s < 0.8), its weight min(p_old / q, 5).
+  loss, m, w = outs[1]
+  keep = np.array([[0, 1, 1, 1, 1, 0], [1, 1, 0, 1, 1, 1]])
+  want = keep * np.minimum(b, 5.0)[None]
+  np.testing.assert_allclose(w, want, rtol=1e-5)
+  np.testing.assert_allclose(loss, -np.sum(want * adv[:, None] * logp) / 12, rtol=1e-5)
+  np.testing.assert_allclose(m["frac_masked"], 3 / 12, atol=1e-7)
+  # A sequence statistic reads p_old too: exp(S_i) = prod_t p_old / q = 38.5 (prod_t p / q = 138.7).
+  w = outs[5][2]
+  np.testing.assert_allclose(w, np.full((2, 6), 1.0 * 7.0 * 2.0 * 0.5 * 5.5 * 1.0), rtol=1e-5)
+
+
+def test_rejection_statistic_by_hand():
+  """k1 = -l, k2 = l^2 / 2, k3 = r - 1 - l per token (l = log r), by mean, sum and max over each
+  response's tokens (padding left out)."""
+  l = np.log(SEQ_R.astype(np.float64))
+  per_token = {"k1": -l, "k2": l * l / 2, "k3": SEQ_R - 1.0 - l}
+  on = SEQ_MASK > 0
+  all_nine = jax.jit(lambda l_BT, m_BT: [losses.rejection_statistic(l_BT, m_BT, e, red)
+                                         for e, red in REJECTIONS])
+  got = all_nine(jnp.asarray(l * SEQ_MASK, jnp.float32), jnp.asarray(SEQ_MASK))
+  for (estimator, reduce), got_B in zip(REJECTIONS, got):
+    k = per_token[estimator]
+    want = {"mean": np.where(on, k, 0).sum(1) / on.sum(1), "sum": np.where(on, k, 0).sum(1),
+            "max": np.where(on, k, -np.inf).max(1)}[reduce]
+    np.testing.assert_allclose(got_B, want, rtol=1e-5, atol=1e-8, err_msg=f"{estimator} {reduce}")
+
+
+def test_rejection_and_weight_normalization_by_hand():
+  """The rejection switch zeroes whole responses before the method and logs its statistic; weight
+  normalization divides the weights by their mean over the kept tokens; with centering on, the whole
+  loss and gradient scale by that one constant (the centering coefficients are linear in f)."""
+  logp, logq, adv = _seq_batch()
+  r = SEQ_R.astype(np.float64)
+  # k1 means -log(3)/3, log(4)/3, -log(1.00495)/2, -log(1.16875)/3 = -0.366, 0.462, -0.0025, -0.052:
+  # above -0.02, responses 1 and 2 are rejected.
+  k1_mean = np.array([-np.log(SEQ_PROD[0]) / 3, -np.log(SEQ_PROD[1]) / 3, -np.log(SEQ_PROD[2]) / 2,
+                      -np.log(SEQ_PROD[3]) / 3])
+  rej = dict(rejection="k1", rejection_threshold=-0.02)
+  cfgs = [LossConfig(method="tis", **rej), LossConfig(method="tis", weight_norm=True, **rej),
+          LossConfig(method="ppo", weight_norm=True), LossConfig(method="seq_mis", weight_norm=True)]
+  # Diagnostics of the two rejection configs (the others': weights and losses only, faster).
+  outs = (_rules(cfgs[:2], logp, logq, adv, mask=SEQ_MASK)
+          + _rules(cfgs[2:], logp, logq, adv, mask=SEQ_MASK, metrics=False))
+  tis_w = np.minimum(r, 2.0) * SEQ_MASK
+  kept_rows = np.array([[1], [0], [0], [1]])
+  m_rej = (2.0 + 1.5 + 1.0 + 1.25 + 0.85 + 1.1) / 6          # min(r, 2) over responses 0 and 3
+  js, ws = zip(*[_ppo_expected(r[i], adv[i], 0.8, 1.2) for i in range(4)])
+  ppo_w, ppo_j = np.stack(ws) * SEQ_MASK, np.stack(js) * SEQ_MASK
+  m_ppo = (1.0 + 1.0 + 1.01 + 0.995 + 1.25 + 0.85 + 1.1) / 7  # PPO's kept (not dropped) tokens
+  m_mis = (2 * SEQ_PROD[2] + 3 * SEQ_PROD[3]) / 5             # seq_mis keeps responses 2 and 3
+  seq_mis_w = _rows([0.0, 0.0, SEQ_PROD[2], SEQ_PROD[3]])
+  cases = [(kept_rows * tis_w, None, 1.0), (kept_rows * tis_w / m_rej, None, m_rej),
+           (ppo_w / m_ppo, ppo_j / m_ppo, m_ppo), (seq_mis_w / m_mis, None, m_mis)]
+  for cfg, (want, want_j, divisor), (loss, m, w) in zip(cfgs, cases, outs):
+    err = str(cfg)
+    np.testing.assert_allclose(w, want, rtol=1e-5, atol=1e-7, err_msg=err)
+    if want_j is None:
+      want_j = want * adv[:, None] * logp
+    np.testing.assert_allclose(loss, -want_j.sum() / N_SEQ_TOKENS, rtol=1e-5, err_msg=err)
+    if not m:
+      continue
+    np.testing.assert_allclose(m["weight_mean"], want.sum() / N_SEQ_TOKENS, rtol=1e-5, err_msg=err)
+    if cfg.weight_norm:
+      np.testing.assert_allclose(m["weight_norm_divisor"], divisor, rtol=1e-6, err_msg=err)
+    if cfg.rejection != "none":
+      np.testing.assert_allclose(m["frac_rejected"], 5 / N_SEQ_TOKENS, atol=1e-7)
+      np.testing.assert_allclose(m["seq_frac_rejected"], 2 / 4, atol=1e-7)
+      np.testing.assert_allclose(m["rejection_stat_mean"], k1_mean.mean(), rtol=1e-5)
+      np.testing.assert_allclose(m["rejection_stat_max"], k1_mean.max(), rtol=1e-5)
+      np.testing.assert_allclose(m["frac_dropped"], 0.0)   # rejected, not dropped by the method
+  assert "weight_norm_divisor" not in outs[0][1]
+
+  # Centering with TIS: with weight normalization, loss and gradient (sampled token and head)
+  # are the unnormalized ones over the mean TIS weight.
+  head_logq = np.log(np.broadcast_to([0.5, 0.2], SEQ_R.shape + (2,))).astype(np.float32)
+  head_logp = np.log(np.broadcast_to([0.45, 0.25], SEQ_R.shape + (2,))).astype(np.float32)
+  sc = [LossConfig(method="tis", score_centering="topk", topk=2, weight_norm=wn) for wn in (False, True)]
+
+  @jax.jit
+  def run(lp, hp):
+    return [jax.value_and_grad(lambda y, h, c=c: rl_loss_from_logprobs(
+        y, SEQ_MASK, adv, logq, c, head_logp_BTK=h, topk_logq_BTK=head_logq)[0], (0, 1))(lp, hp)
+            for c in sc]
+
+  (l0, (g0, gh0)), (l1, (g1, gh1)) = run(logp, head_logp)
+  m_tis = tis_w.sum() / N_SEQ_TOKENS
+  assert np.abs(gh0).max() > 0
+  np.testing.assert_allclose(l1 * m_tis, l0, rtol=1e-6)
+  np.testing.assert_allclose(g1 * m_tis, g0, rtol=1e-6, atol=1e-9)
+  np.testing.assert_allclose(gh1 * m_tis, gh0, rtol=1e-6, atol=1e-9)
+
+
+def test_a_dropped_sequence_contributes_exactly_zero_gradient():
+  """Response 0 (A < 0, the sampler e times likelier than the trainer at each token) is dropped by
+  geo_mask, opsm and the rejection switch (with centering and weight normalization on; seq_mis
+  drops through the same code as geo_mask):
+  its log-probs and its head's get exactly 0 gradient, and moving them leaves the loss unchanged
+  bit for bit. PG, the control, does both."""
+  r = _rollout(seed=13, b=3, t=6, v=9, k=3)
+  logp = _trainer_logp(r["logits"], r["targets"])
+  head = np.take_along_axis(_log_softmax(r["logits"]), r["topk_ids"], -1).astype(np.float32)
+  logq = r["logq"].copy()
+  logq[0] = logp[0] + 1.0
+  adv = r["adv"].copy()
+  adv[0] = -1.0
+  cfgs = [LossConfig(), LossConfig(method="geo_mask"), LossConfig(method="opsm", opsm_base="ppo"),
+          LossConfig(method="tis", score_centering="topk", topk=3, rejection="k2",
+                     rejection_reduce="max", weight_norm=True)]
+
+  @jax.jit
+  def run(lp, hp):
+    return [jax.value_and_grad(lambda y, h, c=c: rl_loss_from_logprobs(
+        y, r["mask"], adv, logq, c, head_logp_BTK=h, topk_logq_BTK=r["topk_logq"])[0], (0, 1))(lp, hp)
+            for c in cfgs]
+
+  moved, moved_head = logp.copy(), head.copy()
+  moved[0] += 0.05            # still dropped: l_t = -0.95
+  moved_head[0] -= 0.1
+  for cfg, (loss, (g, gh)), (loss_moved, _) in zip(cfgs, run(logp, head), run(moved, moved_head)):
+    if cfg.method == "pg":
+      assert np.abs(g[0]).max() > 0 and float(loss) != float(loss_moved)
+      continue
+    np.testing.assert_array_equal(g[0], 0.0, err_msg=str(cfg))
+    np.testing.assert_array_equal(gh[0], 0.0, err_msg=str(cfg))
+    assert float(loss) == float(loss_moved), cfg
 
 
 # --- Aggregation -----------------------------------------------------------------------------

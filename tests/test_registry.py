@@ -1,5 +1,6 @@
 """Registry invariants: one owner per name and per config field, and the entry's own consistency."""
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -99,3 +100,21 @@ def test_builtin_method_fields_are_declared_fields_of_the_class():
   with pytest.raises(ValueError, match="already declares"):
     registry.registry_fields_now(methods.METHOD_REGISTRY)(
         type("Clash", (), {"__annotations__": {"tis_high": float}}))
+
+
+def test_sequence_corrections_fields_are_overridable_from_the_command_line():
+  """Every threshold and switch is a scalar key of the RL schema (`--config.loss.KEY=V`), typed by
+  its default, and +-inf is a valid threshold."""
+  defaults = config_schema.defaults("rl")
+  for key in ("seq_tis_c", "seq_mis_low", "seq_mis_high", "geo_mask_low", "geo_mask_high",
+              "geo_mask_tis_c", "opsm_delta", "opsm_base", "decoupled_ppo_low", "decoupled_ppo_high",
+              "decoupled_ppo_c", "is_ratio", "rejection", "rejection_reduce", "rejection_threshold",
+              "weight_norm"):
+    assert defaults[f"loss.{key}"] == getattr(LossConfig(), key), key
+  c = from_dict(LossConfig, {"method": "opsm", "opsm_delta": math.inf, "opsm_base": "tis",
+                             "rejection": "k3", "rejection_reduce": "max",
+                             "rejection_threshold": -math.inf, "seq_tis_c": 4}, prefix="loss")
+  assert (c.opsm_delta, c.opsm_base, c.rejection_threshold, c.seq_tis_c) == (
+      math.inf, "tis", -math.inf, 4.0)
+  assert c.needs_logp_old is False and LossConfig(is_ratio="p_old").needs_logp_old
+  assert LossConfig(method="decoupled_ppo").needs_logp_old

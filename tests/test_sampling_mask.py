@@ -197,3 +197,27 @@ def test_replay_is_a_deprecated_alias_of_kept_set():
             trunc_thresh_BT=sds((R, 1), f32), trunc_covered_BT=sds((R, 1), bool))
   hlo = lambda cfg: jax.jit(rl_loss, static_argnums=5).lower(*args, cfg, **kw).as_text()
   assert hlo(old) == hlo(new) != hlo(dataclasses.replace(new, sampling_mask="none"))
+
+
+def test_sequence_statistics_run_over_the_kept_tokens():
+  """A two-token response whose second token lies outside the trainer's rebuilt kept set: that
+  token is masked before any method, so geo_mask's G_i and the rejection statistic are those of
+  the first token alone (docs/math.md#every-method-in-one-table). Counted, the second token's
+  log-ratio log(0.05 / 0.9) would put G_i at exp(-1.45) and the k1 mean at 1.45: dropped, rejected."""
+  logits = np.log(np.array([[[0.4, 0.3, 0.2, 0.1], [0.05, 0.45, 0.25, 0.25]]], np.float32))
+  targets = np.array([[0, 0]])
+  # Token 0: every id kept (q~ = p there, on-policy); token 1: K = {v : log p_v >= log 0.2}, y = 0
+  # (p = 0.05) outside it, its recorded log q~ far from anything p says.
+  tau = np.array([[-1e30, np.log(0.2)]], np.float32)
+  logq = np.array([[np.log(0.4), np.log(0.9)]], np.float32)
+  adv = np.array([1.0], np.float32)
+  cfg = LossConfig(method="geo_mask", sampling_mask="kept_set", rejection="k1", rejection_threshold=0.5)
+  loss, m = rl_loss(logits, targets, np.ones((1, 2), bool), adv, logq, cfg, trunc_thresh_BT=tau)
+  assert float(m["sampling_mask/outside_frac"]) == 0.5
+  assert float(m["seq_frac_dropped"]) == 0.0 and float(m["seq_frac_rejected"]) == 0.0
+  assert abs(float(m["rejection_stat_mean"])) < 1e-6
+  # Weight 1 on token 0 (its ratio is 1), token 1 masked (its zero gradient:
+  # test_token_outside_the_rebuilt_set_is_counted_and_masked): -A log p(y_0) over the 2 tokens of
+  # the denominator.
+  np.testing.assert_allclose(loss, -np.log(0.4) / 2, rtol=1e-5)
+  assert float(m["weight_mean"]) == pytest.approx(1.0, rel=1e-5)

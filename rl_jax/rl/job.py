@@ -295,8 +295,13 @@ class RLJob:
     rl = self.rl
     rows = rl.prompts_per_step * rl.group_size
     div = sh.batch_divisor(mesh)
-    return (microbatch.count(rows, rl.forward_microbatch, "rl.forward_microbatch", div),
-            microbatch.count(rows // rl.n_minibatches, rl.update_microbatch, "rl.update_microbatch", div))
+    counts = (microbatch.count(rows, rl.forward_microbatch, "rl.forward_microbatch", div),
+              microbatch.count(rows // rl.n_minibatches, rl.update_microbatch, "rl.update_microbatch", div))
+    # The weights' mean runs over the whole mini-batch, which one micro-batch's loss never sees.
+    require(not self.loss.weight_norm or counts[1] == 1, "loss.weight_norm",
+            f"normalizes the weights over the whole mini-batch, but rl.update_microbatch={rl.update_microbatch} "
+            f"splits it into {counts[1]} micro-batches: set rl.update_microbatch=0 or loss.weight_norm=False")
+    return counts
 
   def check_start(self) -> None:
     """The warm start's source exists (read-only: nothing is created). Not part of `check`: configs

@@ -8,8 +8,8 @@ What each file holds (the math is docs/math.md's; the metrics docs/metrics.md's)
                        weight function, each registered with `@register_method`.
   loss_config.py       `LossConfig`: frozen, validated, hashable (a static argument under jit),
                        with each registered method's `Param`s as fields.
-  losses.py            the jitted loss: rule + score centering + aggregation (`rl_loss`,
-                       `rl_loss_from_logprobs`, `rl_loss_from_hidden`).
+  losses.py            the jitted loss: rejection + rule + weight normalization + score centering
+                       + aggregation (`rl_loss`, `rl_loss_from_logprobs`, `rl_loss_from_hidden`).
   loss_diagnostics.py  the stop-gradient statistics returned with the loss (logged as `loss/*`),
                        additive so micro-batches combine exactly.
 

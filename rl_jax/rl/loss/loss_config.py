@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Literal
 
@@ -15,6 +16,9 @@ ScoreCentering = Literal["none", "full", "topk"]
 Aggregation = Literal["batch_tokens", "constant", "seq_mean"]
 # "replay" is kept_set's old name, a deprecated alias ("replay" is routing replay's word).
 SamplingMask = Literal["none", "kept_set", "replay"]
+IsRatio = Literal["current", "p_old"]
+Rejection = Literal["none", "k1", "k2", "k3"]
+RejectionReduce = Literal["mean", "sum", "max"]
 
 # The built-in methods (registered by rl_jax/rl/__init__.py, before this module), in registration
 # order, for sweeps and tests; `registered_methods()` also has those registered since.
@@ -70,10 +74,28 @@ class LossConfig:
       KL, score-centering term and entropy; a token outside the rebuilt set is masked and
       counted (`sampling_mask/outside_frac`). 'replay' is its deprecated old name: it warns
       (DeprecationWarning) and the config holds 'kept_set', so it behaves identically.
+    is_ratio: which trainer policy p the IS weights and masks read in l_t = log p - log q
+      (docs/math.md#the-decoupled-ratio). 'current': p_theta. 'p_old': the decoupled form, the IS
+      weight from the rollout-time trainer p_old / q and, for the PPO family, the clip on the
+      staleness ratio p_theta / p_old; needs p_old. Refused by name for methods without a decoupled
+      form (gspo, dppo) and with score centering (its head weights would need p_old at every
+      head id) except for pg.
+    rejection, rejection_reduce, rejection_threshold: the rejection switch
+      (docs/math.md#rejection), applied before any method like aggregation: the per-token
+      estimator ('k1' = -l_t, 'k2' = l_t^2 / 2, 'k3' = exp(l_t) - 1 - l_t; 'none' = off) reduced
+      over each sequence ('mean', 'sum', 'max'); a sequence whose statistic is above the threshold
+      carries no objective and no gradient (the aggregation's denominator still counts it).
+      Default threshold 0.01: verl's k3-mean preset.
+    weight_norm: divide every per-token weight (and the objective it scales, and the
+      score-centering coefficients) by the stop-gradient mean weight over the batch's kept
+      response tokens, after truncation (docs/math.md#weight-normalization). Needs the whole
+      mini-batch in one call: the job refuses it with update micro-batches.
     Method-owned fields (each method's thresholds: tis_high, cispo_low / cispo_high,
       mis_low / mis_high, ppo_*, dapo_*, gspo_*, topr_high, dppo_tv, minirl_eps_low /
       minirl_eps_high / minirl_tis_c and MiniRL's ablation switches minirl_train_infer_is /
-      minirl_clip) are declared where the method registers (methods.py, `params=`); those
+      minirl_clip; seq_tis_c, seq_mis_low / seq_mis_high, geo_mask_low / geo_mask_high /
+      geo_mask_tis_c, opsm_delta / opsm_base, decoupled_ppo_low / decoupled_ppo_high /
+      decoupled_ppo_c) are declared where the method registers (methods.py, `params=`); those
       registered when this class is created become its declared fields (`registry_fields_now`,
       listed by `dataclasses.fields`), and a method registered later, from a user's module,
       owns fields of every config built after it (`add_registry_params`, in `registry_params`);
@@ -88,6 +110,11 @@ class LossConfig:
   temperature: float = 1.0
   chunk_size: int = 0
   sampling_mask: SamplingMask = "none"
+  is_ratio: IsRatio = "current"
+  rejection: Rejection = "none"
+  rejection_reduce: RejectionReduce = "mean"
+  rejection_threshold: float = 0.01
+  weight_norm: bool = False
   # Fields of entries registered after this class was created (name, value), from the registry
   # when a config is built (`add_registry_params`); the built-in methods' are declared fields.
   registry_params: tuple = ()
@@ -115,6 +142,20 @@ class LossConfig:
       object.__setattr__(self, "sampling_mask", "kept_set")
     require(self.sampling_mask in ("none", "kept_set"), "sampling_mask",
             f"must be 'none' or 'kept_set', got {self.sampling_mask!r}")
+    require(self.is_ratio in ("current", "p_old"), "is_ratio",
+            f"must be 'current' or 'p_old', got {self.is_ratio!r}")
+    if self.is_ratio == "p_old":
+      why = METHOD_REGISTRY[self.method].p_old_incompatible
+      require(why is None, "is_ratio", f"'p_old' has no decoupled form for method={self.method!r}: {why}")
+      require(self.score_centering == "none" or self.method == "pg", "is_ratio",
+              f"'p_old' with score_centering={self.score_centering!r} and method={self.method!r}: "
+              "the centering term's head weights f(p_v / q_v) would need p_old at every head id, "
+              "and the p_old forward gathers only the sampled token")
+    require(self.rejection in ("none", "k1", "k2", "k3"), "rejection",
+            f"must be 'none', 'k1', 'k2' or 'k3', got {self.rejection!r}")
+    require(self.rejection_reduce in ("mean", "sum", "max"), "rejection_reduce",
+            f"must be 'mean', 'sum' or 'max', got {self.rejection_reduce!r}")
+    require(not math.isnan(self.rejection_threshold), "rejection_threshold", "must not be NaN")
 
   @property
   def kept_set_mask(self) -> bool:
@@ -123,8 +164,9 @@ class LossConfig:
 
   @property
   def needs_logp_old(self) -> bool:
-    """Whether the rule reads p_old (the method registered it: only MiniRL today)."""
-    return bool(METHOD_REGISTRY[self.method].needs_logp_old(self))
+    """Whether the loss reads p_old: the method says so (MiniRL, decoupled PPO), or
+    `is_ratio='p_old'` takes every IS weight from it."""
+    return self.is_ratio == "p_old" or bool(METHOD_REGISTRY[self.method].needs_logp_old(self))
 
   @property
   def needs_topk(self) -> bool:

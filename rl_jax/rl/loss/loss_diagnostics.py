@@ -24,7 +24,11 @@ def diagnostic_stats(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Opt
                      topk_logq_BTK: Optional[jax.Array] = None,
                      sc_stats: Optional[dict] = None,
                      drift_tv_BT: Optional[jax.Array] = None,
-                     sc_sq: Optional[tuple[jax.Array, jax.Array]] = None) -> dict[str, jax.Array]:
+                     sc_sq: Optional[tuple[jax.Array, jax.Array]] = None,
+                     rejected_BT: Optional[jax.Array] = None,
+                     rejection_stat_B: Optional[jax.Array] = None,
+                     weight_norm_sums: Optional[tuple[jax.Array, jax.Array]] = None
+                     ) -> dict[str, jax.Array]:
   """Sufficient statistics of the diagnostics over response tokens (padding excluded).
 
   `finalize_stats` of them gives the metrics (keys fixed for a given set of inputs, so logs
@@ -38,10 +42,19 @@ def diagnostic_stats(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Opt
     is_ratio_mean / _max / _min: r_t = p_theta / q on sampled tokens.
     is_ess: normalized effective sample size (sum r)^2 / (n sum r^2) of those ratios, in (0, 1].
     staleness_ratio_mean / _max: s_t = p_theta / p_old (only when p_old is given).
-    weight_mean, weight_max: the method's effective gradient weight w_t.
+    weight_mean, weight_max: the method's effective gradient weight w_t (after the rejection
+      switch and weight normalization).
+    weight_ess: normalized effective sample size (sum w)^2 / (n sum w^2) of those weights over
+      every response token (a dropped or rejected token counts with weight 0), in [0, 1].
     frac_clipped / frac_dropped / frac_dual_clipped / frac_masked: token fractions where
-      the weight was capped / the band dropped the gradient / PPO's dual clip bound /
-      MiniRL's M_t = 0.
+      the weight was capped / the band (or a sequence method's drop) zeroed the gradient / PPO's
+      dual clip bound / MiniRL's M_t = 0.
+    seq_frac_dropped: fraction of (non-empty) responses every token of which the method dropped
+      (seq_mis, geo_mask, opsm drop whole responses; a token band can too).
+    frac_rejected, seq_frac_rejected, rejection_stat_mean, rejection_stat_max: with the rejection
+      switch on, the token and response fractions it rejected and its per-response statistic
+      (mean and max over non-empty responses).
+    weight_norm_divisor: with weight normalization on, the mean weight the weights were divided by.
     head_mass_mean, head_mass_min: sampler head mass sum_H q_v (when top-k is given).
     sc_rho_mean, sc_trainer_head_mass_mean: rho and sum_H p_v of top-k score centering.
     prob_diff_vs_current_mean / _max: |p_theta(y_t) - q(y_t)|.
@@ -82,6 +95,8 @@ def diagnostic_stats(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Opt
   means["frac_dropped"] = rule_out.dropped_BT
   means["frac_dual_clipped"] = rule_out.dual_clipped_BT
   means["frac_masked"] = rule_out.masked_BT
+  if rejected_BT is not None:
+    means["frac_rejected"] = rejected_BT
   if topk_logq_BTK is not None:
     head_BT = jnp.sum(jnp.exp(sg(topk_logq_BTK).astype(jnp.float32)), axis=-1)
     means["head_mass_mean"] = mins["head_mass_min"] = head_BT
@@ -112,9 +127,22 @@ def diagnostic_stats(*, logp_BT: jax.Array, logq_BT: jax.Array, logp_old_BT: Opt
   neg = jnp.float32(-jnp.inf)
   st["lse/_log_r"] = jax.nn.logsumexp(jnp.where(on, log_r, neg))
   st["lse/_2log_r"] = jax.nn.logsumexp(jnp.where(on, 2.0 * log_r, neg))
+  # The weights' ESS the same way (log 0 = -inf: a dropped token adds n but no mass).
+  log_w = jnp.where(on & (w > 0), jnp.log(jnp.where(w > 0, w, 1.0)), neg)
+  st["lse/_log_w"] = jax.nn.logsumexp(log_w)
+  st["lse/_2log_w"] = jax.nn.logsumexp(2.0 * log_w)
   per_seq_B = jnp.sum(jnp.where(on, log_r, 0.0), axis=1) / jnp.maximum(len_B, 1.0)
-  st["sum/_seqs"] = jnp.sum(len_B > 0).astype(jnp.float32)
-  st["sum/_log_ppl"] = jnp.sum(jnp.where(len_B > 0, per_seq_B, 0.0))
+  seq_B = len_B > 0
+  st["sum/_seqs"] = jnp.sum(seq_B).astype(jnp.float32)
+  st["sum/_log_ppl"] = jnp.sum(jnp.where(seq_B, per_seq_B, 0.0))
+  all_dropped_B = seq_B & (jnp.sum(on & rule_out.dropped_BT, axis=1) == len_B)
+  st["sum/_seq_dropped"] = jnp.sum(all_dropped_B).astype(jnp.float32)
+  if rejected_BT is not None:
+    st["sum/_seq_rejected"] = jnp.sum(seq_B & jnp.any(rejected_BT & on, axis=1)).astype(jnp.float32)
+    st["sum/_rejection_stat"] = jnp.sum(jnp.where(seq_B, rejection_stat_B, 0.0))
+    st["max/rejection_stat_max"] = jnp.max(jnp.where(seq_B, rejection_stat_B, -jnp.inf))
+  if weight_norm_sums is not None:
+    st["sum/_wn_weight"], st["sum/_wn_tokens"] = weight_norm_sums
   return {k: sg(jnp.asarray(v, jnp.float32)) for k, v in st.items()}
 
 
@@ -158,8 +186,20 @@ def finalize_stats(st: dict[str, jax.Array]) -> dict[str, jax.Array]:
   if "sum/_outside" in st:  # loss.sampling_mask='kept_set': n counts the tokens in the kept sets
     m["sampling_mask/outside_frac"] = st["sum/_outside"] / jnp.maximum(n + st["sum/_outside"], 1.0)
     m["sampling_mask/kept_mass_p"] = st["sum/_kept_mass_p"] / jnp.maximum(n, 1.0)
+  if "lse/_log_w" in st:
+    ess_w = jnp.exp(2.0 * st["lse/_log_w"] - st["lse/_2log_w"]) / jnp.maximum(n, 1.0)
+    m["weight_ess"] = jnp.where((n > 0) & jnp.isfinite(st["lse/_log_w"]), ess_w, 0.0)
+  seqs = jnp.maximum(st.get("sum/_seqs", 0.0), 1.0)
   if "sum/_log_ppl" in st:
-    m["log_ppl_diff_vs_current"] = st["sum/_log_ppl"] / jnp.maximum(st["sum/_seqs"], 1.0)
+    m["log_ppl_diff_vs_current"] = st["sum/_log_ppl"] / seqs
+  if "sum/_seq_dropped" in st:
+    m["seq_frac_dropped"] = st["sum/_seq_dropped"] / seqs
+  if "sum/_seq_rejected" in st:
+    m["seq_frac_rejected"] = st["sum/_seq_rejected"] / seqs
+    m["rejection_stat_mean"] = st["sum/_rejection_stat"] / seqs
+  if "sum/_wn_weight" in st:
+    wn = st["sum/_wn_weight"] / jnp.maximum(st["sum/_wn_tokens"], 1.0)
+    m["weight_norm_divisor"] = jnp.where((st["sum/_wn_tokens"] > 0) & (wn > 0), wn, 1.0)
   return {k: sg(jnp.asarray(v, jnp.float32)) for k, v in m.items()}
 
 

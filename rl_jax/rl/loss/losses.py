@@ -89,6 +89,44 @@ def aggregate(ell_BT: jax.Array, mask_BT: jax.Array, aggregation: str, norm: jax
   return jnp.sum(ell_BT) / norm
 
 
+# --- Rejection and weight normalization (docs/math.md#rejection, #weight-normalization) ----
+# Switches like aggregation: never inside a method, composable with every one of them.
+
+def rejection_statistic(l_BT: jax.Array, mask_BT: jax.Array, estimator: str, reduce: str) -> jax.Array:
+  """Per-sequence statistic of the rejection switch from the log-ratios l_t = log p - log q.
+
+  Per token k1 = -l_t, k2 = l_t^2 / 2, k3 = exp(l_t) - 1 - l_t (exp capped as every ratio is),
+  reduced over each row's response tokens by 'mean', 'sum' or 'max' (0 for an empty row).
+  """
+  if estimator == "k1":
+    k_BT = -l_BT
+  elif estimator == "k2":
+    k_BT = 0.5 * l_BT * l_BT
+  elif estimator == "k3":
+    k_BT = jnp.expm1(jnp.minimum(l_BT, methods.MAX_LOG_RATIO)) - l_BT
+  else:
+    raise ValueError(f"unknown rejection estimator {estimator!r}")
+  on = mask_BT > 0
+  len_B = jnp.sum(on, axis=1)
+  if reduce == "max":
+    return jnp.where(len_B > 0, jnp.max(jnp.where(on, k_BT, -jnp.inf), axis=1), 0.0)
+  sum_B = jnp.sum(jnp.where(on, k_BT, 0.0), axis=1)
+  if reduce == "sum":
+    return sum_B
+  if reduce == "mean":
+    return sum_B / jnp.maximum(len_B, 1)
+  raise ValueError(f"unknown rejection reduction {reduce!r}")
+
+
+def weight_normalizer(weight_BT: jax.Array, kept_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(m, sum, n): the stop-gradient mean m = sum / n of the weights over the n kept tokens (m = 1
+  when none is kept or their weights sum to 0, so the switch never divides by 0)."""
+  n = jnp.sum(kept_BT).astype(jnp.float32)
+  total = jnp.sum(jnp.where(kept_BT, sg(weight_BT), 0.0))
+  m = total / jnp.maximum(n, 1.0)
+  return jnp.where((n > 0) & (m > 0), m, 1.0), total, n
+
+
 def _jit_loss(*static_argnames):
   """jax.jit with `cfg` static, after checking it is a LossConfig (a ConfigDict would fail
   with an opaque hashing error; convert it with config_utils.from_dict at the boundary)."""
@@ -126,7 +164,7 @@ def _check_common(mask_BT, adv_B, logq_BT, cfg, logp_old_BT, b, t):
     raise ValueError(f"adv_B must have shape (B,) = {(b,)}, got {adv_B.shape}")
   if cfg.needs_logp_old and logp_old_BT is None:
     raise ValueError(
-        f"loss.method={cfg.method!r} with minirl_clip={cfg.minirl_clip}, "
+        f"loss.method={cfg.method!r} with is_ratio={cfg.is_ratio!r}, minirl_clip={cfg.minirl_clip}, "
         f"minirl_train_infer_is={cfg.minirl_train_infer_is} needs logp_old_BT (p_old from the "
         "forward pass at theta_old); it was not given")
 
@@ -167,8 +205,26 @@ def _loss_core(logp_BT, head_logp_BTK, entropy_BT, mask_BT, adv_B, logq_BT, cfg,
   if logp_old_BT is not None:
     logp_old_BT = jnp.where(on, sg(logp_old_BT).astype(jnp.float32), fill)
   adv_BT = jnp.broadcast_to(sg(adv_B).astype(jnp.float32)[:, None], logp_BT.shape)
-  x = methods.TokenInputs(logp_BT, logq_BT, logp_old_BT, adv_BT, mask_BT)
+  x = methods.TokenInputs(logp_BT, logq_BT, logp_old_BT, adv_BT, mask_BT,
+                          logp_old_BT if cfg.is_ratio == "p_old" else sg(logp_BT))
+  # The rejection switch decides on whole rows before any method: the rule still runs on them
+  # (rows are independent), then every one of their terms, the centering one included, is zeroed.
+  rejected_BT = rej_stat_B = None
+  if cfg.rejection != "none":
+    rej_stat_B = rejection_statistic(methods.is_log_ratio(x), mask_BT, cfg.rejection,
+                                     cfg.rejection_reduce)
+    rejected_B = rej_stat_B > cfg.rejection_threshold
+    rejected_BT = jnp.broadcast_to(rejected_B[:, None], mask_BT.shape) & on
   out = methods.METHOD_REGISTRY[cfg.method].rule(x, cfg)
+  if rejected_BT is not None:
+    out = methods.drop_rows(out, rejected_B, count_as_dropped=False)
+  kept_rows_BT = on if rejected_BT is None else on & ~rejected_BT
+  weight_scale = weight_sums = None
+  if cfg.weight_norm:
+    kept_BT = kept_rows_BT & ~(out.dropped_BT | out.dual_clipped_BT | out.masked_BT)
+    weight_scale, *weight_sums = weight_normalizer(out.weight_BT, kept_BT)
+    out = out._replace(objective_BT=out.objective_BT / weight_scale,
+                       weight_BT=out.weight_BT / weight_scale)
   objective_BT = out.objective_BT
   sc_stats = drift_tv_BT = sc_sq = None
   if head_logp_BTK is not None and topk_logq_BTK is not None:
@@ -185,7 +241,10 @@ def _loss_core(logp_BT, head_logp_BTK, entropy_BT, mask_BT, adv_B, logq_BT, cfg,
       y_in_head_BTK = y_in_head_BTK[..., :cfg.topk]
   if cfg.score_centering != "none":
     c_BTK, sc_stats = score_centering_coeffs(head_logp_BTK, topk_logq_BTK, adv_BT, cfg)
-    c_BTK = jnp.where(on[..., None], c_BTK, 0.0)
+    # c_v is linear in the weight function f, so normalizing the weights divides it alike.
+    if weight_scale is not None:
+      c_BTK = c_BTK / weight_scale
+    c_BTK = jnp.where(kept_rows_BT[..., None], c_BTK, 0.0)
     # J_t = [rule term] - A sum_H sg(c_v) log p_v  ([SC], Eq. 12; loss = -J).
     objective_BT = objective_BT - adv_BT * jnp.sum(c_BTK * head_logp_BTK, axis=-1)
     if y_in_head_BTK is None:
@@ -194,12 +253,13 @@ def _loss_core(logp_BT, head_logp_BTK, entropy_BT, mask_BT, adv_B, logq_BT, cfg,
         weight_X=sg(out.weight_BT), adv_X=adv_BT, c_XK=c_BTK,
         head_p_XK=jnp.exp(sg(head_logp_BTK)), p_y_X=jnp.exp(sg(logp_BT)),
         y_in_head_XK=y_in_head_BTK.astype(jnp.float32))
-  ell_BT = jnp.where(on, -objective_BT, 0.0)
+  ell_BT = jnp.where(kept_rows_BT, -objective_BT, 0.0)
   loss = aggregate(ell_BT, agg_mask_BT, cfg.aggregation, norm)
   stats = diagnostic_stats(
       logp_BT=logp_BT, logq_BT=logq_BT, logp_old_BT=logp_old_BT, mask_BT=mask_BT,
       rule_out=out, entropy_BT=entropy_BT, topk_logq_BTK=topk_logq_BTK, sc_stats=sc_stats,
-      drift_tv_BT=drift_tv_BT, sc_sq=sc_sq)
+      drift_tv_BT=drift_tv_BT, sc_sq=sc_sq, rejected_BT=rejected_BT, rejection_stat_B=rej_stat_B,
+      weight_norm_sums=weight_sums)
   if outside is not None:
     stats["sum/_outside"] = jnp.sum(outside.astype(jnp.float32))
     stats["sum/_kept_mass_p"] = jnp.sum(jnp.where(on, jnp.exp(sg(trunc[1])), 0.0))
@@ -333,7 +393,8 @@ def rl_loss(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array, ad
     logq_BT: sampler log q(y_t), the temperature-scaled full-vocabulary log-softmax.
     cfg: LossConfig (static; one compile per config and shape).
     logp_old_BT: trainer log p_old(y_t) at theta_old; required by MiniRL's mask and its
-      `- train_infer_is` ablation; else used only for the KL / prob-diff diagnostics.
+      `- train_infer_is` ablation, by decoupled_ppo and by `is_ratio='p_old'`
+      (`cfg.needs_logp_old`); else used only for the KL / prob-diff diagnostics.
     topk_ids_BTK, topk_logq_BTK: sampler top-k ids and logprobs (sorted descending);
       required by score centering (K = V for 'full'); also give `head_mass_*` and, with or
       without centering, the drift meter `drift/tv_mean`, `drift/tv_max` (meters.topk_tv:

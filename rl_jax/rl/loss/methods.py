@@ -1,6 +1,7 @@
 """The correction rules of docs/math.md#correction-methods: per-token weights, clips, drops and masks, each registered."""
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 import jax
@@ -28,12 +29,15 @@ class TokenInputs(NamedTuple):
   logp_old_BT: trainer log p_old(y_t) at theta_old (constant), or None.
   adv_BT: advantage A_i broadcast over the tokens of response i (constant).
   mask_BT: response mask, 1.0 on response tokens.
+  logp_is_BT: the log p every IS weight and mask reads (constant): p_old's under
+    `loss.is_ratio='p_old'` (docs/math.md#the-decoupled-ratio); None means sg(logp_BT).
   """
   logp_BT: jax.Array
   logq_BT: jax.Array
   logp_old_BT: Optional[jax.Array]
   adv_BT: jax.Array
   mask_BT: jax.Array
+  logp_is_BT: Optional[jax.Array] = None
 
 
 class RuleOutput(NamedTuple):
@@ -62,6 +66,44 @@ def safe_ratio(log_ratio: jax.Array) -> jax.Array:
 
 def _false(x: jax.Array) -> jax.Array:
   return jnp.zeros(x.shape, bool)
+
+
+def is_log_ratio(x: TokenInputs) -> jax.Array:
+  """l_t = log p(y_t) - log q(y_t), stop-gradient, with p = p_old under `loss.is_ratio='p_old'`.
+
+  What every IS weight, sequence statistic and the rejection switch read; padding is 0 (the
+  loss fills padded log q and log p_old with log p).
+  """
+  logp_BT = sg(x.logp_BT) if x.logp_is_BT is None else x.logp_is_BT
+  return logp_BT - x.logq_BT
+
+
+def _is_ratio(x: TokenInputs) -> jax.Array:
+  """The IS ratio exp(l_t) every stop-gradient weight reads (capped, no gradient)."""
+  return safe_ratio(is_log_ratio(x))
+
+
+def _log(v: float) -> float:
+  """log of a threshold, -inf at 0 (a lower bound of 0 keeps every ratio)."""
+  return math.log(v) if v > 0 else -math.inf
+
+
+def drop_rows(out: RuleOutput, drop_B: jax.Array, *, count_as_dropped: bool) -> RuleOutput:
+  """`out` with every token of the rows `drop_B` carrying no objective and no gradient.
+
+  Their objective is exactly 0 (not a constant branch), so a dropped row adds nothing to the loss
+  either. `count_as_dropped`: flag them `dropped_BT` (a method's sequence drop); else clear every
+  flag there (the rejection switch counts its rows itself).
+  """
+  d_BT = jnp.broadcast_to(drop_B[:, None], out.weight_BT.shape)
+  keep = lambda a: a & ~d_BT
+  return RuleOutput(
+      objective_BT=jnp.where(d_BT, 0.0, out.objective_BT),
+      weight_BT=jnp.where(d_BT, 0.0, out.weight_BT),
+      clipped_BT=keep(out.clipped_BT),
+      dropped_BT=(out.dropped_BT | d_BT) if count_as_dropped else keep(out.dropped_BT),
+      dual_clipped_BT=keep(out.dual_clipped_BT),
+      masked_BT=keep(out.masked_BT))
 
 
 def _sg_weight_rule(x: TokenInputs, w_BT: jax.Array, *, clipped=None, dropped=None,
@@ -160,6 +202,12 @@ def _token_ratio(x: TokenInputs) -> jax.Array:
   return safe_ratio(x.logp_BT - x.logq_BT)
 
 
+# Why a method has no decoupled form (`p_old_incompatible`, docs/math.md#the-decoupled-ratio).
+_NO_P_OLD_SEQ_PPO = ("its trust region is the sequence's geometric-mean ratio, and the decoupled split "
+                     "(band on the staleness ratio, weight from p_old / q) is defined per token")
+_NO_P_OLD_TV = "its trust region is the total variation |p - q|, not a ratio whose p could be p_old"
+
+
 @register_method("pg", level="token", statistic="none", weight_fn=_ones_weight)
 def _pg_rule(x, cfg):
   del cfg
@@ -168,13 +216,13 @@ def _pg_rule(x, cfg):
 
 @register_method("naive_is", level="token", statistic="ratio", weight_fn=_naive_is_weight)
 def _naive_is_rule(x, cfg):
-  return _sg_weight_rule(x, _naive_is_weight(sg(_token_ratio(x)), x.adv_BT, cfg))
+  return _sg_weight_rule(x, _naive_is_weight(_is_ratio(x), x.adv_BT, cfg))
 
 
 @register_method("tis", level="token", statistic="ratio", weight_fn=_tis_weight,
                  params={"tis_high": _positive(2.0)})
 def _tis_rule(x, cfg):
-  r = sg(_token_ratio(x))
+  r = _is_ratio(x)
   return _sg_weight_rule(x, _tis_weight(r, x.adv_BT, cfg), clipped=r > cfg.tis_high)
 
 
@@ -183,7 +231,7 @@ def _tis_rule(x, cfg):
                  params={"cispo_low": Param(0.0), "cispo_high": Param(1.28)},
                  check=_ordered("cispo"))
 def _cispo_rule(x, cfg):
-  r = sg(_token_ratio(x))
+  r = _is_ratio(x)
   return _sg_weight_rule(x, _cispo_weight(r, x.adv_BT, cfg),
                          clipped=(r > cfg.cispo_high) | (r < cfg.cispo_low))
 
@@ -191,7 +239,7 @@ def _cispo_rule(x, cfg):
 @register_method("mis", level="token", statistic="ratio", weight_fn=_mis_weight,
                  params={"mis_low": Param(0.5), "mis_high": Param(5.0)}, check=_ordered("mis"))
 def _mis_rule(x, cfg):
-  r = sg(_token_ratio(x))
+  r = _is_ratio(x)
   return _sg_weight_rule(x, _mis_weight(r, x.adv_BT, cfg), dropped=~_mis_inside(r, cfg))
 
 
@@ -212,30 +260,49 @@ def _ppo_surrogate(ratio_BT: jax.Array, x: TokenInputs, lo: float, hi: float,
   return RuleOutput(objective, jnp.where(kept, r, 0.0), _false(r), dropped, dual_clipped, _false(r))
 
 
+def _decoupled_ppo_surrogate(x: TokenInputs, lo: float, hi: float, dual: float,
+                             cap: float) -> RuleOutput:
+  """J_t = sg(min(p_old/q, cap)) * PPO(s_t): the band on the staleness ratio s_t = p/p_old, the
+  behaviour weight p_old/q (docs/math.md#the-decoupled-ratio); `clipped_BT` marks p_old/q > cap."""
+  out = _ppo_surrogate(safe_ratio(x.logp_BT - x.logp_old_BT), x, lo, hi, dual)
+  b_BT = safe_ratio(x.logp_old_BT - x.logq_BT)
+  w_BT = jnp.minimum(b_BT, cap)
+  return out._replace(objective_BT=w_BT * out.objective_BT, weight_BT=w_BT * out.weight_BT,
+                      clipped_BT=b_BT > cap)
+
+
+def _ppo_family(x: TokenInputs, cfg, lo: float, hi: float) -> RuleOutput:
+  """PPO's surrogate on r_t, or under `is_ratio='p_old'` its decoupled form (no weight cap)."""
+  if cfg.is_ratio == "p_old":
+    return _decoupled_ppo_surrogate(x, lo, hi, cfg.dual_clip, math.inf)
+  return _ppo_surrogate(_token_ratio(x), x, lo, hi, cfg.dual_clip)
+
+
 @register_method("ppo", level="token", statistic="ratio",
                  weight_fn=_ppo_weight_fn("ppo_low", "ppo_high"),
                  params=_band_params("ppo", 0.8, 1.2))
 def _ppo_rule(x, cfg):
-  return _ppo_surrogate(_token_ratio(x), x, cfg.ppo_low, cfg.ppo_high, cfg.dual_clip)
+  return _ppo_family(x, cfg, cfg.ppo_low, cfg.ppo_high)
 
 
 @register_method("dapo", level="token", statistic="ratio",
                  weight_fn=_ppo_weight_fn("dapo_low", "dapo_high"),
                  params=_band_params("dapo", 0.8, 1.28))
 def _dapo_rule(x, cfg):
-  return _ppo_surrogate(_token_ratio(x), x, cfg.dapo_low, cfg.dapo_high, cfg.dual_clip)
+  return _ppo_family(x, cfg, cfg.dapo_low, cfg.dapo_high)
 
 
 def _seq_log_ratio(x: TokenInputs) -> tuple[jax.Array, jax.Array]:
-  """Sum over response tokens of log p - log q, and the response lengths L_i (>= 1)."""
-  sum_B = jnp.sum(x.mask_BT * (x.logp_BT - x.logq_BT), axis=1)
+  """S_i = sum over response tokens of l_t (stop-gradient), and the response lengths L_i (>= 1)."""
+  sum_B = jnp.sum(x.mask_BT * is_log_ratio(x), axis=1)
   len_B = jnp.maximum(jnp.sum(x.mask_BT, axis=1), 1.0)
   return sum_B, len_B
 
 
 @register_method(
     "gspo", level="sequence", statistic="ratio", params=_band_params("gspo", 0.9997, 1.0004),
-    sc_incompatible="its statistic is the sequence-level geometric-mean ratio, not a per-token ratio")
+    sc_incompatible="its statistic is the sequence-level geometric-mean ratio, not a per-token ratio",
+    p_old_incompatible=_NO_P_OLD_SEQ_PPO)
 def _gspo_rule(x, cfg):
   """GSPO-token (Zheng et al. 2025) as in [SC]'s Table 1: per-token ratio sg(s_i) p_t / sg(p_t).
 
@@ -244,7 +311,7 @@ def _gspo_rule(x, cfg):
   response, and the token gradients are summed (then aggregated), not response-averaged.
   """
   sum_B, len_B = _seq_log_ratio(x)
-  s_B = safe_ratio(sg(sum_B / len_B))
+  s_B = safe_ratio(sum_B / len_B)
   ratio_BT = s_B[:, None] * jnp.exp(x.logp_BT - sg(x.logp_BT))
   return _ppo_surrogate(ratio_BT, x, cfg.gspo_low, cfg.gspo_high, cfg.dual_clip)
 
@@ -269,7 +336,8 @@ def _topr_rule(x, cfg):
 @register_method(
     "dppo", level="token", statistic="tv",
     params={"dppo_tv": Param(0.2, lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")},
-    sc_incompatible="its statistic is the binary total variation |p - q|, not a function of p_v / q_v")
+    sc_incompatible="its statistic is the binary total variation |p - q|, not a function of p_v / q_v",
+    p_old_incompatible=_NO_P_OLD_TV)
 def _dppo_rule(x, cfg):
   """DPPO (Qi et al. 2026): ratio objective, trust region on binary TV |p(y_t) - q(y_t)|.
 
@@ -290,6 +358,10 @@ def _dppo_rule(x, cfg):
                      "sampled token, not on the sampler's top-k head"),
     # p_old feeds the mask, and the IS weight under the -train_infer_is ablation.
     needs_logp_old=lambda cfg: cfg.minirl_clip or not cfg.minirl_train_infer_is,
+    check=lambda cfg: require(
+        cfg.method != "minirl" or cfg.minirl_train_infer_is or cfg.is_ratio == "current", "is_ratio",
+        "'p_old' takes MiniRL's IS weight from p_old / q; minirl_train_infer_is=False replaces that "
+        "weight by p / p_old: choose one"),
     params={"minirl_eps_low": Param(0.2, lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
             "minirl_eps_high": Param(0.27, lambda v: v >= 0.0, "must be >= 0"),
             "minirl_tis_c": _positive(5.0),
@@ -300,13 +372,13 @@ def _minirl_rule(x, cfg):
 
   M_t = 0 iff (A > 0 and s_t > 1 + eps_high) or (A < 0 and s_t < 1 - eps_low), with
   s_t = p/p_old the staleness ratio. Ablations: `minirl_train_infer_is=False` uses
-  min(p/p_old, C) as the weight; `minirl_clip=False` sets M_t = 1.
+  min(p/p_old, C) as the weight; `minirl_clip=False` sets M_t = 1. Under `is_ratio='p_old'` the
+  weight is min(p_old/q, C) (the mask already reads s_t).
   """
   if cfg.minirl_train_infer_is:
-    denom = x.logq_BT
+    r_is = _is_ratio(x)
   else:
-    denom = x.logp_old_BT
-  r_is = safe_ratio(sg(x.logp_BT) - denom)
+    r_is = safe_ratio(sg(x.logp_BT) - x.logp_old_BT)
   w = jnp.minimum(r_is, cfg.minirl_tis_c)
   masked = _false(w)
   if cfg.minirl_clip:
@@ -315,6 +387,99 @@ def _minirl_rule(x, cfg):
               | ((x.adv_BT < 0) & (s < 1.0 - cfg.minirl_eps_low)))
   return _sg_weight_rule(x, jnp.where(masked, 0.0, w), clipped=r_is > cfg.minirl_tis_c,
                          masked=masked)
+
+
+# --- The field's sequence-level corrections (docs/math.md#sequence-level-corrections) --------
+# Per token l_t = log p - log q (stop-gradient; p = p_old under is_ratio='p_old'); sequence i has
+# S_i = sum_t l_t over its L_i response tokens. A sequence statistic and every token weight it
+# sets are stop-gradient, so the gradient is w_t A grad log p(y_t) and a dropped sequence's is 0.
+
+_SEQ_NO_SC = ("its weight or mask is a function of the whole sequence's ratio, not of the "
+              "per-token ratio p_v / q_v the centering term reweights")
+
+
+def _seq_band_params(key: str, lo: float, hi: float) -> dict:
+  """A sequence-ratio band: it must contain ratio 1 (an on-policy sequence is never dropped)."""
+  return {f"{key}_low": Param(lo, lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
+          f"{key}_high": Param(hi, lambda v: v >= 1.0, "must be >= 1")}
+
+
+def _seq_B_to_BT(x: TokenInputs, v_B: jax.Array) -> jax.Array:
+  return jnp.broadcast_to(v_B[:, None], x.logp_BT.shape)
+
+
+# seq_tis_c = 2: verl's rollout correction, sequence-level TIS threshold (docs/references.md).
+@register_method("seq_tis", level="sequence", statistic="ratio", sc_incompatible=_SEQ_NO_SC,
+                 params={"seq_tis_c": _positive(2.0)})
+def _seq_tis_rule(x, cfg):
+  """Every token of sequence i weighted by sg(min(exp(S_i), C)), C = seq_tis_c (in log space)."""
+  sum_B, _ = _seq_log_ratio(x)
+  log_c = _log(cfg.seq_tis_c)
+  w_B = safe_ratio(jnp.minimum(sum_B, log_c))
+  return _sg_weight_rule(x, _seq_B_to_BT(x, w_B), clipped=_seq_B_to_BT(x, sum_B > log_c))
+
+
+# [0.5, 2.0]: verl's sequence-level masked IS preset (docs/references.md).
+@register_method("seq_mis", level="sequence", statistic="ratio", sc_incompatible=_SEQ_NO_SC,
+                 params=_seq_band_params("seq_mis", 0.5, 2.0), check=_ordered("seq_mis"))
+def _seq_mis_rule(x, cfg):
+  """Sequence i weighted by sg(exp(S_i)) when seq_mis_low <= exp(S_i) <= seq_mis_high, else dropped."""
+  sum_B, _ = _seq_log_ratio(x)
+  inside_B = (sum_B >= _log(cfg.seq_mis_low)) & (sum_B <= _log(cfg.seq_mis_high))
+  out = _sg_weight_rule(x, _seq_B_to_BT(x, safe_ratio(sum_B)))
+  return drop_rows(out, ~inside_B, count_as_dropped=True)
+
+
+# [0.99, 1.01] and C = 2: SkyRL's geometric sequence mask and token TIS defaults (docs/references.md).
+@register_method("geo_mask", level="sequence", statistic="ratio", sc_incompatible=_SEQ_NO_SC,
+                 params={**_seq_band_params("geo_mask", 0.99, 1.01),
+                         "geo_mask_tis_c": _positive(2.0)},
+                 check=_ordered("geo_mask"))
+def _geo_mask_rule(x, cfg):
+  """Sequence i dropped when G_i = exp(S_i / L_i) is outside [geo_mask_low, geo_mask_high], else
+  each token weighted by sg(min(r_t, geo_mask_tis_c)) (token TIS)."""
+  sum_B, len_B = _seq_log_ratio(x)
+  mean_B = sum_B / len_B
+  inside_B = (mean_B >= _log(cfg.geo_mask_low)) & (mean_B <= _log(cfg.geo_mask_high))
+  r = _is_ratio(x)
+  out = _sg_weight_rule(x, jnp.minimum(r, cfg.geo_mask_tis_c), clipped=r > cfg.geo_mask_tis_c)
+  return drop_rows(out, ~inside_B, count_as_dropped=True)
+
+
+def _opsm_base_ok(name: str) -> bool:
+  spec = METHOD_REGISTRY.get(name)
+  return name != "opsm" and spec is not None and spec.level == "token" and spec.weight_fn is not None
+
+
+# opsm_delta = 1e-4: slime's OPSM threshold (docs/references.md); kept sequences are plain PG.
+@register_method(
+    "opsm", level="sequence", statistic="ratio", sc_incompatible=_SEQ_NO_SC,
+    params={"opsm_delta": Param(1e-4, lambda v: v >= 0.0, "must be >= 0 (an on-policy sequence, "
+                                "whose statistic is 0, is never dropped)"),
+            "opsm_base": Param("pg", _opsm_base_ok, "must be a token-level method with a per-token "
+                               "ratio weight (pg, naive_is, tis, cispo, mis, ppo, dapo)")})
+def _opsm_rule(x, cfg):
+  """Off-policy sequence masking: the `opsm_base` rule, with sequence i dropped when A_i < 0 and
+  (1/L_i) sum_t (log q - log p) > opsm_delta (the sampler found it likelier than the trainer)."""
+  out = METHOD_REGISTRY[cfg.opsm_base].rule(x, cfg)
+  sum_B, len_B = _seq_log_ratio(x)
+  drop_B = (x.adv_BT[:, 0] < 0) & (-sum_B / len_B > cfg.opsm_delta)
+  return drop_rows(out, drop_B, count_as_dropped=True)
+
+
+# Band 0.8 / 1.2 (SPEC's PPO clip) and cap 5: AReaL's decoupled loss with its example configs'
+# behav_imp_weight_cap (docs/references.md).
+@register_method(
+    "decoupled_ppo", level="token", statistic="ratio+staleness",
+    sc_incompatible=("its ratio is the staleness ratio p/p_old, and p_old is only known on the "
+                     "sampled token, not on the sampler's top-k head"),
+    needs_logp_old=lambda cfg: True,
+    params={**_band_params("decoupled_ppo", 0.8, 1.2), "decoupled_ppo_c": _positive(5.0)})
+def _decoupled_ppo_rule(x, cfg):
+  """Decoupled PPO: PPO's surrogate on s_t = p/p_old (band, dual clip) times the behaviour weight
+  sg(min(p_old/q, decoupled_ppo_c)). Decoupled by definition: `is_ratio` leaves it unchanged."""
+  return _decoupled_ppo_surrogate(x, cfg.decoupled_ppo_low, cfg.decoupled_ppo_high, cfg.dual_clip,
+                                  cfg.decoupled_ppo_c)
 
 
 WeightFn = Callable[[jax.Array, jax.Array, "LossConfig"], jax.Array]

@@ -38,6 +38,8 @@ class MethodSpec:
     ([SC], Eq. 10; docs/math.md#composing-with-an-is-weight), or None: then `sc_incompatible`
     says why centering cannot compose.
   needs_logp_old: cfg -> whether the rule reads p_old (the forward at theta_old).
+  p_old_incompatible: why the method has no decoupled form (`loss.is_ratio='p_old'`:
+    docs/math.md#the-decoupled-ratio), or None when it has one.
   params: the config fields this method owns (name -> Param); LossConfig grows them.
   check: cfg -> None, raising ConfigError, for cross-field checks of those params (run on
     every config, as the defaults must stay valid whichever method is selected).
@@ -51,6 +53,7 @@ class MethodSpec:
   needs_logp_old: Callable[[Any], bool] = lambda cfg: False
   params: dict = dataclasses.field(default_factory=dict)
   check: Optional[Callable[[Any], None]] = None
+  p_old_incompatible: Optional[str] = None
 
   def __post_init__(self):
     if self.level not in ("token", "sequence"):
@@ -95,7 +98,8 @@ def _add(registry: dict, name: str, spec) -> None:
 
 def register_method(name: str, *, level: str, statistic: str, weight_fn=None,
                     sc_incompatible: Optional[str] = None, needs_logp_old=None,
-                    params: Optional[dict] = None, check=None):
+                    params: Optional[dict] = None, check=None,
+                    p_old_incompatible: Optional[str] = None):
   """Decorator registering a rule `(TokenInputs, LossConfig) -> RuleOutput` as loss method `name`.
 
   Everything else (LossConfig's fields and validation of `loss.method`, the score-centering
@@ -104,7 +108,7 @@ def register_method(name: str, *, level: str, statistic: str, weight_fn=None,
   def deco(rule):
     _add(METHOD_REGISTRY, name, MethodSpec(
         name, rule, level, statistic, weight_fn, sc_incompatible,
-        needs_logp_old or (lambda cfg: False), dict(params or {}), check))
+        needs_logp_old or (lambda cfg: False), dict(params or {}), check, p_old_incompatible))
     return rule
   return deco
 
