@@ -86,6 +86,9 @@ def test_load_dedup_aliases_and_aggregate(tmp_path):
   assert s.best_accuracy[0] == pytest.approx(0.4)
   assert s.mean_kl[0] == pytest.approx(np.mean([np.mean([1e-3, 2e-3]), np.mean([3e-3, 4e-3])]))
   assert s.collapse_steps == [None, None]
+  # Steps 0, 1, 2: the second half (steps > 1) is the last evaluation alone, 0.3 and 0.5.
+  assert s.extra[aggregate.SECOND_HALF][0] == pytest.approx(0.4)
+  assert "loss/seq_frac_dropped" not in s.extra   # reported only where a run logged it
 
 
 def test_nonfinite_and_aborted_runs_collapse(tmp_path):

@@ -457,3 +457,16 @@ def test_calibrate3_is_declared_before_its_runs():
     assert dict(by[f"{cell}/pg"], **{"rl.steps": 400}) == cal[f"{cell}/pg"] and by[f"{cell}/pg"]["rl.steps"] == 600
   assert by["clean/pg"]["optim.lr"] == 0.03
   assert by["async_8/sc_tis"]["loss.method"] == "tis" and by["async_8/sc_tis"]["loss.score_centering"] == "topk"
+
+
+def test_corrections_study_holds_every_registered_method_in_one_regime():
+  """Issue 56: the comparison runs every method the loss module registers, the centering and the
+  switches, in one regime (the published ladder's staleness 16 at lr 0.03), exploratory."""
+  from rl_jax.rl.loss.loss_config import registered_methods  # pylint: disable=g-import-not-at-top
+  s = studies.get("corrections")
+  by = {r.line: r.overrides for r in s.runs()}
+  assert set(registered_methods()) <= set(by) and s.protocol is None and s.seeds == 6 and s.steps == 600
+  assert {r.panel for r in s.runs()} == {"stale_16"}
+  cal = {r.name: r.overrides for r in studies.get("dose_response_lr003").runs()}
+  assert dict(by["pg"], **{"rl.steps": 400}) == cal["stale_16/pg"]
+  assert by["pg_reject_k3"]["loss.rejection"] == "k3" and by["tis_p_old"]["loss.is_ratio"] == "p_old"

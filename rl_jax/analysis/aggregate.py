@@ -123,7 +123,11 @@ class GroupSummary:
 # Per-run means reported when any run logged them (the meters).
 COSINE = "first_order/cosine"
 NORM_RATIO = "first_order/norm_ratio"
-EXTRA_MEANS = ("drift/tv_mean", COSINE)
+# The loss module's drop fractions (responses a sequence-level method or the rejection switch left out).
+EXTRA_MEANS = ("drift/tv_mean", COSINE, "loss/seq_frac_dropped", "loss/seq_frac_rejected")
+# The mean held-out accuracy over the evaluations in the second half of a run (steps in (S/2, S],
+# S its last evaluated step): the protocol studies' primary window, reported for every group.
+SECOND_HALF = "second-half eval_greedy_accuracy"
 
 
 def defined_cosine(run: Run, steps: Sequence[int], values: Sequence[float]) -> tuple[list[int], list[float]]:
@@ -156,7 +160,15 @@ def summarize_group(group: Group, accuracy: str = ACCURACY, collapse_metric: str
     x = [a for a in v if math.isfinite(a)]
     return max(x) if x else math.nan
 
-  extra = {m: mean_se(per_run(m, mean_finite)) for m in EXTRA_MEANS if any(r.has(m) for r in group.runs)}
+  def second_half(r: Run) -> float | None:
+    steps, v = r.series(accuracy)
+    if not steps:
+      return None
+    return mean_finite([x for s, x in zip(steps, v) if 2 * s > steps[-1]])
+
+  halves = [h for h in (second_half(r) for r in group.runs) if h is not None]
+  extra = {SECOND_HALF: mean_se(halves)} if halves else {}
+  extra.update({m: mean_se(per_run(m, mean_finite)) for m in EXTRA_MEANS if any(r.has(m) for r in group.runs)})
   return GroupSummary(
       name=group.name, panel=group.panel, line=group.line, seeds=[r.seed for r in group.runs],
       final_accuracy=mean_se(per_run(accuracy, lambda v: v[-1])),

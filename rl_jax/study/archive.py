@@ -27,7 +27,7 @@ METRICS = "metrics.jsonl"
 COMPACT_PREFIXES = ("eval_",)
 COMPACT_KEYS = ("step", "reward", "accuracy", "response_length", "loss/entropy", "loss/is_ess", "loss/grad_norm",
                 "mismatch/kl_k1", "mismatch/kl_k3", "mismatch/routing_agreement", "drift/tv_mean",
-                "first_order/cosine", "first_order/norm_ratio")
+                "first_order/cosine", "first_order/norm_ratio", "loss/seq_frac_dropped", "loss/seq_frac_rejected")
 
 
 def compact_row(row: dict) -> dict:

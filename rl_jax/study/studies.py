@@ -694,3 +694,46 @@ def _calibrate3() -> Study:
 
 
 _add(_calibrate3())
+
+
+# -- every correction in one regime (issue 56, item 4) --------------------------------------------------
+# Exploratory (no protocol: mean +- s.e. over 6 seeds), declared before any of its runs. Every method
+# of the loss module (the papers' and the field's sequence-level corrections, `sweeps.methods()`:
+# whatever is registered, no score centering), score centering (top-16) alone and composed with TIS
+# and MIS, the rejection switch (k3, sequence mean, verl's preset threshold) over PG, IS weights
+# normalized over the batch over TIS, and the decoupled ratio (`loss.is_ratio = p_old`) over TIS,
+# all in one mismatch regime: until calibration 3 chooses one, the strongest of the published
+# ladders where PG fails while the clean arm learns, staleness 16 at lr 0.03 from the sharper warm
+# start (`dose_response_lr003`: PG ended below its warm start on 3 of 3 seeds). 600 steps (the clean
+# arm's plateau there). Once `calibrate3` chooses its regime, the comparison is run there too.
+CORRECTIONS_REGIME = "stale_16"
+CORRECTIONS_SEEDS = 6
+CORRECTIONS_STEPS = CALIBRATION3_STEPS
+
+
+def correction_lines() -> dict[str, Overrides]:
+  """The comparison's arms: every registered method, then the centering and the switches."""
+  lines: dict[str, Overrides] = dict(sweeps.methods())
+  lines.update({
+      "sc": _SC, "sc_tis": HEADLINE_LINES["sc_tis"], "sc_mis": dict(_SC, **{"loss.method": "mis"}),
+      "pg_reject_k3": dict(_m("pg"), **{"loss.rejection": "k3", "loss.rejection_reduce": "mean"}),
+      "tis_weight_norm": dict(_m("tis"), **{"loss.weight_norm": True}),
+      "tis_p_old": dict(_m("tis"), **{"loss.is_ratio": "p_old"}),
+  })
+  return lines
+
+
+def _corrections() -> Study:
+  lr = SHARP_LR
+  return Study(
+      name="corrections",
+      description=f"Issue 56: every correction of the loss module (the papers' and the field's sequence-level "
+                  f"ones), score centering and the rejection / normalization / decoupled-ratio switches under "
+                  f"{CORRECTIONS_REGIME}, {CORRECTIONS_SEEDS} seeds, from the sharper warm start, the papers' "
+                  f"recipe at lr {lr:g}, {CORRECTIONS_STEPS} steps. Exploratory; declared before any run.",
+      base=DOSE_BASE,
+      panels=((CORRECTIONS_REGIME, dict(recipe(lr), **DOSE_CELLS[CORRECTIONS_REGIME])),),
+      lines=tuple(correction_lines().items()), seeds=CORRECTIONS_SEEDS, steps=CORRECTIONS_STEPS)
+
+
+_add(_corrections())
