@@ -41,6 +41,10 @@ class DatasetConfig:
     source its own epochs; unnamed sources get weight 0); empty pools every source and shuffles.
   verifiers: 'pattern=verifier,...' (fnmatch patterns on data_source, first match wins; a
     verifier is a registered name or 'module:function'), else `default_verifier`.
+  boxed: which \\boxed{} answers of a completion the built-in verifiers grade: 'last' (verl's
+    rule), 'any' or 'all'.
+  max_verifier_failures: the share of one verifier's calls in a batch that may raise (or return
+    no number) before the run stops with the exception's text and the row (0 stops at the first).
   verifier_workers / verifier_timeout_s / verifier_memory_mb: the sandbox of isolated verifiers.
   """
   train_files: str = ""
@@ -60,6 +64,8 @@ class DatasetConfig:
   source_weights: str = ""
   verifiers: str = ""
   default_verifier: str = "math"
+  boxed: Literal["last", "any", "all"] = "last"
+  max_verifier_failures: float = 0.5
   verifier_workers: int = 2
   verifier_timeout_s: float = 5.0
   verifier_memory_mb: int = 2048
@@ -70,6 +76,10 @@ class DatasetConfig:
             f"{self.string_prompts!r} is not one of ['raw', 'chat']")
     require(self.enable_thinking in ("default", "on", "off"), k + "enable_thinking",
             f"{self.enable_thinking!r} is not one of ['default', 'on', 'off']")
+    require(self.boxed in verifiers_lib.BOX_POLICIES, k + "boxed",
+            f"{self.boxed!r} is not one of {list(verifiers_lib.BOX_POLICIES)}")
+    require(0.0 <= self.max_verifier_failures <= 1.0, k + "max_verifier_failures",
+            f"must be in [0, 1], got {self.max_verifier_failures}")
     require(self.verifier_workers >= 1, k + "verifier_workers", f"must be >= 1, got {self.verifier_workers}")
     require(self.verifier_timeout_s > 0, k + "verifier_timeout_s", f"must be > 0, got {self.verifier_timeout_s}")
     require(self.verifier_memory_mb >= 256, k + "verifier_memory_mb",
@@ -86,9 +96,20 @@ class DatasetConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-  """What a verifier said about one completion (the RewardInfo protocol)."""
+  """What a verifier said about one completion (the RewardInfo protocol); `detail` is the text of
+  the exception it raised, if it did."""
   reward: float
   error: str
+  detail: str = ""
+
+
+class VerifierError(ConfigError):
+  """A verifier failed on more than task.overrides.max_verifier_failures of a batch's calls: a
+  broken verifier (e.g. another signature), not a hostile completion; the run stops."""
+
+
+# The errors that are the verifier's own failure; a timeout or a memory cap is the completion's.
+_VERIFIER_FAILURES = (sandbox.EXCEPTION, sandbox.BAD_RESULT)
 
 
 @dataclasses.dataclass
@@ -270,6 +291,7 @@ class DatasetTask:
     """Verdicts of a batch: in-process verifiers inline, isolated ones on the sandbox's workers
     (identical (problem, completion) pairs, common within a group, verified once)."""
     out: list[Verdict | None] = [None] * len(problems)
+    boxed = self.config.boxed
     calls, slots = [], []
     first: dict[tuple, int] = {}   # a group's identical completions are verified once
     for i, (p, text) in enumerate(zip(problems, completions)):
@@ -281,21 +303,46 @@ class DatasetTask:
           slots.append((i, first[key]))
           continue
         first[key] = len(calls)
-        calls.append((spec, [p.data_source, text, p.ground_truth, p.extra_info]))
+        calls.append((spec, [p.data_source, text, p.ground_truth, p.extra_info, boxed]))
         slots.append((i, first[key]))
         continue
       try:
-        out[i] = Verdict(*verifiers_lib.call_local(spec, p.data_source, text, p.ground_truth, p.extra_info))
-      except Exception:  # pylint: disable=broad-except
-        out[i] = Verdict(0.0, sandbox.EXCEPTION)
+        out[i] = Verdict(*verifiers_lib.call_local(spec, p.data_source, text, p.ground_truth, p.extra_info,
+                                                   boxed))
+      except Exception as e:  # pylint: disable=broad-except
+        out[i] = Verdict(0.0, sandbox.EXCEPTION, sandbox.exception_text(e))
     if calls:
       if self._pool is None:
         c = self.config
         self._pool = sandbox.Pool(c.verifier_workers, c.verifier_timeout_s, c.verifier_memory_mb)
-      results = self._pool.run(calls)
+      details: list[str] = []
+      results = self._pool.run(calls, details)
       for i, j in slots:
-        out[i] = Verdict(*results[j])
+        out[i] = Verdict(*results[j], details[j])
+    self._check_failures(problems, out)  # type: ignore[arg-type]
     return out  # type: ignore[return-value]
+
+  def _check_failures(self, problems: Sequence[Record], verdicts: Sequence[Verdict]) -> None:
+    """Stops on a verifier that failed on more than `max_verifier_failures` of its calls here: its
+    zero rewards would train on nothing but the verifier's bug."""
+    calls: collections.Counter = collections.Counter()
+    failed: dict[str, list[int]] = collections.defaultdict(list)
+    for i, (p, v) in enumerate(zip(problems, verdicts)):
+      spec = self.verifier_of(p.data_source)
+      calls[spec] += 1
+      if v.error in _VERIFIER_FAILURES:
+        failed[spec].append(i)
+    limit = self.config.max_verifier_failures
+    for spec, rows in failed.items():
+      if len(rows) <= limit * calls[spec]:
+        continue
+      first = rows[0]
+      v, p = verdicts[first], problems[first]
+      what = v.detail or ("it returned no number (verl's compute_score returns a number, a bool or a "
+                          "dict with 'score')" if v.error == sandbox.BAD_RESULT else v.error)
+      raise VerifierError(f"config key 'task.overrides.verifiers': verifier {spec!r} failed on {len(rows)} of "
+                          f"{calls[spec]} calls of this batch (more than task.overrides.max_verifier_failures="
+                          f"{limit}): {what}; first at {p.origin} (data_source {p.data_source!r})")
 
   def reward_details(self, problem: Record, completion: str) -> Verdict:
     return self.score_batch([problem], [completion])[0]
