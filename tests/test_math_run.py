@@ -57,7 +57,7 @@ def test_math_run_trains_evaluates_per_source_and_resumes_without_repeating(tmp_
   trainer_lib.run(_config(data, **{"rl.steps": 4, "rl.prompts_per_step": b}), workdir)
   reference = get_task("dataset", dict(_config(data).task.overrides, train_files=_config(data).task.train_files,
                                        eval_files=_config(data).task.eval_files))
-  reference.bind(HFTokenizer.from_dir(f"{data}/tokenizer"), 64)
+  reference.bind(HFTokenizer.from_dir(f"{data}/tokenizer"), _config(data).sampler.max_prompt_len)
   want = [p.origin for p in reference.make_problems(0, "train", 0, 4 * b)]
   assert [s for s, _ in served] == [0, b, 2 * b, 3 * b]
   assert [o for _, origins in served for o in origins] == want   # no prompt repeated or skipped
@@ -102,7 +102,7 @@ def test_math_run_killed_with_sigkill_resumes_to_the_uninterrupted_params(tmp_pa
 
 
 def test_math_configs_validate_and_state_their_recipes():
-  for arg in (None, "test"):
+  for arg in (None, "test", "demo"):
     cfg = math_tiny.get_config(arg)
     RLJob.from_config(cfg)
     get_task("dataset", dict(cfg.task.overrides, train_files=cfg.task.train_files))  # keys and verifiers
