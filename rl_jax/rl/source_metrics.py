@@ -14,8 +14,12 @@ def pass_at_k(rewards_NK: np.ndarray) -> float:
 
 
 def metric_name(source: str) -> str:
-  """A source as one metric-path component ('openai/gsm8k' -> 'openai_gsm8k')."""
-  return re.sub(r"[^A-Za-z0-9_.\-]", "_", source) or "_"
+  """A source as one metric-path component, one to one: letters, digits, '_', '.', '-' are kept,
+  every other character is '~' and its UTF-8 bytes in hex ('openai/gsm8k' -> 'openai~2fgsm8k').
+  '~' is itself escaped, so 'a/b' and 'a_b' (or 'a~2fb') never share a name."""
+  if not source:
+    return "~"
+  return re.sub(r"[^A-Za-z0-9_.\-]", lambda m: "".join(f"~{b:02x}" for b in m.group().encode()), source)
 
 
 def truncated(lengths_B: np.ndarray, last_token_B: np.ndarray, max_new_tokens: int, eos_id: int) -> np.ndarray:
