@@ -5,9 +5,10 @@ two flags:
   python -m rl_jax.tasks.arith --out /tmp/rl_jax_math      # the tokenizer (a byte-level BPE) once
   python -m rl_jax.main --config=configs/math_tiny.py --workdir=/tmp/my_run \
       --config.task.train_files=train.parquet --config.task.eval_files=eval.jsonl
-Prompts up to 256 tokens (longer ones are dropped and counted), 64 new tokens, the `math` verifier
-for every source, at least 8 eval prompts (rl.eval_size); the SFT warm start learns
-`The answer is \\boxed{<ground truth>}.` first (sft.steps=100). `:test` is a seconds-long variant.
+Prompts up to 256 tokens (longer ones are dropped and counted), 64 new tokens, verl's scorer for the
+sources it names (openai/gsm8k: '#### x', math_dapo / aime*: 'Answer: x') and the `math` verifier
+(the last \\boxed{}) for every other, at least 8 eval prompts (rl.eval_size); the SFT warm start
+learns the ground truth written that way first (sft.steps=100). `:test` is a seconds-long variant.
 
 Command, the demo (`:demo`; its data and tokenizer are generated first, in a second):
   python -m rl_jax.tasks.arith --out /tmp/rl_jax_math
@@ -37,7 +38,7 @@ DATA = "/tmp/rl_jax_math"
 
 def task_section(data: str = DATA) -> ml_collections.ConfigDict:
   """A user's files (set on the command line) with the generic keys only: verl's schema, the
-  math verifier for every source, the tokenizer written by `python -m rl_jax.tasks.arith`."""
+  math verifier for sources verl has no scorer of, the tokenizer written by `python -m rl_jax.tasks.arith`."""
   return ml_collections.ConfigDict(dict(
       name="dataset", train_files="", eval_files="",
       overrides=dict(tokenizer=f"{data}/tokenizer", default_verifier="math", enable_thinking="default",

@@ -293,7 +293,8 @@ def test_the_math_config_takes_a_users_files_with_two_keys(data, tmp_path):
   check_sft_section(cfg, task, tok)
   assert task.size("train") == 16 and task.size("eval") == 8 and task.stats()["data/train_dropped_too_long"] == 0
   assert [p.data_source for p in task.make_problems(0, "eval", 0, 2)] == ["openai/gsm8k", "lighteval/MATH"]
-  assert task.verifier_of("openai/gsm8k") == "math"
+  assert task.verifier_of("openai/gsm8k") == "gsm8k" and task.verifier_of("lighteval/MATH") == "math"   # verl's
+  assert task.completion(task.make_problems(0, "eval", 0, 1)[0]) == "The answer is\n#### 19"
 
 
 def _preview_config(data, train_files, **overrides):

@@ -103,6 +103,49 @@ def test_boxed_policy_grades_the_last_any_or_every_box(pool):
   assert len(v.boxed_answers(r"\boxed{1}" * 100)) == v.MAX_BOXES   # bounded work per call
 
 
+# (ground truth, completion, reward) for verl's GSM8K rule: the number after the last '#### '.
+GSM8K = [
+    ("72", "48 + 24 = 72 clips.\n#### 72", 1.0),
+    ("1072", "#### 1,072", 1.0),                                 # a thousands separator is not a digit
+    ("72", "#### 70\nno, recount:\n#### 72", 1.0),              # the last answer line counts
+    ("72", "#### 72\nno, recount:\n#### 70", 0.0),
+    ("-3", "#### -3", 1.0),
+    ("Natalia sold 48/2 = 24 clips in May.\n#### 72", "#### 72", 1.0),   # a whole solution as the truth
+    ("72", "The answer is 72.", 0.0),                             # no '#### ' line: no answer
+    ("72", "#### 72.0", 0.0),                                     # compared as text, as verl does
+    ("72", "#### 72" + " " * 400, 0.0),                           # only the last 300 characters are read
+]
+# (ground truth, completion, reward) for DAPO's rule: the last 'Answer:' line, Minerva-normalized.
+DAPO = [
+    ("34", "so 17 * 2.\nAnswer: 34", 1.0),
+    ("34", "answer : $34$", 1.0),
+    (r"\frac{1}{2}", r"Answer: \frac12", 1.0),                    # shorthand \frac spelled out
+    ("10", "Answer: 10 degrees", 1.0),                           # units dropped
+    ("1000", "Answer: 1,000", 1.0),
+    ("5", "Answer: x = 5", 1.0),                                 # the part after the last '='
+    (r"\sqrt{2}", r"Answer: \sqrt2", 1.0),
+    ("34", "Answer: 35", 0.0),
+    ("34", "Answer: 34\nAnswer: 43", 0.0),                       # the last line counts
+    ("34", r"\boxed{34}", 0.0),                                  # no 'Answer:' line
+]
+
+
+def test_verls_gsm8k_and_dapo_rules_and_their_sources():
+  assert [v.gsm8k(c, g, {})[0] for g, c, _ in GSM8K] == [r for *_, r in GSM8K]
+  assert [v.dapo_math(c, g, {})[0] for g, c, _ in DAPO] == [r for *_, r in DAPO]
+  assert v.gsm8k("x", "72", {}) == (0.0, v.NO_ANSWER) and v.dapo_math("Answer: 3", "4", {}) == (0.0, v.WRONG)
+  from rl_jax.tasks.dataset import DatasetConfig, DatasetTask
+  task = DatasetTask(DatasetConfig(verifiers="openai/gsm8k=exact_match"))
+  mapping = {s: task.verifier_of(s) for s in ("openai/gsm8k", "lighteval/MATH", "HuggingFaceH4/MATH-500", "math_dapo",
+                                               "aime2024", "mine")}
+  assert mapping == {"openai/gsm8k": "exact_match", "lighteval/MATH": "math", "HuggingFaceH4/MATH-500": "math",
+                     "math_dapo": "dapo_math", "aime2024": "dapo_math", "mine": "math"}   # a user's rule first
+  assert DatasetTask(DatasetConfig(verl_scorers=False)).verifier_of("math_dapo") == "math"
+  # The reference answer (SFT target, preview's check) is written the way the source's verifier reads it.
+  for spec, fn in (("gsm8k", v.gsm8k), ("dapo_math", v.dapo_math), ("exact_match", v.exact_match)):
+    assert fn(v.reference_answer(spec, "1,234"), "1,234", {}) == (1.0, ""), spec
+
+
 def test_a_null_ground_truth_never_scores(pool):
   """str(None) parsed as the symbol 'None' once made '\\boxed{None}' correct against a null truth."""
   assert _run(pool, "math", r"\boxed{None}", None) == (0.0, v.BAD_TRUTH)

@@ -40,7 +40,9 @@ class DatasetConfig:
   source_weights: 'source=w,...' samples train prompts per source with these weights (each
     source its own epochs; unnamed sources get weight 0); empty pools every source and shuffles.
   verifiers: 'pattern=verifier,...' (fnmatch patterns on data_source, first match wins; a
-    verifier is a registered name or 'module:function'), else `default_verifier`.
+    verifier is a registered name or 'module:function'), then (`verl_scorers`) verl's scorer of
+    the sources it names (verifiers.VERL_SOURCES: openai/gsm8k -> gsm8k, the MATH sets -> math,
+    math_dapo / aime* -> dapo_math), else `default_verifier`.
   boxed: which \\boxed{} answers of a completion the built-in verifiers grade: 'last' (verl's
     rule), 'any' or 'all'.
   max_verifier_failures: the share of one verifier's calls in a batch that may raise (or return
@@ -64,6 +66,7 @@ class DatasetConfig:
   source_weights: str = ""
   verifiers: str = ""
   default_verifier: str = "math"
+  verl_scorers: bool = True
   boxed: Literal["last", "any", "all"] = "last"
   max_verifier_failures: float = 0.5
   verifier_workers: int = 2
@@ -135,6 +138,8 @@ class DatasetTask:
   def __init__(self, config: DatasetConfig):
     self.config = config
     self._rules = verifiers_lib.parse_map(config.verifiers, "task.overrides.verifiers")
+    if config.verl_scorers:
+      self._rules += list(verifiers_lib.VERL_SOURCES)
     self._splits: dict[str, _Split] = {}
     self._bound = None
     self._orders: dict[int, order_lib.Order] = {}
@@ -275,11 +280,13 @@ class DatasetTask:
     return self._lookup(problem)[1].tolist()
 
   def completion(self, problem: Record) -> str:
-    """The SFT target: the row's solution field, else a sentence with the boxed ground truth."""
+    """The SFT target: the row's solution field, else the ground truth stated as the source's
+    verifier reads it (a \\boxed{}, GSM8K's '#### x', DAPO's 'Answer: x')."""
     if problem.solution:
       return problem.solution
     gt = problem.ground_truth
-    return f"The answer is \\boxed{{{gt if isinstance(gt, str) else json.dumps(gt)}}}."
+    return verifiers_lib.reference_answer(self.verifier_of(problem.data_source),
+                                          gt if isinstance(gt, str) else json.dumps(gt))
 
   def source_of(self, problem: Record) -> str:
     return problem.data_source

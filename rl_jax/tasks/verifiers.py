@@ -11,6 +11,7 @@ import dataclasses
 import fnmatch
 import importlib
 import math
+import re
 from typing import Any, Callable, Sequence
 
 from rl_jax.config_utils import ConfigError
@@ -130,12 +131,30 @@ def parse_map(spec: str, key: str) -> list[tuple[str, str]]:
   return out
 
 
+# verl's scorer of each data_source it names (its default_compute_score), consulted after
+# task.overrides.verifiers and before default_verifier when task.overrides.verl_scorers is on.
+VERL_SOURCES = (("openai/gsm8k", "gsm8k"), ("lighteval/MATH", "math"), ("DigitalLearningGmbH/MATH-lighteval", "math"),
+                ("HuggingFaceH4/MATH-500", "math"), ("math_dapo", "dapo_math"), ("math", "dapo_math"),
+                ("math_dapo_reasoning", "dapo_math"), ("aime*", "dapo_math"))
+
+
 def choose(source: str, rules: Sequence[tuple[str, str]], default: str) -> str:
   """The first rule whose pattern matches `source` (fnmatch), else `default`."""
   for pat, ver in rules:
     if fnmatch.fnmatchcase(source, pat):
       return ver
   return default
+
+
+def reference_answer(spec: str, answer: str) -> str:
+  """A completion that states `answer` the way verifier `spec` reads it (the SFT target of a row
+  without a solution, and what `preview` checks): '#### x' for gsm8k, 'Answer: x' for dapo_math,
+  else a \\boxed{}."""
+  if spec == "gsm8k":
+    return f"The answer is\n#### {answer}"
+  if spec == "dapo_math":
+    return f"Answer: {answer}"
+  return f"The answer is \\boxed{{{answer}}}."
 
 
 # --- built-in verifiers -----------------------------------------------------------------------
@@ -210,6 +229,78 @@ def countdown(completion: str, ground_truth: Any, extra_info: dict) -> tuple[flo
     return 0.0, BAD_TRUTH
   d = reward_lib.score_countdown(completion, numbers, target)
   return d.reward, d.error
+
+
+# GSM8K's and DAPO's scorers read only the end of a completion, as verl does: the answer line is last.
+VERL_TAIL_CHARS = 300
+_GSM8K_ANSWER = re.compile(r"#### (-?[0-9.,]+)")
+_DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+
+
+def _gsm8k_number(text: str) -> str:
+  return text.replace(",", "").replace("$", "")
+
+
+@register_verifier("gsm8k", isolated=False)
+def gsm8k(completion: str, ground_truth: Any, extra_info: dict) -> tuple[float, str]:
+  """GSM8K's rule (verl's `gsm8k` scorer): the number after the last '#### ' in the completion's
+  last 300 characters equals the ground truth (its '#### ' part, if it is a whole solution) as a
+  string, commas and '$' removed."""
+  del extra_info
+  if not isinstance(completion, str):
+    return 0.0, "not_text"
+  want = str(ground_truth).rsplit("####", 1)[-1].strip()
+  found = _GSM8K_ANSWER.findall(completion[-VERL_TAIL_CHARS:])
+  if not found:
+    return 0.0, NO_ANSWER
+  return (1.0, "") if _gsm8k_number(found[-1]) == _gsm8k_number(want) else (0.0, WRONG)
+
+
+# Minerva's answer normalization (Lewkowycz et al., 2022), the one DAPO's scorer compares with:
+# spellings to rewrite, then units and filler to drop.
+_MINERVA_REWRITE = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
+                    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))
+_MINERVA_DROP = ("square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
+                 "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals",
+                 "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
+                 "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}",
+                 "\\;", ",\\!", "{,}", '"', "\\dots")
+
+
+def minerva_normalize(answer: str) -> str:
+  """A final answer in Minerva's canonical form: the part after the last '=', units and spaces
+  dropped, the contents of $...$, \\text{}, \\textbf{}, \\overline{}, \\boxed{}, shorthand
+  \\fracab / \\sqrta spelled out, thousands separators removed from an integer."""
+  answer = answer.split("=")[-1]
+  for old, new in _MINERVA_REWRITE:
+    answer = answer.replace(old, new)
+  for word in _MINERVA_DROP:
+    answer = answer.replace(word, "")
+  answer = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", r"$\3$", answer)
+  for macro in ("text", "textbf", "overline"):
+    answer = re.sub(r"(\\" + macro + r"\{)(.*?)(\})", r"\2", answer)
+  answer = re.sub(r"(\\boxed\{)(.*)(\})", r"\2", answer)
+  answer = re.sub(r"(frac)([^{])(.)", r"frac{\2}{\3}", answer)
+  answer = re.sub(r"(sqrt)([^{])", r"sqrt{\2}", answer)
+  answer = answer.replace("$", "")
+  if answer.replace(",", "").isdigit():
+    answer = answer.replace(",", "")
+  return answer.strip()
+
+
+@register_verifier("dapo_math", isolated=False)
+def dapo_math(completion: str, ground_truth: Any, extra_info: dict) -> tuple[float, str]:
+  """DAPO's rule (verl's `math_dapo` scorer): the last 'Answer: ...' line of the completion's last
+  300 characters equals the ground truth once both are in Minerva's normal form (verl scores a
+  miss -1; here 0, and advantage.reward_mode='pm1' maps {0, 1} to {-1, +1})."""
+  del extra_info
+  if not isinstance(completion, str):
+    return 0.0, "not_text"
+  found = _DAPO_ANSWER.findall(completion[-VERL_TAIL_CHARS:])
+  if not found:
+    return 0.0, NO_ANSWER
+  ok = minerva_normalize(found[-1]) == minerva_normalize(str(ground_truth))
+  return (1.0, "") if ok else (0.0, WRONG)
 
 
 def _math_gold(ground_truth: Any):
