@@ -188,6 +188,28 @@ def test_long_prompts_are_dropped_and_counted_never_truncated(data, tok, capsys)
   assert f"{n_long} longer than max_prompt_len={limit} tokens dropped" in capsys.readouterr().out
 
 
+def test_long_prompts_follow_the_truncation_policy_and_max_samples_caps_a_split(data, tok):
+  full = _task(data, tok, limit=10_000)
+  problems = full.make_problems(0, "train", 0, full.size("train"))
+  lengths = [len(full.prompt_ids(p, tok)) for p in problems]
+  limit = sorted(lengths)[len(lengths) // 2]
+  n_long = sum(n > limit for n in lengths)
+  for policy in ("left", "right"):
+    t = _task(data, tok, limit=limit, truncation=policy)
+    assert t.size("train") == len(lengths) and t.stats()["data/train_truncated"] == n_long
+    for p, n in zip(problems[:40], lengths):   # the same records in the same order: none dropped
+      want = full.prompt_ids(p, tok)
+      want = want if n <= limit else (want[-limit:] if policy == "left" else want[:limit])
+      assert t.prompt_ids(p, tok) == want and t.prompt(p) == (full.prompt(p) if n <= limit else tok.decode(want))
+  with pytest.raises(records.DataError, match=r"\.(jsonl|parquet):\d+: the prompt is \d+ tokens, longer than "
+                                              f"sampler.max_prompt_len={limit}"):
+    _task(data, tok, limit=limit, truncation="error")
+  capped = _task(data, tok, max_train_samples=10, max_eval_samples=3)
+  first = records.read_records([f"{data}/train_arith_add.jsonl"], records.Fields(solution="extra_info.solution"))[:10]
+  assert sorted(p.origin for p in capped.make_problems(0, "train", 0, 10)) == sorted(r.origin for r in first)
+  assert capped.size("eval") == 3 and capped.data_state(0)["fingerprint"] != full.data_state(0)["fingerprint"]
+
+
 def test_eval_interleaves_sources_and_rejects_a_too_large_eval_size(data, tok):
   assert interleave(["a", "a", "a", "b"]) == [0, 3, 1, 2]
   t = _task(data, tok)

@@ -67,6 +67,7 @@ def test_math_run_trains_evaluates_per_source_and_resumes_without_repeating(tmp_
     assert any(k.startswith("train/arith_") for k in r) and math.isfinite(r["loss/loss"] if "loss/loss" in r
                                                                           else r["reward"])
     assert r["data/train_prompts"] == 400 and r["data/epoch"] == r["step"] * b / 400
+    assert r["data/consumed"] == r["step"] * b
   for r in (rows[0], rows[-1]):   # evaluated per source at the start and the end
     for s in arith.SOURCES:
       for m in ("accuracy", "avg_at_k", "pass_at_k", "response_length", "truncated"):

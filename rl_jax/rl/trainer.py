@@ -348,8 +348,9 @@ class RLTrainer:
            **m_first, **m_attr,
            "time/sample_s": t1 - t0, "time/p_old_s": t2 - t1, "time/update_s": t3 - t2,
            "async/lag": float(item.lag), **item.metrics}
-    if hasattr(self.task, "data_state"):  # epochs of the train data consumed after this step
-      row["data/epoch"] = self.task.data_state((step + 1) * self.job.rl.prompts_per_step)["epoch"]
+    if hasattr(self.task, "data_state"):  # train prompts and epochs consumed after this step
+      state = self.task.data_state((step + 1) * self.job.rl.prompts_per_step)
+      row["data/consumed"], row["data/epoch"] = float(state["consumed"]), state["epoch"]
       row.update(self.task.stats())   # prompts kept and dropped as longer than sampler.max_prompt_len
     if mask.any():  # the sampler's top-k mass (its top-1 mass when record_topk = 0: a floor)
       row["mismatch/head_mass_mean"] = float(np.asarray(head)[mask].mean())

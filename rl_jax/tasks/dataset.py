@@ -35,6 +35,9 @@ class DatasetConfig:
     ('raw': a string prompt is the text itself, after bos). `system_prompt` (non-empty) is
     prepended as a system message to prompts that have none. `enable_thinking` 'on' / 'off'
     passes enable_thinking=True / False to templates that read it (Qwen3); 'default' passes none.
+  truncation: a rendered prompt longer than max_prompt_len is 'drop'ped (counted), cut to its
+    last ('left') or first ('right') max_prompt_len tokens (counted), or an 'error' naming its row.
+  max_train_samples / max_eval_samples: only the first N rows of a split's files (0: all).
   tokenizer: a directory with tokenizer.json (+ tokenizer_config.json or chat_template.jinja)
     for a run that does not start from an HF checkpoint (whose own tokenizer wins otherwise).
   source_weights: 'source=w,...' samples train prompts per source with these weights (each
@@ -62,6 +65,9 @@ class DatasetConfig:
   system_prompt: str = ""
   enable_thinking: Literal["default", "on", "off"] = "default"
   tokenizer: str = ""
+  truncation: Literal["drop", "left", "right", "error"] = "drop"
+  max_train_samples: int = 0
+  max_eval_samples: int = 0
   shuffle: bool = True
   source_weights: str = ""
   verifiers: str = ""
@@ -83,6 +89,10 @@ class DatasetConfig:
             f"{self.boxed!r} is not one of {list(verifiers_lib.BOX_POLICIES)}")
     require(0.0 <= self.max_verifier_failures <= 1.0, k + "max_verifier_failures",
             f"must be in [0, 1], got {self.max_verifier_failures}")
+    require(self.truncation in ("drop", "left", "right", "error"), k + "truncation",
+            f"{self.truncation!r} is not one of ['drop', 'left', 'right', 'error']")
+    for key in ("max_train_samples", "max_eval_samples"):
+      require(getattr(self, key) >= 0, k + key, f"must be >= 0 (0: every row), got {getattr(self, key)}")
     require(self.verifier_workers >= 1, k + "verifier_workers", f"must be >= 1, got {self.verifier_workers}")
     require(self.verifier_timeout_s > 0, k + "verifier_timeout_s", f"must be > 0, got {self.verifier_timeout_s}")
     require(self.verifier_memory_mb >= 256, k + "verifier_memory_mb",
@@ -123,6 +133,7 @@ class _Split:
   files: list[str]
   dropped: collections.Counter  # source -> prompts longer than max_prompt_len
   fingerprint: str
+  truncated: int = 0  # prompts cut to max_prompt_len (truncation 'left' / 'right')
   pos: dict | None = None  # record -> index, built on first lookup
 
 
@@ -191,13 +202,24 @@ class DatasetTask:
     return text, tok.encode(text)
 
   def _load(self, split: str, files: list[str], tok: Any, limit: int) -> _Split:
-    recs, ids, texts, dropped = [], [], [], collections.Counter()
+    recs, ids, texts, dropped, truncated = [], [], [], collections.Counter(), 0
     h = hashlib.blake2b(_FINGERPRINT_VERSION, digest_size=16)
-    for rec in records_lib.read_records(files, self.config.fields):
+    policy = self.config.truncation
+    rows = records_lib.read_records(files, self.config.fields)
+    cap = getattr(self.config, f"max_{split}_samples")
+    for rec in rows[:cap] if cap else rows:
       text, row = self._render(rec, tok)
       if len(row) > limit:
-        dropped[rec.data_source] += 1
-        continue
+        if policy == "drop":
+          dropped[rec.data_source] += 1
+          continue
+        if policy == "error":
+          raise records_lib.DataError(
+              f"{rec.origin}: the prompt is {len(row)} tokens, longer than sampler.max_prompt_len={limit} "
+              "(task.overrides.truncation='error'; 'drop', 'left' or 'right' keep the run going)")
+        row = row[-limit:] if policy == "left" else row[:limit]
+        text = tok.decode(row)   # what the model sees, for preview and the fingerprint
+        truncated += 1
       recs.append(rec)
       ids.append(np.asarray(row, np.int32))   # 4 bytes a token, not a Python int
       texts.append(text)
@@ -206,11 +228,12 @@ class DatasetTask:
     by_source = collections.Counter(r.data_source for r in recs)
     print(f"[data] {split}: {len(recs)} prompts from {len(files)} file(s) "
           f"({', '.join(f'{s} {n}' for s, n in sorted(by_source.items()))}); {n_drop} longer than "
-          f"max_prompt_len={limit} tokens dropped" + (f" ({dict(dropped)})" if n_drop else ""))
+          f"max_prompt_len={limit} tokens dropped" + (f" ({dict(dropped)})" if n_drop else "")
+          + (f", {truncated} cut to it ({policy})" if truncated else ""))
     if not recs:
       raise ConfigError(f"config key 'task.{split}_files': no prompt of {files} fits max_prompt_len={limit} "
                         f"({n_drop} dropped as longer)")
-    return _Split(recs, ids, texts, files, dropped, h.hexdigest())
+    return _Split(recs, ids, texts, files, dropped, h.hexdigest(), truncated)
 
   def _split(self, split: str) -> _Split:
     if not self._splits:
@@ -382,6 +405,7 @@ class DatasetTask:
     for split, sp in self._splits.items():
       out[f"data/{split}_prompts"] = float(len(sp.records))
       out[f"data/{split}_dropped_too_long"] = float(sum(sp.dropped.values()))
+      out[f"data/{split}_truncated"] = float(sp.truncated)
     return out
 
   def close(self) -> None:
