@@ -263,9 +263,10 @@ def test_per_source_metrics_split_the_batch_by_source():
   assert m["train/a/truncated"] == 1 / 3 and m["train/a/share"] == 0.5
   assert m["train/b/accuracy"] == 1.0 and m["train/open~2fai/truncated"] == 1.0
   assert m["verifier/wrong_value"] == 2 / 6 and m["verifier/timeout"] == 1 / 6 and m["truncated"] == 2 / 6
-  e = sm.eval_metrics(["a", "b", "a"], np.array([1.0, 0.0, 0.0]), np.array([[1.0, 0.0], [0.0, 0.0], [0.0, 0.0]]),
+  e = sm.eval_metrics(["a", "b", "a"], np.array([1.0, 0.0, 0.0]), np.array([[1.0, 0.0], [0.0, 0.0], [0.0, 0.5]]),
                       np.array([[3, 5], [8, 8], [1, 1]]), np.array([[False, False], [True, True], [False, False]]))
-  assert e["eval/a/accuracy"] == 0.5 and e["eval/a/avg_at_k"] == 0.25 and e["eval/a/pass_at_k"] == 0.5
+  assert e["eval/a/accuracy"] == 0.5 and e["eval/a/avg_at_k"] == 0.375 and e["eval/a/pass_at_k"] == 0.5
+  assert e["eval/a/best_at_k"] == 0.75 and e["eval/b/best_at_k"] == 0.0   # (1 + 0.5) / 2: partial credit counts
   assert e["eval/a/response_length"] == 2.5 and e["eval/b/truncated"] == 1.0 and e["eval/b/count"] == 1
 
 

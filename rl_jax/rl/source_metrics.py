@@ -54,8 +54,8 @@ def train_metrics(sources: Sequence[str], rewards_R: np.ndarray, errors: Sequenc
 
 def eval_metrics(sources: Sequence[str], greedy_N: np.ndarray, sampled_NK: np.ndarray,
                  lengths_NK: np.ndarray, truncated_NK: np.ndarray) -> dict:
-  """Per source: greedy accuracy, sampled avg@k (mean reward of k samples), pass@k, and the
-  sampled responses' mean length and share truncated at max_new_tokens."""
+  """Per source: greedy accuracy, sampled avg@k (mean reward of k samples), pass@k, best@k (mean
+  of the best reward of k), and the sampled responses' mean length and share truncated at max_new_tokens."""
   greedy_N, sampled_NK = np.asarray(greedy_N), np.asarray(sampled_NK)
   lengths_NK, truncated_NK = np.asarray(lengths_NK), np.asarray(truncated_NK)
   src = np.asarray(list(sources))
@@ -66,6 +66,9 @@ def eval_metrics(sources: Sequence[str], greedy_N: np.ndarray, sampled_NK: np.nd
     out.update({f"{name}/accuracy": float((greedy_N[m] >= 1.0).mean()),
                 f"{name}/avg_at_k": float(sampled_NK[m].mean()),
                 f"{name}/pass_at_k": pass_at_k(sampled_NK[m]),
+                # The best of k samples' rewards, averaged over prompts: pass@k for {0, 1} rewards,
+                # the graded counterpart for a user verifier's partial credit.
+                f"{name}/best_at_k": float(sampled_NK[m].max(axis=1).mean()),
                 f"{name}/response_length": float(lengths_NK[m].mean()),
                 f"{name}/truncated": float(truncated_NK[m].mean()),
                 f"{name}/count": float(m.sum())})
