@@ -267,6 +267,13 @@ def test_per_source_metrics_split_the_batch_by_source():
                       np.array([[3, 5], [8, 8], [1, 1]]), np.array([[False, False], [True, True], [False, False]]))
   assert e["eval/a/accuracy"] == 0.5 and e["eval/a/avg_at_k"] == 0.375 and e["eval/a/pass_at_k"] == 0.5
   assert e["eval/a/best_at_k"] == 0.75 and e["eval/b/best_at_k"] == 0.0   # (1 + 0.5) / 2: partial credit counts
+  # maj@k: the reward of the answer most samples state (a tie goes to the answer stated first; a
+  # sample without one does not vote); a source whose verifier's answers are not read has none.
+  keys = [["12", "13"], None, [None, "7"]]
+  voted = sm.eval_metrics(["a", "b", "a"], np.zeros(3), np.array([[1.0, 0.0], [1.0, 1.0], [0.0, 0.5]]),
+                          np.ones((3, 2)), np.zeros((3, 2), bool), keys)
+  assert voted["eval/a/maj_at_k"] == (1.0 + 0.5) / 2 and "eval/b/maj_at_k" not in voted
+  assert sm.majority_at_k(np.array([[0.0, 1.0, 1.0, 0.0]]), [["5", "6", "6", "5 "]]).tolist() == [1.0]
   assert e["eval/a/response_length"] == 2.5 and e["eval/b/truncated"] == 1.0 and e["eval/b/count"] == 1
 
 

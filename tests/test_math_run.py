@@ -70,7 +70,7 @@ def test_math_run_trains_evaluates_per_source_and_resumes_without_repeating(tmp_
     assert r["data/consumed"] == r["step"] * b
   for r in (rows[0], rows[-1]):   # evaluated per source at the start and the end
     for s in arith.SOURCES:
-      for m in ("accuracy", "avg_at_k", "pass_at_k", "response_length", "truncated"):
+      for m in ("accuracy", "avg_at_k", "pass_at_k", "best_at_k", "maj_at_k", "response_length", "truncated"):
         assert math.isfinite(r[f"eval/{s}/{m}"]), (s, m)
       assert r[f"eval/{s}/count"] == 4
   ckpt_meta = json.loads(open(f"{workdir}/checkpoints/4/meta/metadata").read())

@@ -144,6 +144,11 @@ def test_verls_gsm8k_and_dapo_rules_and_their_sources():
   # The reference answer (SFT target, preview's check) is written the way the source's verifier reads it.
   for spec, fn in (("gsm8k", v.gsm8k), ("dapo_math", v.dapo_math), ("exact_match", v.exact_match)):
     assert fn(v.reference_answer(spec, "1,234"), "1,234", {}) == (1.0, ""), spec
+  # The answer each states, as maj@k votes on it.
+  assert [v.answer_key(spec, text) for spec, text in (
+      ("math", r"First \boxed{12}, then \boxed{ 13 }."), ("gsm8k", "#### 1,072"), ("dapo_math", "Answer: 10 degrees"),
+      ("math", "no box"), ("countdown", "<answer>1+2</answer>"))] == ["13", "1072", "10", None, None]
+  assert v.reads_answers("gsm8k") and not v.reads_answers("countdown") and not v.reads_answers("m:f")
 
 
 def test_a_null_ground_truth_never_scores(pool):

@@ -311,6 +311,14 @@ class DatasetTask:
     return verifiers_lib.reference_answer(self.verifier_of(problem.data_source),
                                           gt if isinstance(gt, str) else json.dumps(gt))
 
+  def answer_keys(self, problem: Record, completions: Sequence[str]) -> list[str | None] | None:
+    """The answers `completions` of `problem` state, as its source's verifier reads them (maj@k's
+    votes); None for a verifier whose answers are not read as text (countdown, a user function)."""
+    spec = self.verifier_of(problem.data_source)
+    if not verifiers_lib.reads_answers(spec):
+      return None
+    return [verifiers_lib.answer_key(spec, c) for c in completions]
+
   def source_of(self, problem: Record) -> str:
     return problem.data_source
 

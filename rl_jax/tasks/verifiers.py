@@ -303,6 +303,30 @@ def dapo_math(completion: str, ground_truth: Any, extra_info: dict) -> tuple[flo
   return (1.0, "") if ok else (0.0, WRONG)
 
 
+def reads_answers(spec: str) -> bool:
+  """Whether `answer_key` reads the answers of verifier `spec`."""
+  return spec in ("math", "exact_match", "gsm8k", "dapo_math")
+
+
+def answer_key(spec: str, completion: str) -> str | None:
+  """The answer a completion states, as text, for a majority vote over samples (maj@k): the graded
+  \\boxed{} (math, exact_match), GSM8K's '#### ' number, DAPO's normalized 'Answer:' line; None
+  without one, or for a verifier whose answer is not text read here (countdown, a user function).
+  Equal answers written differently ('0.5', '1/2') vote apart: the vote is on the text."""
+  if not isinstance(completion, str):
+    return None
+  if spec in ("math", "exact_match"):
+    box = last_boxed(completion[-TAIL_CHARS:])
+    return None if box is None else _norm(box)
+  if spec == "gsm8k":
+    found = _GSM8K_ANSWER.findall(completion[-VERL_TAIL_CHARS:])
+    return _gsm8k_number(found[-1]) if found else None
+  if spec == "dapo_math":
+    found = _DAPO_ANSWER.findall(completion[-VERL_TAIL_CHARS:])
+    return minerva_normalize(found[-1]) if found else None
+  return None
+
+
 def _math_gold(ground_truth: Any):
   from math_verify import parse  # pylint: disable=g-import-not-at-top
   if ground_truth is None:   # refused at load; str(None) would parse as the symbol 'None'
