@@ -327,6 +327,31 @@ def test_the_math_config_takes_a_users_files_with_two_keys(data, tmp_path):
   assert task.completion(task.make_problems(0, "eval", 0, 1)[0]) == "The answer is\n#### 19"
 
 
+def test_eval_files_are_optional(data, tmp_path):
+  """Without task.eval_files a run trains only: the checks pass, preview shows the train prompts,
+  and asking for eval prompts names the key."""
+  import io
+  from rl_jax.configs import math_tiny
+  from rl_jax.rl.job import RLJob
+  from rl_jax.tasks.__main__ import preview
+  cfg = math_tiny.get_config("test")
+  cfg.task.train_files, _ = _user_files(tmp_path)
+  cfg.task.overrides.tokenizer = f"{data}/tokenizer"
+  cfg.task.overrides.verifiers = "*=exact_match"   # in-process verifiers: no worker to start here
+  job = RLJob.from_config(cfg)
+  task = task_build.make_task(job.task)
+  tok = task_build.make_tokenizer(task, job.model)
+  task_build.bind_task(task, tok, job.sampler.max_prompt_len)
+  job.check_data(task, tok)
+  assert not task_build.has_eval(task) and task_build.has_eval(get_task("countdown_easy"))
+  assert task.data_state(8)["eval_fingerprint"] is None and set(task.stats()) == {
+      "data/train_prompts", "data/train_dropped_too_long", "data/train_truncated"}
+  with pytest.raises(ConfigError, match="task.eval_files': empty, so there are no eval prompts"):
+    task.make_problems(0, "eval", 0, 1)
+  rows = preview(cfg, 2, out=io.StringIO())
+  assert [(r["split"], r["reward"]) for r in rows] == [("train", 1.0), ("train", 1.0)]
+
+
 def _preview_config(data, train_files, **overrides):
   from rl_jax.configs import math_tiny
   cfg = math_tiny.get_config("test")

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from conftest import run_clean_and_killed
 
+from rl_jax.config_utils import ConfigError
 from rl_jax.configs import math_tiny
 from rl_jax.configs import qwen3_30b_a3b_math
 from rl_jax.configs import qwen3_30b_a3b_minirl
@@ -121,3 +122,13 @@ def test_math_configs_validate_and_state_their_recipes():
   get_task("dataset", dict(cfg.task.overrides))
   with pytest.raises(ValueError, match="unknown config arg"):
     qwen3_30b_a3b_math.get_config("minirl_n3")
+
+
+def test_overlong_buffer_is_checked_against_the_sampler():
+  cfg = math_tiny.get_config("test")
+  cfg.rl.overlong_buffer = cfg.sampler.max_new_tokens + 1
+  with pytest.raises(ConfigError, match="rl.overlong_buffer.*exceeds sampler.max_new_tokens"):
+    RLJob.from_config(cfg)
+  cfg.rl.overlong_buffer = -1
+  with pytest.raises(ConfigError, match="rl.overlong_buffer': must be >= 0"):
+    RLJob.from_config(cfg)

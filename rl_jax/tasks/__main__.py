@@ -37,7 +37,7 @@ def preview(config, n: int, out=sys.stdout) -> list[dict]:
   task_build.bind_task(task, tok, limit)
   rows = []
   try:
-    for split in ("train", "eval"):
+    for split in ("train", "eval") if task_build.has_eval(task) else ("train",):
       for i, p in enumerate(task.make_problems(config.get("seed", 0), split, 0, n)):
         ids = data_lib.prompt_ids(task, tok, p)
         reference = task.completion(p)

@@ -27,7 +27,7 @@ class DatasetConfig:
   """Files, schema, rendering, mixing and verification of the dataset task (`task.overrides.*`).
 
   train_files / eval_files: comma-separated paths or globs (local, gs://, s3://), .jsonl or
-    .parquet; set through `task.train_files` / `task.eval_files`.
+    .parquet; set through `task.train_files` / `task.eval_files` (eval files are optional).
   prompt_key ... solution_key: dotted paths of a row's fields (verl's schema by default);
     `default_source` names the source of rows without one (or of every row if source_key='').
   chat_template: chat-message prompts go through the tokenizer's chat template with
@@ -160,6 +160,11 @@ class DatasetTask:
   def tokenizer_path(self) -> str:
     return self.config.tokenizer
 
+  @property
+  def has_eval(self) -> bool:
+    """Whether the task has eval prompts (task.eval_files set); without, a run trains only."""
+    return bool(self.config.eval_files)
+
   # -- loading ----------------------------------------------------------------------------------
 
   def bind(self, tok: Any, max_prompt_len: int) -> None:
@@ -168,14 +173,14 @@ class DatasetTask:
       return
     require(bool(self.config.train_files), "task.train_files",
             "empty: the dataset task needs its train files (--config.task.train_files=PATH_OR_GLOB)")
-    require(bool(self.config.eval_files), "task.eval_files",
-            "empty: the dataset task needs its eval files (--config.task.eval_files=PATH_OR_GLOB)")
     self._splits = {}
     for split, key in (("train", "task.train_files"), ("eval", "task.eval_files")):
+      if split == "eval" and not self.has_eval:   # eval files are optional: a run then never evaluates
+        continue
       files = records_lib.expand(getattr(self.config, split + "_files"), key)
       self._splits[split] = self._load(split, files, tok, max_prompt_len)
     self._bound = (id(tok), max_prompt_len)
-    self._eval_order = interleave([r.data_source for r in self._splits["eval"].records])
+    self._eval_order = interleave([r.data_source for r in self._splits["eval"].records]) if self.has_eval else []
     self._orders = {}
     # Sources are those with kept prompts: a weighted source whose prompts were all dropped is named.
     self._weights = order_lib.parse_weights(self.config.source_weights, self.sources("train"),
@@ -239,6 +244,9 @@ class DatasetTask:
     if not self._splits:
       raise RuntimeError("the dataset task is not bound: call task.bind(tokenizer, max_prompt_len) first "
                          "(rl_jax.tasks.build.bind_task)")
+    if split == "eval" and not self.has_eval:
+      raise ConfigError("config key 'task.eval_files': empty, so there are no eval prompts (set it, or leave "
+                        "evaluation off: a run without eval files never evaluates)")
     if split not in self._splits:
       raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     return self._splits[split]
@@ -394,7 +402,8 @@ class DatasetTask:
     """What a checkpoint stores: train prompts consumed and the data's fingerprint."""
     sp = self._split("train")
     return {"consumed": int(consumed), "epoch": consumed / len(sp.records), "train_prompts": len(sp.records),
-            "fingerprint": sp.fingerprint, "eval_fingerprint": self._split("eval").fingerprint}
+            "fingerprint": sp.fingerprint,
+            "eval_fingerprint": self._split("eval").fingerprint if self.has_eval else None}
 
   def check_data_state(self, state: dict, consumed: int) -> None:
     """A resume continues at `consumed` only over the very data the checkpoint was trained on."""
