@@ -136,9 +136,9 @@ def export(workdir: str, out: str, step: int | None = None, *, dtype: str | None
     hf_config = carry_config(source_json, source_cfg, run_cfg, dtype)
     tokenizer_dir = source
   else:
-    hf_config = hf.model_config_to_hf(run_cfg, dtype=dtype, extra={
-        k: sampler[k[:-len("_token_id")] + "_id"] for k in ("eos_token_id", "pad_token_id")
-        if sampler.get(k[:-len("_token_id")] + "_id") is not None})
+    # The ids the run's sampler stopped and padded with: a server needs the same.
+    ids = {"eos_token_id": sampler.get("eos_id"), "pad_token_id": sampler.get("pad_id")}
+    hf_config = hf.model_config_to_hf(run_cfg, dtype=dtype, extra={k: v for k, v in ids.items() if v is not None})
     tokenizer_dir = ((config.get("task") or {}).get("overrides") or {}).get("tokenizer") or None
   model, step = _restore_params(workdir, run_cfg, step)
   os.makedirs(out, exist_ok=True)
