@@ -124,7 +124,8 @@ def read_rows(path: str) -> Iterator[tuple[int, dict]]:
     try:
       table = pq.read_table(io.BytesIO(p.read_bytes()))
     except (pa.ArrowException, OSError, ValueError) as e:   # a corrupt or truncated file
-      raise DataError(f"{path}: not a readable parquet file ({str(e).strip().splitlines()[0][:200]})") from None
+      first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+      raise DataError(f"{path}: not a readable parquet file ({first[:200]})") from None
     for i, row in enumerate(table.to_pylist()):
       yield i, row
     return
