@@ -65,5 +65,9 @@ setup(
         "cuda12": ["jax[cuda12]>=0.10.0,<0.13"],
         "cuda13": ["jax[cuda13]>=0.10.0,<0.13"],
         "tpu": ["jax[tpu]>=0.10.0,<0.13"],
+        # Remote prompt files, workdirs and checkpoints: etils.epath reaches gs:// through gcsfs and
+        # s3:// through s3fs, neither of which it installs (docs/configs.md#dataset-task).
+        "gcs": ["gcsfs>=2023.1"],
+        "s3": ["s3fs>=2023.1"],
     },
 )

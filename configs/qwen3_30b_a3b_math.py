@@ -7,8 +7,11 @@ the checkpoint is a local Hugging Face directory, read on every host):
     --config.task.train_files='gs://bucket/math/train-*.parquet' \
     --config.task.eval_files=gs://bucket/math/aime24.parquet,gs://bucket/math/math500.parquet
   (arg `minirl_nN`, N in {1, 2, 4, 8}: [MiniRL]'s layout; `minirl` is minirl_n1.)
+(gs:// files need `pip install 'rl_jax[gcs]'` on every host.)
 Check what the model will see first (no GPU): python -m rl_jax.tasks preview
   --config=configs/qwen3_30b_a3b_math.py --config.warm_start.path=... --config.task.train_files=...
+The trained policy as an HF checkpoint (its config.json, tokenizer and generation config carried
+over from warm_start.path): python -m rl_jax.export --workdir=/shared/runs/math_sc --out=DIR
 Hardware: 4 hosts x 8 x H200 (32 devices; the mesh of configs/qwen3_30b_a3b_minirl.py).
 Runtime: not measured on GPUs with this code; the per-step estimate of qwen3_30b_a3b_minirl.py
 applies ([SC]'s 128 responses x 1024 tokens per step: ~0.1 H100-hour per step, its Table 2).
@@ -25,8 +28,10 @@ per step; FP8 sampler. minirl_nN ([MiniRL], Sec. 4.2): 64 prompts x 16 responses
 mini-batch, N mini-batches per global step, the MiniRL loss (token IS min(p/q, 5), staleness
 mask eps 0.2 / 0.27, no length normalization), replay none / R2 / R3 at N = 1 / 2 / >= 4, AdamW
 1e-6.
-Task: `task.name=dataset`; every data_source is verified by the math verifier (math-verify in
-the sandboxed workers) unless `task.overrides.verifiers` maps it elsewhere; prompts longer than
+Task: `task.name=dataset`; a data_source verl names gets verl's scorer (openai/gsm8k: gsm8k's
+'#### x'; math_dapo, math, aime*: DAPO's 'Answer: x'; the MATH sets: math), every other the math
+verifier (math-verify on the last \\boxed{}, in the sandboxed workers), unless
+`task.overrides.verifiers` maps it elsewhere; prompts longer than
 sampler.max_prompt_len (256) after the chat template are dropped and counted
 (data/train_dropped_too_long). Per-source metrics: train/<source>/*, eval/<source>/*.
 Expected ([SC], Fig. 5, qualitative): training accuracy rises steadily over the run with the

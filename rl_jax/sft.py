@@ -205,7 +205,7 @@ def _run(config: Any, workdir: Any, job, mesh, task, tok, guard: preempt.Guard) 
       done = step + 1
       row = {"loss": m["loss"], "nll": m["nll"], "grad_norm": m["grad_norm"], "aux_loss": m["aux_loss"],
              "time_s": time.time() - t0}
-      if done % s.eval_every == 0 or done == s.steps:
+      if (done % s.eval_every == 0 or done == s.steps) and task_build.has_eval(task):
         row["eval_accuracy"] = evaluate(task, tok, graphdef, params, job.seed, s.eval_size,
                                         s.eval_max_new_tokens)
         bar.set_postfix(loss=f"{float(m['loss']):.3f}", acc=f"{row['eval_accuracy']:.3f}")

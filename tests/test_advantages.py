@@ -64,3 +64,12 @@ def test_errors():
     from_dict(AdvantageConfig, {"reward_mode": "+1/-1"}, prefix="adv")
   with pytest.raises(ValueError, match="ddof"):
     compute_advantages(np.ones(2, np.float32), 1, AdvantageConfig(mode="grpo", std_ddof=1))
+
+
+def test_overlong_penalty_is_dapos_soft_punishment():
+  """0 up to T - buffer tokens, then linear to -factor at T (T = 16, buffer = 4, factor 0.5)."""
+  from rl_jax.rl.advantages import overlong_penalty
+  got = overlong_penalty(np.array([3, 12, 13, 14, 16]), max_new_tokens=16, buffer=4, factor=0.5)
+  np.testing.assert_allclose(got, [0.0, 0.0, -0.125, -0.25, -0.5])
+  assert not overlong_penalty(np.array([16]), 16, 0, 1.0).any()   # buffer 0: off
+

@@ -46,7 +46,7 @@ CONFIG_ARGS = {
     "sft_countdown_tiny.py": [None, "test"],
     "qwen3_0p6b_countdown.py": [None, "/ckpt/Qwen3-0.6B", "long", "long:/ckpt/Qwen3-0.6B"],
     "qwen3_30b_a3b_minirl.py": [None] + [f"n{n}" for n in qwen3_30b_a3b_minirl.N_CHOICES] + ["n4_32k"],
-    "math_tiny.py": [None, "test"],
+    "math_tiny.py": [None, "test", "demo"],
     "qwen3_30b_a3b_math.py": [None, "minirl"] + [f"minirl_n{n}" for n in qwen3_30b_a3b_minirl.N_CHOICES],
     "sweeps.py": ALL_SWEEP_ARGS,
 }

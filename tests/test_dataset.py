@@ -62,6 +62,15 @@ def test_string_prompts_and_a_field_mapping(tmp_path):
       "reward_model": {"ground_truth": "1"}}, "role 'robot'"),
     ({"prompt": "hi", "reward_model": {"ground_truth": "1"}}, "no field 'data_source'"),
     ({"prompt": "hi", "data_source": "a"}, "no field 'reward_model.ground_truth'"),
+    # A row without a ground truth is refused at load (a null once let '\\boxed{None}' score 1).
+    ({"prompt": "hi", "data_source": "a", "reward_model": {"ground_truth": None}},
+     "field 'reward_model.ground_truth' is null"),
+    ({"prompt": "hi", "data_source": "a", "reward_model": {"ground_truth": " "}},
+     "field 'reward_model.ground_truth' is ' '"),
+    ({"prompt": "hi", "data_source": "a", "reward_model": {"ground_truth": []}},
+     "field 'reward_model.ground_truth' is []"),
+    ({"prompt": "hi", "data_source": "a", "reward_model": {"ground_truth": float("nan")}},
+     "field 'reward_model.ground_truth' is nan"),
 ])
 def test_bad_rows_name_the_file_row_and_field(tmp_path, row, message):
   path = tmp_path / "bad.jsonl"
@@ -69,6 +78,30 @@ def test_bad_rows_name_the_file_row_and_field(tmp_path, row, message):
   records.write_jsonl(str(path), [good, row])
   with pytest.raises(ValueError, match=re.escape(f"{path}:2: ") + ".*" + re.escape(message)):
     records.read_records([str(path)], records.Fields())
+
+
+def test_a_null_ground_truth_in_parquet_names_the_file_and_row(tmp_path):
+  path = str(tmp_path / "p.parquet")
+  records.write_parquet(path, [{"prompt": "a", "data_source": "s", "reward_model": {"ground_truth": "1"}},
+                               {"prompt": "b", "data_source": "s", "reward_model": {"ground_truth": None}}])
+  with pytest.raises(records.DataError, match=re.escape(f"{path}:2: field 'reward_model.ground_truth' is null")):
+    records.read_records([path], records.Fields())
+
+
+def test_a_prompt_stored_as_json_text_is_read_as_its_messages(tmp_path):
+  """pandas writes a list column to a file as its JSON text: such a prompt is decoded into chat
+  messages; any other string, one starting with '[' included, stays a plain prompt."""
+  path = str(tmp_path / "p.jsonl")
+  msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+  texts = [json.dumps(msgs), "[1, 2] sorted?", '["a", "b"]', "[not json"]
+  records.write_jsonl(path, [{"prompt": t, "data_source": "s", "reward_model": {"ground_truth": "4"}}
+                             for t in texts])
+  got = [r.prompt for r in records.read_records([path], records.Fields())]
+  assert got == [(("system", "Be brief."), ("user", "2+2?"))] + texts[1:]
+  records.write_jsonl(path, [{"prompt": json.dumps([{"role": "robot", "content": "x"}]), "data_source": "s",
+                              "reward_model": {"ground_truth": "4"}}])
+  with pytest.raises(records.DataError, match=re.escape(f"{path}:1: field 'prompt'[0] has role 'robot'")):
+    records.read_records([path], records.Fields())
 
 
 def test_bad_json_and_paths_are_named(tmp_path):
@@ -155,6 +188,28 @@ def test_long_prompts_are_dropped_and_counted_never_truncated(data, tok, capsys)
   assert f"{n_long} longer than max_prompt_len={limit} tokens dropped" in capsys.readouterr().out
 
 
+def test_long_prompts_follow_the_truncation_policy_and_max_samples_caps_a_split(data, tok):
+  full = _task(data, tok, limit=10_000)
+  problems = full.make_problems(0, "train", 0, full.size("train"))
+  lengths = [len(full.prompt_ids(p, tok)) for p in problems]
+  limit = sorted(lengths)[len(lengths) // 2]
+  n_long = sum(n > limit for n in lengths)
+  for policy in ("left", "right"):
+    t = _task(data, tok, limit=limit, truncation=policy)
+    assert t.size("train") == len(lengths) and t.stats()["data/train_truncated"] == n_long
+    for p, n in zip(problems[:40], lengths):   # the same records in the same order: none dropped
+      want = full.prompt_ids(p, tok)
+      want = want if n <= limit else (want[-limit:] if policy == "left" else want[:limit])
+      assert t.prompt_ids(p, tok) == want and t.prompt(p) == (full.prompt(p) if n <= limit else tok.decode(want))
+  with pytest.raises(records.DataError, match=r"\.(jsonl|parquet):\d+: the prompt is \d+ tokens, longer than "
+                                              f"sampler.max_prompt_len={limit}"):
+    _task(data, tok, limit=limit, truncation="error")
+  capped = _task(data, tok, max_train_samples=10, max_eval_samples=3)
+  first = records.read_records([f"{data}/train_arith_add.jsonl"], records.Fields(solution="extra_info.solution"))[:10]
+  assert sorted(p.origin for p in capped.make_problems(0, "train", 0, 10)) == sorted(r.origin for r in first)
+  assert capped.size("eval") == 3 and capped.data_state(0)["fingerprint"] != full.data_state(0)["fingerprint"]
+
+
 def test_eval_interleaves_sources_and_rejects_a_too_large_eval_size(data, tok):
   assert interleave(["a", "a", "a", "b"]) == [0, 3, 1, 2]
   t = _task(data, tok)
@@ -206,12 +261,167 @@ def test_per_source_metrics_split_the_batch_by_source():
   m = sm.train_metrics(srcs, rewards, ["", "wrong_value", "", "", "wrong_value", "timeout"], lengths, trunc)
   assert m["train/a/reward"] == 0.5 and m["train/a/accuracy"] == 1 / 3 and m["train/a/response_length"] == 6
   assert m["train/a/truncated"] == 1 / 3 and m["train/a/share"] == 0.5
-  assert m["train/b/accuracy"] == 1.0 and m["train/open_ai/truncated"] == 1.0
+  assert m["train/b/accuracy"] == 1.0 and m["train/open~2fai/truncated"] == 1.0
   assert m["verifier/wrong_value"] == 2 / 6 and m["verifier/timeout"] == 1 / 6 and m["truncated"] == 2 / 6
-  e = sm.eval_metrics(["a", "b", "a"], np.array([1.0, 0.0, 0.0]), np.array([[1.0, 0.0], [0.0, 0.0], [0.0, 0.0]]),
+  e = sm.eval_metrics(["a", "b", "a"], np.array([1.0, 0.0, 0.0]), np.array([[1.0, 0.0], [0.0, 0.0], [0.0, 0.5]]),
                       np.array([[3, 5], [8, 8], [1, 1]]), np.array([[False, False], [True, True], [False, False]]))
-  assert e["eval/a/accuracy"] == 0.5 and e["eval/a/avg_at_k"] == 0.25 and e["eval/a/pass_at_k"] == 0.5
+  assert e["eval/a/accuracy"] == 0.5 and e["eval/a/avg_at_k"] == 0.375 and e["eval/a/pass_at_k"] == 0.5
+  assert e["eval/a/best_at_k"] == 0.75 and e["eval/b/best_at_k"] == 0.0   # (1 + 0.5) / 2: partial credit counts
+  # maj@k: the reward of the answer most samples state (a tie goes to the answer stated first; a
+  # sample without one does not vote); a source whose verifier's answers are not read has none.
+  keys = [["12", "13"], None, [None, "7"]]
+  voted = sm.eval_metrics(["a", "b", "a"], np.zeros(3), np.array([[1.0, 0.0], [1.0, 1.0], [0.0, 0.5]]),
+                          np.ones((3, 2)), np.zeros((3, 2), bool), keys)
+  assert voted["eval/a/maj_at_k"] == (1.0 + 0.5) / 2 and "eval/b/maj_at_k" not in voted
+  assert sm.majority_at_k(np.array([[0.0, 1.0, 1.0, 0.0]]), [["5", "6", "6", "5 "]]).tolist() == [1.0]
   assert e["eval/a/response_length"] == 2.5 and e["eval/b/truncated"] == 1.0 and e["eval/b/count"] == 1
+
+
+def test_distinct_sources_never_share_a_metric_name():
+  """'a/b' and 'a_b' were both 'a_b': one source's metrics overwrote the other's."""
+  import numpy as np
+  from rl_jax.rl import source_metrics as sm
+  sources = ["a/b", "a_b", "a~2fb", "a b", "a.b", "é", "~", ""]
+  names = [sm.metric_name(s) for s in sources]
+  assert len(set(names)) == len(sources) and all(re.fullmatch(r"[A-Za-z0-9_.~\-]+", n) for n in names), names
+  assert sm.metric_name("openai/gsm8k") == "openai~2fgsm8k" and sm.metric_name("gsm8k_main") == "gsm8k_main"
+  m = sm.train_metrics(["a/b", "a_b"], np.array([1.0, 0.0]), ["", ""], np.array([3, 3]), np.array([False, False]))
+  assert m["train/a~2fb/reward"] == 1.0 and m["train/a_b/reward"] == 0.0
+
+
+def _user_files(tmp):
+  """A hand-written verl-schema dataset as a user brings one: two sources, chat-message prompts, a
+  jsonl file and a parquet file whose reward_model is JSON text and whose prompt is a list column."""
+  def row(source, question, answer, i):
+    return {"data_source": source, "prompt": [{"role": "user", "content": f"{question} Put the answer in \\boxed{{}}."}],
+            "ability": "math", "reward_model": {"style": "rule", "ground_truth": answer},
+            "extra_info": {"split": "train", "index": i}}
+  gsm = [row("openai/gsm8k", f"Tom has {i} apples and buys {i + 3} more. How many now?", str(2 * i + 3), i)
+         for i in range(12)]
+  mth = [row("lighteval/MATH", f"What is ${i}^2$?", str(i * i), i) for i in range(12)]
+  records.write_jsonl(str(tmp / "train.jsonl"), gsm[:8] + mth[:8])
+  records.write_parquet(str(tmp / "eval.parquet"),
+                        [dict(r, reward_model=json.dumps(r["reward_model"])) for r in gsm[8:] + mth[8:]])
+  return str(tmp / "train.jsonl"), str(tmp / "eval.parquet")
+
+
+def test_the_math_config_takes_a_users_files_with_two_keys(data, tmp_path):
+  """configs/math_tiny.py with only task.train_files / task.eval_files set passes every check its
+  run makes before compute (the demo's solution_key, source_weights and 64-token prompts once failed
+  here). The tokenizer is the one `python -m rl_jax.tasks.arith` writes, here under the test's data."""
+  from rl_jax.configs import math_tiny
+  from rl_jax.rl.job import RLJob
+  from rl_jax.rl.warm_start import check_sft_section
+  cfg = math_tiny.get_config()
+  cfg.task.train_files, cfg.task.eval_files = _user_files(tmp_path)
+  cfg.task.overrides.tokenizer = cfg.task.overrides.tokenizer.replace(math_tiny.DATA, data)
+  job = RLJob.from_config(cfg)
+  task = task_build.make_task(job.task)
+  tok = task_build.make_tokenizer(task, job.model)
+  task_build.bind_task(task, tok, job.sampler.max_prompt_len)
+  job.check_data(task, tok)
+  check_sft_section(cfg, task, tok)
+  assert task.size("train") == 16 and task.size("eval") == 8 and task.stats()["data/train_dropped_too_long"] == 0
+  assert [p.data_source for p in task.make_problems(0, "eval", 0, 2)] == ["openai/gsm8k", "lighteval/MATH"]
+  assert task.verifier_of("openai/gsm8k") == "gsm8k" and task.verifier_of("lighteval/MATH") == "math"   # verl's
+  assert task.completion(task.make_problems(0, "eval", 0, 1)[0]) == "The answer is\n#### 19"
+
+
+def test_eval_files_are_optional(data, tmp_path):
+  """Without task.eval_files a run trains only: the checks pass, preview shows the train prompts,
+  and asking for eval prompts names the key."""
+  import io
+  from rl_jax.configs import math_tiny
+  from rl_jax.rl.job import RLJob
+  from rl_jax.tasks.__main__ import preview
+  cfg = math_tiny.get_config("test")
+  cfg.task.train_files, _ = _user_files(tmp_path)
+  cfg.task.overrides.tokenizer = f"{data}/tokenizer"
+  cfg.task.overrides.verifiers = "*=exact_match"   # in-process verifiers: no worker to start here
+  job = RLJob.from_config(cfg)
+  task = task_build.make_task(job.task)
+  tok = task_build.make_tokenizer(task, job.model)
+  task_build.bind_task(task, tok, job.sampler.max_prompt_len)
+  job.check_data(task, tok)
+  assert not task_build.has_eval(task) and task_build.has_eval(get_task("countdown_easy"))
+  assert task.data_state(8)["eval_fingerprint"] is None and set(task.stats()) == {
+      "data/train_prompts", "data/train_dropped_too_long", "data/train_truncated"}
+  with pytest.raises(ConfigError, match="task.eval_files': empty, so there are no eval prompts"):
+    task.make_problems(0, "eval", 0, 1)
+  rows = preview(cfg, 2, out=io.StringIO())
+  assert [(r["split"], r["reward"]) for r in rows] == [("train", 1.0), ("train", 1.0)]
+
+
+def _preview_config(data, train_files, **overrides):
+  from rl_jax.configs import math_tiny
+  cfg = math_tiny.get_config("test")
+  cfg.task.train_files = train_files
+  cfg.task.eval_files = f"{data}/eval_arith_add.jsonl"
+  cfg.task.overrides.tokenizer = f"{data}/tokenizer"
+  cfg.task.overrides.update(overrides)
+  return cfg
+
+
+def _bad_inputs(tmp, data):
+  """(case, train_files, task.overrides, the error line) of each broken input a user hits."""
+  row = json.dumps({"prompt": "hi", "data_source": "s", "reward_model": {"ground_truth": "1"}})
+  (tmp / "latin1.jsonl").write_bytes(row.encode() + b"\n" + row.replace("hi", "caf\xe9").encode("latin-1") + b"\n")
+  good = (tmp / "good.parquet")
+  records.write_parquet(str(good), [json.loads(row)] * 50)
+  (tmp / "cut.parquet").write_bytes(good.read_bytes()[:len(good.read_bytes()) // 2])
+  (tmp / "empty.jsonl").write_text("")
+  (tmp / "raises_on_import.py").write_text("raise RuntimeError('no GPU here')\n")
+  (tmp / "bad_syntax.py").write_text("def score(:\n")
+  ok = f"{data}/train_arith_add.jsonl"
+  cases = [
+      ("non_utf8", str(tmp / "latin1.jsonl"), {},
+       f"{tmp}/latin1.jsonl:2: not UTF-8 (byte 0xe9 at column 16)"),
+      ("truncated_parquet", str(tmp / "cut.parquet"), {}, f"{tmp}/cut.parquet: not a readable parquet file ("),
+      ("empty_file", str(tmp / "empty.jsonl"), {}, f"{tmp}/empty.jsonl: no rows (the file is empty)"),
+      ("verifier_import_raises", ok, {"default_verifier": "raises_on_import:score"},
+       "config key 'task.overrides.default_verifier': cannot load verifier 'raises_on_import:score' "
+       "(RuntimeError: no GPU here)"),
+      ("verifier_syntax_error", ok, {"verifiers": "arith_*=bad_syntax:score"},
+       "config key 'task.overrides.verifiers': cannot load verifier 'bad_syntax:score' (SyntaxError: "),
+  ]
+  try:
+    import gcsfs  # noqa: F401  # pylint: disable=unused-import
+  except ImportError:
+    cases.append(("gs_without_gcsfs", "gs://bucket/train.jsonl", {},
+                  "config key 'task.train_files': reading gs:// files needs gcsfs: pip install 'rl_jax[gcs]'"))
+  return cases
+
+
+def test_preview_prints_one_line_for_every_bad_input(data, tmp_path, monkeypatch, capsys):
+  """Each broken input a user hits is one line 'config error: ...' (exit 2) naming the file and
+  line or the key, as `python -m rl_jax.main` prints it (test_main_prints_the_previews_line)."""
+  from rl_jax import cli
+  from rl_jax.tasks.__main__ import run_preview
+  monkeypatch.delenv(cli.TRACEBACK_ENV, raising=False)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  for case, files, overrides, line in _bad_inputs(tmp_path, data):
+    with pytest.raises(SystemExit) as e:
+      run_preview(_preview_config(data, files, **overrides), 1)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("config error: " + line), (case, err)
+
+
+@pytest.mark.slow  # ~10 s: a process importing jax
+def test_main_prints_the_previews_line(data, tmp_path, capsys):
+  import subprocess
+  import sys
+  from rl_jax.tasks.__main__ import run_preview
+  case, files, _, _ = _bad_inputs(tmp_path, data)[0]
+  with pytest.raises(SystemExit):
+    run_preview(_preview_config(data, files), 1)
+  line = capsys.readouterr().err
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  r = subprocess.run([sys.executable, "-m", "rl_jax.main", "--config=configs/math_tiny.py:test",
+                      f"--workdir={tmp_path}/run", f"--config.task.train_files={files}",
+                      f"--config.task.eval_files={data}/eval_arith_add.jsonl",
+                      f"--config.task.overrides.tokenizer={data}/tokenizer"], cwd=repo, capture_output=True,
+                     text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu", RL_JAX_TRACEBACK=""))
+  assert r.returncode == 2 and r.stderr == line, (case, r.stderr[-3000:])
 
 
 def test_preview_renders_prompts_and_accepts_the_reference_answers(data):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from conftest import run_clean_and_killed
 
+from rl_jax.config_utils import ConfigError
 from rl_jax.configs import math_tiny
 from rl_jax.configs import qwen3_30b_a3b_math
 from rl_jax.configs import qwen3_30b_a3b_minirl
@@ -57,7 +58,7 @@ def test_math_run_trains_evaluates_per_source_and_resumes_without_repeating(tmp_
   trainer_lib.run(_config(data, **{"rl.steps": 4, "rl.prompts_per_step": b}), workdir)
   reference = get_task("dataset", dict(_config(data).task.overrides, train_files=_config(data).task.train_files,
                                        eval_files=_config(data).task.eval_files))
-  reference.bind(HFTokenizer.from_dir(f"{data}/tokenizer"), 64)
+  reference.bind(HFTokenizer.from_dir(f"{data}/tokenizer"), _config(data).sampler.max_prompt_len)
   want = [p.origin for p in reference.make_problems(0, "train", 0, 4 * b)]
   assert [s for s, _ in served] == [0, b, 2 * b, 3 * b]
   assert [o for _, origins in served for o in origins] == want   # no prompt repeated or skipped
@@ -67,9 +68,10 @@ def test_math_run_trains_evaluates_per_source_and_resumes_without_repeating(tmp_
     assert any(k.startswith("train/arith_") for k in r) and math.isfinite(r["loss/loss"] if "loss/loss" in r
                                                                           else r["reward"])
     assert r["data/train_prompts"] == 400 and r["data/epoch"] == r["step"] * b / 400
+    assert r["data/consumed"] == r["step"] * b
   for r in (rows[0], rows[-1]):   # evaluated per source at the start and the end
     for s in arith.SOURCES:
-      for m in ("accuracy", "avg_at_k", "pass_at_k", "response_length", "truncated"):
+      for m in ("accuracy", "avg_at_k", "pass_at_k", "best_at_k", "maj_at_k", "response_length", "truncated"):
         assert math.isfinite(r[f"eval/{s}/{m}"]), (s, m)
       assert r[f"eval/{s}/count"] == 4
   ckpt_meta = json.loads(open(f"{workdir}/checkpoints/4/meta/metadata").read())
@@ -102,7 +104,7 @@ def test_math_run_killed_with_sigkill_resumes_to_the_uninterrupted_params(tmp_pa
 
 
 def test_math_configs_validate_and_state_their_recipes():
-  for arg in (None, "test"):
+  for arg in (None, "test", "demo"):
     cfg = math_tiny.get_config(arg)
     RLJob.from_config(cfg)
     get_task("dataset", dict(cfg.task.overrides, train_files=cfg.task.train_files))  # keys and verifiers
@@ -120,3 +122,13 @@ def test_math_configs_validate_and_state_their_recipes():
   get_task("dataset", dict(cfg.task.overrides))
   with pytest.raises(ValueError, match="unknown config arg"):
     qwen3_30b_a3b_math.get_config("minirl_n3")
+
+
+def test_overlong_buffer_is_checked_against_the_sampler():
+  cfg = math_tiny.get_config("test")
+  cfg.rl.overlong_buffer = cfg.sampler.max_new_tokens + 1
+  with pytest.raises(ConfigError, match="rl.overlong_buffer.*exceeds sampler.max_new_tokens"):
+    RLJob.from_config(cfg)
+  cfg.rl.overlong_buffer = -1
+  with pytest.raises(ConfigError, match="rl.overlong_buffer': must be >= 0"):
+    RLJob.from_config(cfg)

@@ -1,5 +1,7 @@
 """Verifiers: a math equivalence table written from the math, hostile completions bounded, registry, user functions."""
 import json
+import os
+import re
 import sys
 import textwrap
 import time
@@ -51,8 +53,26 @@ NOT_EQUIVALENT = [
 ]
 
 
+# (ground truth, completion, reward under boxed='last', 'any', 'all'): each box is graded alone, as
+# the value it states; 'last' is verl's rule (a model may correct itself), 'any' one box equal to
+# the truth, 'all' every box. An unclosed box states nothing; without a box an 'answer is' line counts.
+BOXES = [
+    ("13", r"First \boxed{12}, then corrected: \boxed{13}", 1, 1, 0),
+    ("12", r"First \boxed{12}, then corrected: \boxed{13}", 0, 1, 0),
+    ("6", r"\boxed{5} wait, no: \boxed{6}", 1, 1, 0),
+    ("1/2", r"\boxed{0.5}, that is \boxed{\frac{1}{2}}", 1, 1, 1),   # one value written twice
+    ("3", r"\boxed{3} and again \boxed{3.0}", 1, 1, 1),
+    (r"\{1,2\}", r"\boxed{1} or \boxed{2}", 0, 0, 0),              # two answers are not the set {1, 2}
+    ("7", r"\boxed{7}, or rather \boxed{8", 0, 1, 0),               # the last box is cut off
+    ("x+1", r"\boxed{\boxed{x+1}}", 1, 1, 1),                       # nested: the inner box is the last
+    ("2", r"so \fbox{2}", 1, 1, 1),
+    ("3", "1+2=3, so the final answer is 3.", 1, 1, 1),             # no box
+]
+
+
 @pytest.fixture(scope="module")
-def pool():
+def pool(user_dir):
+  del user_dir  # its workers import the user module too
   p = sandbox.Pool(workers=2, timeout_s=3.0, memory_mb=1024)
   yield p
   p.close()
@@ -69,6 +89,71 @@ def test_math_verifier_agrees_with_the_equivalence_table(pool):
   wrong += [(pair, r) for pair, r in zip(NOT_EQUIVALENT, got[n:]) if r[0] != 0.0]
   assert not wrong
   assert got[-1] == (0.0, v.NO_ANSWER) and got[n] == (0.0, v.WRONG)
+
+
+def test_boxed_policy_grades_the_last_any_or_every_box(pool):
+  """The issue's case ('First \\boxed{12}, then corrected: \\boxed{13}' against 13 scored 0: math-verify
+  read both boxes as one set) and the other multi-box rows, under each policy, math and exact_match."""
+  for k, policy in enumerate(v.BOX_POLICIES):
+    got = pool.run([("math", ["m", c, g, {}, policy]) for g, c, *_ in BOXES])
+    assert [r for r, _ in got] == [row[2 + k] for row in BOXES], (policy, got)
+    exact = [v.exact_match(c, g, {}, boxed=policy)[0] for g, c, *_ in BOXES[:3] + BOXES[6:7]]
+    assert exact == [row[2 + k] for row in BOXES[:3] + BOXES[6:7]], (policy, exact)
+  assert v.boxed_answers(r"\boxed{a} \boxed{b{c}} \fbox{d") == [None, "b{c}", "a"]
+  assert len(v.boxed_answers(r"\boxed{1}" * 100)) == v.MAX_BOXES   # bounded work per call
+
+
+# (ground truth, completion, reward) for verl's GSM8K rule: the number after the last '#### '.
+GSM8K = [
+    ("72", "48 + 24 = 72 clips.\n#### 72", 1.0),
+    ("1072", "#### 1,072", 1.0),                                 # a thousands separator is not a digit
+    ("72", "#### 70\nno, recount:\n#### 72", 1.0),              # the last answer line counts
+    ("72", "#### 72\nno, recount:\n#### 70", 0.0),
+    ("-3", "#### -3", 1.0),
+    ("Natalia sold 48/2 = 24 clips in May.\n#### 72", "#### 72", 1.0),   # a whole solution as the truth
+    ("72", "The answer is 72.", 0.0),                             # no '#### ' line: no answer
+    ("72", "#### 72.0", 0.0),                                     # compared as text, as verl does
+    ("72", "#### 72" + " " * 400, 0.0),                           # only the last 300 characters are read
+]
+# (ground truth, completion, reward) for DAPO's rule: the last 'Answer:' line, Minerva-normalized.
+DAPO = [
+    ("34", "so 17 * 2.\nAnswer: 34", 1.0),
+    ("34", "answer : $34$", 1.0),
+    (r"\frac{1}{2}", r"Answer: \frac12", 1.0),                    # shorthand \frac spelled out
+    ("10", "Answer: 10 degrees", 1.0),                           # units dropped
+    ("1000", "Answer: 1,000", 1.0),
+    ("5", "Answer: x = 5", 1.0),                                 # the part after the last '='
+    (r"\sqrt{2}", r"Answer: \sqrt2", 1.0),
+    ("34", "Answer: 35", 0.0),
+    ("34", "Answer: 34\nAnswer: 43", 0.0),                       # the last line counts
+    ("34", r"\boxed{34}", 0.0),                                  # no 'Answer:' line
+]
+
+
+def test_verls_gsm8k_and_dapo_rules_and_their_sources():
+  assert [v.gsm8k(c, g, {})[0] for g, c, _ in GSM8K] == [r for *_, r in GSM8K]
+  assert [v.dapo_math(c, g, {})[0] for g, c, _ in DAPO] == [r for *_, r in DAPO]
+  assert v.gsm8k("x", "72", {}) == (0.0, v.NO_ANSWER) and v.dapo_math("Answer: 3", "4", {}) == (0.0, v.WRONG)
+  from rl_jax.tasks.dataset import DatasetConfig, DatasetTask
+  task = DatasetTask(DatasetConfig(verifiers="openai/gsm8k=exact_match"))
+  mapping = {s: task.verifier_of(s) for s in ("openai/gsm8k", "lighteval/MATH", "HuggingFaceH4/MATH-500", "math_dapo",
+                                               "aime2024", "mine")}
+  assert mapping == {"openai/gsm8k": "exact_match", "lighteval/MATH": "math", "HuggingFaceH4/MATH-500": "math",
+                     "math_dapo": "dapo_math", "aime2024": "dapo_math", "mine": "math"}   # a user's rule first
+  assert DatasetTask(DatasetConfig(verl_scorers=False)).verifier_of("math_dapo") == "math"
+  # The reference answer (SFT target, preview's check) is written the way the source's verifier reads it.
+  for spec, fn in (("gsm8k", v.gsm8k), ("dapo_math", v.dapo_math), ("exact_match", v.exact_match)):
+    assert fn(v.reference_answer(spec, "1,234"), "1,234", {}) == (1.0, ""), spec
+  # The answer each states, as maj@k votes on it.
+  assert [v.answer_key(spec, text) for spec, text in (
+      ("math", r"First \boxed{12}, then \boxed{ 13 }."), ("gsm8k", "#### 1,072"), ("dapo_math", "Answer: 10 degrees"),
+      ("math", "no box"), ("countdown", "<answer>1+2</answer>"))] == ["13", "1072", "10", None, None]
+  assert v.reads_answers("gsm8k") and not v.reads_answers("countdown") and not v.reads_answers("m:f")
+
+
+def test_a_null_ground_truth_never_scores(pool):
+  """str(None) parsed as the symbol 'None' once made '\\boxed{None}' correct against a null truth."""
+  assert _run(pool, "math", r"\boxed{None}", None) == (0.0, v.BAD_TRUTH)
 
 
 HOSTILE = [
@@ -98,9 +183,7 @@ def test_hostile_completions_return_within_bounds_and_name_their_error(pool):
   assert _run(pool, "math", r"\boxed{3}", "3") == (1.0, "")   # the pool still works
 
 
-@pytest.fixture
-def user_module(tmp_path, monkeypatch):
-  (tmp_path / "my_rewards.py").write_text(textwrap.dedent('''
+USER_MODULE = textwrap.dedent('''
       import os
       def score(data_source, solution_str, ground_truth, extra_info=None):
           return 1.0 if solution_str.strip() == str(ground_truth) else 0.0
@@ -117,11 +200,37 @@ def user_module(tmp_path, monkeypatch):
           os._exit(3)
       def nan(data_source, solution_str, ground_truth, extra_info=None):
           return float("nan")
-  '''))
-  monkeypatch.syspath_prepend(str(tmp_path))
-  monkeypatch.setenv("PYTHONPATH", str(tmp_path))   # the worker processes import it too
-  yield "my_rewards"
+      def compute_score(solution_str, ground_truth):   # another signature than verl's 4 arguments
+          return 1.0
+      def flaky(data_source, solution_str, ground_truth, extra_info=None):
+          if solution_str == "bad":
+              raise ValueError("cannot read " + solution_str)
+          return 1.0
+  ''')
+
+
+@pytest.fixture(scope="module")
+def user_dir(tmp_path_factory):
+  """A directory holding the user module `my_rewards`, on the path of this process and of every
+  verifier worker started while the module's tests run (the shared `pool`'s included)."""
+  d = tmp_path_factory.mktemp("user")
+  (d / "my_rewards.py").write_text(USER_MODULE)
+  old = os.environ.get("PYTHONPATH")
+  os.environ["PYTHONPATH"] = str(d) + (os.pathsep + old if old else "")
+  sys.path.insert(0, str(d))
+  yield d
+  sys.path.remove(str(d))
   sys.modules.pop("my_rewards", None)
+  if old is None:
+    os.environ.pop("PYTHONPATH", None)
+  else:
+    os.environ["PYTHONPATH"] = old
+
+
+@pytest.fixture
+def user_module(user_dir):
+  del user_dir
+  return "my_rewards"
 
 
 def test_user_functions_run_bounded_and_a_killed_worker_is_replaced(user_module):
@@ -166,6 +275,31 @@ def test_registry_specs_and_mapping(user_module):
     v.check_spec("no_such_mod:f", "task.overrides.default_verifier")
   with pytest.raises(ConfigError, match="not source_pattern=verifier"):
     v.parse_map("math", "task.overrides.verifiers")
+
+
+def test_a_verifier_failing_on_most_calls_stops_with_its_exception_and_row(user_module, pool):
+  """A verifier with another signature once gave all-zero rewards and only a verifier_exception
+  share; past task.overrides.max_verifier_failures of a batch's calls it now stops the run."""
+  from rl_jax.tasks.dataset import DatasetConfig, DatasetTask, VerifierError
+  from rl_jax.tasks.records import Record
+  rows = [Record("ok", "q", json.dumps("4"), "{}", "", "data.jsonl:1"),
+          Record("wrong", "q", json.dumps("4"), "{}", "", "data.jsonl:2"),
+          Record("flaky", "q", json.dumps("4"), "{}", "", "data.jsonl:3")]
+  task = DatasetTask(DatasetConfig(verifiers=f"wrong={user_module}:compute_score,flaky={user_module}:flaky",
+                                   default_verifier="exact_match", verifier_workers=1))
+  task._pool = pool  # pylint: disable=protected-access  # the module's warm workers: no start-up
+  try:
+    # One of four flaky calls fails (under the 0.5 default): scored 0 with its error, no stop.
+    verdicts = task.score_batch([rows[2]] * 4 + [rows[0]], ["bad", "a", "b", "c", r"\boxed{4}"])
+    assert [(x.reward, x.error) for x in verdicts] == [(0.0, sandbox.EXCEPTION)] + [(1.0, "")] * 4
+    assert verdicts[0].detail == "ValueError: cannot read bad"
+    with pytest.raises(VerifierError, match=re.escape(
+        f"verifier '{user_module}:compute_score' failed on 2 of 2 calls of this batch (more than "
+        "task.overrides.max_verifier_failures=0.5): TypeError: compute_score() takes 2 positional arguments "
+        "but 4 were given; first at data.jsonl:2 (data_source 'wrong')")):
+      task.score_batch([rows[0], rows[1], rows[1]], [r"\boxed{4}", "x", "y"])
+  finally:
+    task._pool = None  # pylint: disable=protected-access  # the shared pool stays open
 
 
 def test_countdown_and_exact_match_verifiers():

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from rl_jax.models import families
+from rl_jax.models.config import EXECUTION_FIELDS as _EXECUTION_FIELDS
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.safetensors_io import (DTYPE_TO_ST, INDEX_FILE, SINGLE_FILE,  # noqa: F401
                                           ST_TO_NP, CheckpointError, Reader, TensorRef,
@@ -312,7 +313,7 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 def save_hf_checkpoint(model: Transformer, path: str, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                        dtype: str | None = None, extra_config: Mapping[str, Any] | None = None,
-                       overwrite: bool = False) -> list[str]:
+                       overwrite: bool = False, config: Mapping[str, Any] | None = None) -> list[str]:
   """Writes `model` as a HF checkpoint of its family (hub layout, per-expert MoE tensors).
 
   Files: config.json, model.safetensors or model-0000i-of-0000n.safetensors plus
@@ -330,6 +331,8 @@ def save_hf_checkpoint(model: Transformer, path: str, *, max_shard_bytes: int = 
       tensor, the float32 router included, is written in it (as HF checkpoints are).
     extra_config: keys merged into config.json (e.g. bos/eos_token_id, max_position_embeddings).
     overwrite: replace existing safetensors files in `path` (else refuse).
+    config: the whole config.json to write instead of the family's (rl_jax.export carries the
+      source checkpoint's over); it must describe `model` (checked: it maps to the model's config).
 
   Returns:
     The written file names.
@@ -338,6 +341,16 @@ def save_hf_checkpoint(model: Transformer, path: str, *, max_shard_bytes: int = 
   dtype = dtype or cfg.param_dtype
   if dtype not in DTYPE_TO_ST:
     raise ValueError(f"dtype must be one of {sorted(DTYPE_TO_ST)}, got {dtype!r}")
+  if config is not None:
+    hf_config = {**config, **(extra_config or {})}
+    # A config.json that reads back as another architecture would load these tensors wrongly.
+    mine = dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype)
+    theirs = hf_to_model_config(hf_config, dtype=dtype, **{f: getattr(cfg, f) for f in _EXECUTION_FIELDS
+                                                           if f not in ("dtype", "param_dtype")})
+    if theirs != mine:
+      raise ValueError(f"config does not describe this model: it reads as {theirs}, the model is {mine}")
+  else:
+    hf_config = model_config_to_hf(cfg, dtype=dtype, extra=extra_config)
   st_dtype = DTYPE_TO_ST[dtype]
   np_dtype = ST_TO_NP[st_dtype]
   variables = _state_paths(nnx.state(model))
@@ -397,7 +410,7 @@ def save_hf_checkpoint(model: Transformer, path: str, *, max_shard_bytes: int = 
     if n > 1:
       write_index(path, names, shards)
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
-      json.dump(model_config_to_hf(cfg, dtype=dtype, extra=extra_config), f, indent=2)
+      json.dump(hf_config, f, indent=2)
   written = names + ([INDEX_FILE] if n > 1 else []) + [CONFIG_FILE]
   return written
 

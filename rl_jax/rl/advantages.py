@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rl_jax.rl.loss.registry import (ADVANTAGE_REGISTRY, REWARD_MODE_REGISTRY, Param,
                                 add_registry_params, check_registry_params, register_advantage,
@@ -21,6 +22,16 @@ def _rewards_01(rewards_B):
 @register_reward_mode("pm1")
 def _rewards_pm1(rewards_B):
   return 2.0 * rewards_B - 1.0
+
+
+def overlong_penalty(lengths_B: np.ndarray, max_new_tokens: int, buffer: int, factor: float) -> np.ndarray:
+  """DAPO's soft overlong punishment ([DAPO], Sec. 3.4) per response of `lengths_B` tokens:
+  0 up to max_new_tokens - buffer, then -factor * (length - (max_new_tokens - buffer)) / buffer,
+  reaching -factor at max_new_tokens (no response is longer). buffer 0: all zeros."""
+  lengths_B = np.asarray(lengths_B, np.float32)
+  if buffer <= 0:
+    return np.zeros_like(lengths_B)
+  return -factor * np.clip(lengths_B - (max_new_tokens - buffer), 0.0, buffer) / buffer
 
 
 # --- Estimators on [N groups, G responses] rewards ---------------------------------------------

@@ -41,6 +41,10 @@ def evaluate(task: Any, score: Callable, completions: Callable, generate: Callab
   ids, valid = rollout_lib.repeat_prompts((ids, valid), k)
   ro = generate(clean_state, ids, valid, key, "sampled")
   r_nk = score([p for p in problems for _ in range(k)], ro).reshape(n, k)
+  keys = None
+  if hasattr(task, "answer_keys"):   # maj@k: the answers the k samples state, voted per prompt
+    texts_k = completions(ro)
+    keys = [task.answer_keys(p, texts_k[i * k:(i + 1) * k]) for i, p in enumerate(problems)]
   out["eval_sampled_accuracy"] = float(r_nk.mean())
   out["eval_pass_at_k"] = pass_at_k(r_nk)
   if eos_id is not None and hasattr(task, "source_of"):
@@ -48,5 +52,5 @@ def evaluate(task: Any, score: Callable, completions: Callable, generate: Callab
     lengths = sh.to_host(ro.lengths_B)
     trunc = source_metrics.truncated(lengths, response[:, -1], response.shape[1], eos_id)
     out.update(source_metrics.eval_metrics([task.source_of(p) for p in problems], np.asarray(greedy), r_nk,
-                                           np.asarray(lengths).reshape(n, k), trunc.reshape(n, k)))
+                                           np.asarray(lengths).reshape(n, k), trunc.reshape(n, k), keys))
   return out

@@ -89,6 +89,9 @@ class RLConfig:
   slots) without the KV cache, which the resumed run rebuilds by prefilling each live slot's prompt
   and partial response with the newest sampler weights; 'carry': the whole engine carry, KV cache
   included, continued exactly as it was (docs/architecture.md#in-flight-weight-updates).
+  `overlong_buffer` / `overlong_penalty`: DAPO's soft overlong punishment, added to each response's
+  task reward before the reward mode: 0 up to `sampler.max_new_tokens - overlong_buffer` tokens,
+  then falling linearly to `-overlong_penalty` at `max_new_tokens` (0 tokens: off).
   """
   steps: int = 100
   prompts_per_step: int = 16
@@ -117,12 +120,16 @@ class RLConfig:
   inflight_updates: bool = False
   inflight_chunk: int = 16
   inflight_resume: InflightResume = "reprefill"
+  overlong_buffer: int = 0
+  overlong_penalty: float = 1.0
 
   def __post_init__(self):
     for k in ("steps", "prompts_per_step", "group_size", "n_minibatches", "staleness",
               "eval_every", "eval_size", "eval_samples", "checkpoint_every", "max_to_keep"):
       require(getattr(self, k) >= 1, f"rl.{k}", f"must be >= 1, got {getattr(self, k)}")
     require(self.meter_every >= 0, "rl.meter_every", f"must be >= 0 (0 = off), got {self.meter_every}")
+    require(self.overlong_buffer >= 0, "rl.overlong_buffer", f"must be >= 0 (0 = off), got {self.overlong_buffer}")
+    require(self.overlong_penalty >= 0, "rl.overlong_penalty", f"must be >= 0, got {self.overlong_penalty}")
     for k in ("forward_microbatch", "update_microbatch", "eval_rows_in_flight"):
       require(getattr(self, k) >= 0, f"rl.{k}", f"must be >= 0 (0 = the whole batch), got {getattr(self, k)}")
     require(self.attribution_every >= 0, "rl.attribution_every",
@@ -254,6 +261,9 @@ class RLJob:
             f"distribution (sampler.top_k={s.top_k}, sampler.top_p={s.top_p}): set top_k > 0 or top_p < 1, "
             "or loss.sampling_mask='none'")
     s.check_vocab(self.model.vocab_size)
+    require(self.rl.overlong_buffer <= s.max_new_tokens, "rl.overlong_buffer",
+            f"{self.rl.overlong_buffer} exceeds sampler.max_new_tokens={s.max_new_tokens} (the penalty starts "
+            "at max_new_tokens - overlong_buffer tokens)")
     check_sampler_fits(self.model, s)
     require(not self.rl.inflight_updates or s.engine == "continuous", "sampler.engine",
             f"{s.engine!r} with rl.inflight_updates=True: in-flight weight updates swap the weights between "
@@ -330,6 +340,8 @@ class RLJob:
               f"{getattr(s, key)} differs from the tokenizer's {key} {want}")
     count = min(rl.steps, PROMPT_CHECK_STEPS) * rl.prompts_per_step
     for split, n in (("train", count), ("eval", rl.eval_size)):
+      if split == "eval" and not task_build.has_eval(task):
+        continue
       problems = task.make_problems(self.seed, split, 0, n)
       longest = max(problems, key=lambda p: len(data_lib.prompt_ids(task, tok, p)))
       length = len(data_lib.prompt_ids(task, tok, longest))

@@ -20,6 +20,7 @@ from rl_jax import workdir as wd
 from rl_jax.checkpoint import Checkpointer
 from rl_jax.metrics import MetricsWriter, read_metrics, resolve_wandb_mode
 from rl_jax.optim import make_optimizer
+from rl_jax.rl import advantages as advantages_lib
 from rl_jax.rl import drive_async
 from rl_jax.rl import drive_sync
 from rl_jax.rl import evaluate as evaluate_lib
@@ -204,12 +205,23 @@ class RLTrainer:
       ro = sh.on_mesh(ro, self.mesh)
     rewards, errors = self._score_details(problems, ro)
     self.busy.observed("sampler", generated)  # the host read its tokens: the generation is done
+    rl = self.job.rl
+    metrics = {}
+    if rl.overlong_buffer:   # DAPO's overlong penalty shapes what is optimized; metrics keep the verdicts
+      penalty = advantages_lib.overlong_penalty(sh.to_host(ro.lengths_B), self.job.sampler.max_new_tokens,
+                                                rl.overlong_buffer, rl.overlong_penalty)
+      metrics = {"reward/overlong_penalty": float(penalty.mean()), "reward/task": float(rewards.mean()),
+                 "accuracy": float((rewards >= 1.0).mean())}
+      verdicts, rewards = rewards, (rewards + penalty).astype(np.float32)
+    else:
+      verdicts = rewards
     item = inflight_lib.InFlight(step=step, version=version, ro=ro, rewards=rewards)
+    item.metrics = metrics
     if hasattr(self.task, "source_of"):  # per data_source rows and the verifier's errors
       lengths, response = sh.to_host(ro.lengths_B), sh.to_host(ro.response_BT)
       trunc = source_metrics.truncated(lengths, response[:, -1], response.shape[1], self.job.sampler.eos_id)
-      item.metrics = source_metrics.train_metrics([self.task.source_of(p) for p in problems], rewards, errors,
-                                                  lengths, trunc)
+      item.metrics.update(source_metrics.train_metrics([self.task.source_of(p) for p in problems], verdicts,
+                                                       errors, lengths, trunc))
     if old_params is not None:
       item.old = self._old_forward(old_params, ro, rewards)
     return item
@@ -348,8 +360,9 @@ class RLTrainer:
            **m_first, **m_attr,
            "time/sample_s": t1 - t0, "time/p_old_s": t2 - t1, "time/update_s": t3 - t2,
            "async/lag": float(item.lag), **item.metrics}
-    if hasattr(self.task, "data_state"):  # epochs of the train data consumed after this step
-      row["data/epoch"] = self.task.data_state((step + 1) * self.job.rl.prompts_per_step)["epoch"]
+    if hasattr(self.task, "data_state"):  # train prompts and epochs consumed after this step
+      state = self.task.data_state((step + 1) * self.job.rl.prompts_per_step)
+      row["data/consumed"], row["data/epoch"] = float(state["consumed"]), state["epoch"]
       row.update(self.task.stats())   # prompts kept and dropped as longer than sampler.max_prompt_len
     if mask.any():  # the sampler's top-k mass (its top-1 mass when record_topk = 0: a floor)
       row["mismatch/head_mass_mean"] = float(np.asarray(head)[mask].mean())
@@ -357,7 +370,10 @@ class RLTrainer:
     return row
 
   def evaluate(self) -> dict:
-    """Held-out greedy accuracy, sampled mean@k and pass@k; clean fp32 weights (no quant, noise)."""
+    """Held-out greedy accuracy, sampled mean@k and pass@k; clean fp32 weights (no quant, noise).
+    Nothing for a task without eval problems (a dataset without task.eval_files)."""
+    if not task_build.has_eval(self.task):
+      return {}
     n, k = self.job.rl.eval_size, self.job.rl.eval_samples
     problems, ids, valid = self.prompts(0, split="eval", count=n, start=0)
     clean = self.programs.clean_weights(self.state["params"])

@@ -12,8 +12,9 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from rl_jax import cli
 from rl_jax import data as data_lib
-from rl_jax.config_utils import from_dict
+from rl_jax.config_utils import ConfigError, from_dict
 from rl_jax.models import ModelConfig
 from rl_jax.tasks import build as task_build
 from rl_jax.tasks.hf_tokenizer import HFTokenizer
@@ -36,7 +37,7 @@ def preview(config, n: int, out=sys.stdout) -> list[dict]:
   task_build.bind_task(task, tok, limit)
   rows = []
   try:
-    for split in ("train", "eval"):
+    for split in ("train", "eval") if task_build.has_eval(task) else ("train",):
       for i, p in enumerate(task.make_problems(config.get("seed", 0), split, 0, n)):
         ids = data_lib.prompt_ids(task, tok, p)
         reference = task.completion(p)
@@ -63,7 +64,16 @@ def preview(config, n: int, out=sys.stdout) -> list[dict]:
 def main(argv):
   if len(argv) != 2 or argv[1] != "preview":
     raise app.UsageError("usage: python -m rl_jax.tasks preview --config=CONFIG [--n 3]")
-  preview(_CONFIG.value, _N.value)
+  run_preview(_CONFIG.value, _N.value)
+
+
+def run_preview(config, n: int) -> None:
+  """`preview`, with a data or config error printed as `python -m rl_jax.main` prints it: one line
+  'config error: ...' on stderr and exit code 2 (RL_JAX_TRACEBACK=1 adds the traceback)."""
+  try:
+    preview(config, n)
+  except ConfigError as e:
+    cli.fail(cli.CONFIG_ERROR, f"config error: {e}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
-from rl_jax.tasks.sandbox import (EXCEPTION, MEMORY, RECURSION, HEADER, read_exact, write_frame)
+from rl_jax.tasks.sandbox import (EXCEPTION, MEMORY, RECURSION, HEADER, exception_text, read_exact,
+                                   write_frame)
 
 
 def serve(memory_mb: int) -> None:
@@ -30,16 +31,19 @@ def serve(memory_mb: int) -> None:
       spec, args = json.loads(read_exact(fd, n))
     except EOFError:
       return
+    detail = None
     try:
       reward, error = verifiers.call_local(spec, *args)
     except MemoryError:
       reward, error = 0.0, MEMORY
     except RecursionError:
       reward, error = 0.0, RECURSION
-    except Exception:  # pylint: disable=broad-except
-      reward, error = 0.0, EXCEPTION
+    except Exception as e:  # pylint: disable=broad-except
+      # The exception's text goes back with the verdict: a verifier that fails on most calls
+      # stops the run with it (rl_jax.tasks.dataset), not as a silent zero reward.
+      reward, error, detail = 0.0, EXCEPTION, exception_text(e)
     try:
-      write_frame(stdout, [reward, error])
+      write_frame(stdout, [reward, error] + ([detail] if detail is not None else []))
     except MemoryError:
       write_frame(stdout, [0.0, MEMORY])
 

@@ -37,6 +37,11 @@ def bind_task(task: Task, tok: Any, max_prompt_len: int) -> None:
     task.bind(tok, max_prompt_len)
 
 
+def has_eval(task: Task) -> bool:
+  """Whether `task` has eval problems: every generated task does; a dataset only with eval files."""
+  return getattr(task, "has_eval", True)
+
+
 def make_tokenizer(task: Task, model_cfg: ModelConfig) -> Any:
   """The task's own tokenizer directory (`tokenizer_path`, an HF fast tokenizer) or CharTokenizer."""
   path = getattr(task, "tokenizer_path", "")

@@ -27,7 +27,7 @@ class DatasetConfig:
   """Files, schema, rendering, mixing and verification of the dataset task (`task.overrides.*`).
 
   train_files / eval_files: comma-separated paths or globs (local, gs://, s3://), .jsonl or
-    .parquet; set through `task.train_files` / `task.eval_files`.
+    .parquet; set through `task.train_files` / `task.eval_files` (eval files are optional).
   prompt_key ... solution_key: dotted paths of a row's fields (verl's schema by default);
     `default_source` names the source of rows without one (or of every row if source_key='').
   chat_template: chat-message prompts go through the tokenizer's chat template with
@@ -35,12 +35,21 @@ class DatasetConfig:
     ('raw': a string prompt is the text itself, after bos). `system_prompt` (non-empty) is
     prepended as a system message to prompts that have none. `enable_thinking` 'on' / 'off'
     passes enable_thinking=True / False to templates that read it (Qwen3); 'default' passes none.
+  truncation: a rendered prompt longer than max_prompt_len is 'drop'ped (counted), cut to its
+    last ('left') or first ('right') max_prompt_len tokens (counted), or an 'error' naming its row.
+  max_train_samples / max_eval_samples: only the first N rows of a split's files (0: all).
   tokenizer: a directory with tokenizer.json (+ tokenizer_config.json or chat_template.jinja)
     for a run that does not start from an HF checkpoint (whose own tokenizer wins otherwise).
   source_weights: 'source=w,...' samples train prompts per source with these weights (each
     source its own epochs; unnamed sources get weight 0); empty pools every source and shuffles.
   verifiers: 'pattern=verifier,...' (fnmatch patterns on data_source, first match wins; a
-    verifier is a registered name or 'module:function'), else `default_verifier`.
+    verifier is a registered name or 'module:function'), then (`verl_scorers`) verl's scorer of
+    the sources it names (verifiers.VERL_SOURCES: openai/gsm8k -> gsm8k, the MATH sets -> math,
+    math_dapo / aime* -> dapo_math), else `default_verifier`.
+  boxed: which \\boxed{} answers of a completion the built-in verifiers grade: 'last' (verl's
+    rule), 'any' or 'all'.
+  max_verifier_failures: the share of one verifier's calls in a batch that may raise (or return
+    no number) before the run stops with the exception's text and the row (0 stops at the first).
   verifier_workers / verifier_timeout_s / verifier_memory_mb: the sandbox of isolated verifiers.
   """
   train_files: str = ""
@@ -56,10 +65,16 @@ class DatasetConfig:
   system_prompt: str = ""
   enable_thinking: Literal["default", "on", "off"] = "default"
   tokenizer: str = ""
+  truncation: Literal["drop", "left", "right", "error"] = "drop"
+  max_train_samples: int = 0
+  max_eval_samples: int = 0
   shuffle: bool = True
   source_weights: str = ""
   verifiers: str = ""
   default_verifier: str = "math"
+  verl_scorers: bool = True
+  boxed: Literal["last", "any", "all"] = "last"
+  max_verifier_failures: float = 0.5
   verifier_workers: int = 2
   verifier_timeout_s: float = 5.0
   verifier_memory_mb: int = 2048
@@ -70,6 +85,14 @@ class DatasetConfig:
             f"{self.string_prompts!r} is not one of ['raw', 'chat']")
     require(self.enable_thinking in ("default", "on", "off"), k + "enable_thinking",
             f"{self.enable_thinking!r} is not one of ['default', 'on', 'off']")
+    require(self.boxed in verifiers_lib.BOX_POLICIES, k + "boxed",
+            f"{self.boxed!r} is not one of {list(verifiers_lib.BOX_POLICIES)}")
+    require(0.0 <= self.max_verifier_failures <= 1.0, k + "max_verifier_failures",
+            f"must be in [0, 1], got {self.max_verifier_failures}")
+    require(self.truncation in ("drop", "left", "right", "error"), k + "truncation",
+            f"{self.truncation!r} is not one of ['drop', 'left', 'right', 'error']")
+    for key in ("max_train_samples", "max_eval_samples"):
+      require(getattr(self, key) >= 0, k + key, f"must be >= 0 (0: every row), got {getattr(self, key)}")
     require(self.verifier_workers >= 1, k + "verifier_workers", f"must be >= 1, got {self.verifier_workers}")
     require(self.verifier_timeout_s > 0, k + "verifier_timeout_s", f"must be > 0, got {self.verifier_timeout_s}")
     require(self.verifier_memory_mb >= 256, k + "verifier_memory_mb",
@@ -86,9 +109,20 @@ class DatasetConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-  """What a verifier said about one completion (the RewardInfo protocol)."""
+  """What a verifier said about one completion (the RewardInfo protocol); `detail` is the text of
+  the exception it raised, if it did."""
   reward: float
   error: str
+  detail: str = ""
+
+
+class VerifierError(ConfigError):
+  """A verifier failed on more than task.overrides.max_verifier_failures of a batch's calls: a
+  broken verifier (e.g. another signature), not a hostile completion; the run stops."""
+
+
+# The errors that are the verifier's own failure; a timeout or a memory cap is the completion's.
+_VERIFIER_FAILURES = (sandbox.EXCEPTION, sandbox.BAD_RESULT)
 
 
 @dataclasses.dataclass
@@ -99,6 +133,7 @@ class _Split:
   files: list[str]
   dropped: collections.Counter  # source -> prompts longer than max_prompt_len
   fingerprint: str
+  truncated: int = 0  # prompts cut to max_prompt_len (truncation 'left' / 'right')
   pos: dict | None = None  # record -> index, built on first lookup
 
 
@@ -114,6 +149,8 @@ class DatasetTask:
   def __init__(self, config: DatasetConfig):
     self.config = config
     self._rules = verifiers_lib.parse_map(config.verifiers, "task.overrides.verifiers")
+    if config.verl_scorers:
+      self._rules += list(verifiers_lib.VERL_SOURCES)
     self._splits: dict[str, _Split] = {}
     self._bound = None
     self._orders: dict[int, order_lib.Order] = {}
@@ -123,6 +160,11 @@ class DatasetTask:
   def tokenizer_path(self) -> str:
     return self.config.tokenizer
 
+  @property
+  def has_eval(self) -> bool:
+    """Whether the task has eval prompts (task.eval_files set); without, a run trains only."""
+    return bool(self.config.eval_files)
+
   # -- loading ----------------------------------------------------------------------------------
 
   def bind(self, tok: Any, max_prompt_len: int) -> None:
@@ -131,14 +173,14 @@ class DatasetTask:
       return
     require(bool(self.config.train_files), "task.train_files",
             "empty: the dataset task needs its train files (--config.task.train_files=PATH_OR_GLOB)")
-    require(bool(self.config.eval_files), "task.eval_files",
-            "empty: the dataset task needs its eval files (--config.task.eval_files=PATH_OR_GLOB)")
     self._splits = {}
     for split, key in (("train", "task.train_files"), ("eval", "task.eval_files")):
+      if split == "eval" and not self.has_eval:   # eval files are optional: a run then never evaluates
+        continue
       files = records_lib.expand(getattr(self.config, split + "_files"), key)
       self._splits[split] = self._load(split, files, tok, max_prompt_len)
     self._bound = (id(tok), max_prompt_len)
-    self._eval_order = interleave([r.data_source for r in self._splits["eval"].records])
+    self._eval_order = interleave([r.data_source for r in self._splits["eval"].records]) if self.has_eval else []
     self._orders = {}
     # Sources are those with kept prompts: a weighted source whose prompts were all dropped is named.
     self._weights = order_lib.parse_weights(self.config.source_weights, self.sources("train"),
@@ -165,13 +207,24 @@ class DatasetTask:
     return text, tok.encode(text)
 
   def _load(self, split: str, files: list[str], tok: Any, limit: int) -> _Split:
-    recs, ids, texts, dropped = [], [], [], collections.Counter()
+    recs, ids, texts, dropped, truncated = [], [], [], collections.Counter(), 0
     h = hashlib.blake2b(_FINGERPRINT_VERSION, digest_size=16)
-    for rec in records_lib.read_records(files, self.config.fields):
+    policy = self.config.truncation
+    rows = records_lib.read_records(files, self.config.fields)
+    cap = getattr(self.config, f"max_{split}_samples")
+    for rec in rows[:cap] if cap else rows:
       text, row = self._render(rec, tok)
       if len(row) > limit:
-        dropped[rec.data_source] += 1
-        continue
+        if policy == "drop":
+          dropped[rec.data_source] += 1
+          continue
+        if policy == "error":
+          raise records_lib.DataError(
+              f"{rec.origin}: the prompt is {len(row)} tokens, longer than sampler.max_prompt_len={limit} "
+              "(task.overrides.truncation='error'; 'drop', 'left' or 'right' keep the run going)")
+        row = row[-limit:] if policy == "left" else row[:limit]
+        text = tok.decode(row)   # what the model sees, for preview and the fingerprint
+        truncated += 1
       recs.append(rec)
       ids.append(np.asarray(row, np.int32))   # 4 bytes a token, not a Python int
       texts.append(text)
@@ -180,16 +233,20 @@ class DatasetTask:
     by_source = collections.Counter(r.data_source for r in recs)
     print(f"[data] {split}: {len(recs)} prompts from {len(files)} file(s) "
           f"({', '.join(f'{s} {n}' for s, n in sorted(by_source.items()))}); {n_drop} longer than "
-          f"max_prompt_len={limit} tokens dropped" + (f" ({dict(dropped)})" if n_drop else ""))
+          f"max_prompt_len={limit} tokens dropped" + (f" ({dict(dropped)})" if n_drop else "")
+          + (f", {truncated} cut to it ({policy})" if truncated else ""))
     if not recs:
       raise ConfigError(f"config key 'task.{split}_files': no prompt of {files} fits max_prompt_len={limit} "
                         f"({n_drop} dropped as longer)")
-    return _Split(recs, ids, texts, files, dropped, h.hexdigest())
+    return _Split(recs, ids, texts, files, dropped, h.hexdigest(), truncated)
 
   def _split(self, split: str) -> _Split:
     if not self._splits:
       raise RuntimeError("the dataset task is not bound: call task.bind(tokenizer, max_prompt_len) first "
                          "(rl_jax.tasks.build.bind_task)")
+    if split == "eval" and not self.has_eval:
+      raise ConfigError("config key 'task.eval_files': empty, so there are no eval prompts (set it, or leave "
+                        "evaluation off: a run without eval files never evaluates)")
     if split not in self._splits:
       raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     return self._splits[split]
@@ -254,11 +311,21 @@ class DatasetTask:
     return self._lookup(problem)[1].tolist()
 
   def completion(self, problem: Record) -> str:
-    """The SFT target: the row's solution field, else a sentence with the boxed ground truth."""
+    """The SFT target: the row's solution field, else the ground truth stated as the source's
+    verifier reads it (a \\boxed{}, GSM8K's '#### x', DAPO's 'Answer: x')."""
     if problem.solution:
       return problem.solution
     gt = problem.ground_truth
-    return f"The answer is \\boxed{{{gt if isinstance(gt, str) else json.dumps(gt)}}}."
+    return verifiers_lib.reference_answer(self.verifier_of(problem.data_source),
+                                          gt if isinstance(gt, str) else json.dumps(gt))
+
+  def answer_keys(self, problem: Record, completions: Sequence[str]) -> list[str | None] | None:
+    """The answers `completions` of `problem` state, as its source's verifier reads them (maj@k's
+    votes); None for a verifier whose answers are not read as text (countdown, a user function)."""
+    spec = self.verifier_of(problem.data_source)
+    if not verifiers_lib.reads_answers(spec):
+      return None
+    return [verifiers_lib.answer_key(spec, c) for c in completions]
 
   def source_of(self, problem: Record) -> str:
     return problem.data_source
@@ -270,6 +337,7 @@ class DatasetTask:
     """Verdicts of a batch: in-process verifiers inline, isolated ones on the sandbox's workers
     (identical (problem, completion) pairs, common within a group, verified once)."""
     out: list[Verdict | None] = [None] * len(problems)
+    boxed = self.config.boxed
     calls, slots = [], []
     first: dict[tuple, int] = {}   # a group's identical completions are verified once
     for i, (p, text) in enumerate(zip(problems, completions)):
@@ -281,21 +349,46 @@ class DatasetTask:
           slots.append((i, first[key]))
           continue
         first[key] = len(calls)
-        calls.append((spec, [p.data_source, text, p.ground_truth, p.extra_info]))
+        calls.append((spec, [p.data_source, text, p.ground_truth, p.extra_info, boxed]))
         slots.append((i, first[key]))
         continue
       try:
-        out[i] = Verdict(*verifiers_lib.call_local(spec, p.data_source, text, p.ground_truth, p.extra_info))
-      except Exception:  # pylint: disable=broad-except
-        out[i] = Verdict(0.0, sandbox.EXCEPTION)
+        out[i] = Verdict(*verifiers_lib.call_local(spec, p.data_source, text, p.ground_truth, p.extra_info,
+                                                   boxed))
+      except Exception as e:  # pylint: disable=broad-except
+        out[i] = Verdict(0.0, sandbox.EXCEPTION, sandbox.exception_text(e))
     if calls:
       if self._pool is None:
         c = self.config
         self._pool = sandbox.Pool(c.verifier_workers, c.verifier_timeout_s, c.verifier_memory_mb)
-      results = self._pool.run(calls)
+      details: list[str] = []
+      results = self._pool.run(calls, details)
       for i, j in slots:
-        out[i] = Verdict(*results[j])
+        out[i] = Verdict(*results[j], details[j])
+    self._check_failures(problems, out)  # type: ignore[arg-type]
     return out  # type: ignore[return-value]
+
+  def _check_failures(self, problems: Sequence[Record], verdicts: Sequence[Verdict]) -> None:
+    """Stops on a verifier that failed on more than `max_verifier_failures` of its calls here: its
+    zero rewards would train on nothing but the verifier's bug."""
+    calls: collections.Counter = collections.Counter()
+    failed: dict[str, list[int]] = collections.defaultdict(list)
+    for i, (p, v) in enumerate(zip(problems, verdicts)):
+      spec = self.verifier_of(p.data_source)
+      calls[spec] += 1
+      if v.error in _VERIFIER_FAILURES:
+        failed[spec].append(i)
+    limit = self.config.max_verifier_failures
+    for spec, rows in failed.items():
+      if len(rows) <= limit * calls[spec]:
+        continue
+      first = rows[0]
+      v, p = verdicts[first], problems[first]
+      what = v.detail or ("it returned no number (verl's compute_score returns a number, a bool or a "
+                          "dict with 'score')" if v.error == sandbox.BAD_RESULT else v.error)
+      raise VerifierError(f"config key 'task.overrides.verifiers': verifier {spec!r} failed on {len(rows)} of "
+                          f"{calls[spec]} calls of this batch (more than task.overrides.max_verifier_failures="
+                          f"{limit}): {what}; first at {p.origin} (data_source {p.data_source!r})")
 
   def reward_details(self, problem: Record, completion: str) -> Verdict:
     return self.score_batch([problem], [completion])[0]
@@ -309,7 +402,8 @@ class DatasetTask:
     """What a checkpoint stores: train prompts consumed and the data's fingerprint."""
     sp = self._split("train")
     return {"consumed": int(consumed), "epoch": consumed / len(sp.records), "train_prompts": len(sp.records),
-            "fingerprint": sp.fingerprint, "eval_fingerprint": self._split("eval").fingerprint}
+            "fingerprint": sp.fingerprint,
+            "eval_fingerprint": self._split("eval").fingerprint if self.has_eval else None}
 
   def check_data_state(self, state: dict, consumed: int) -> None:
     """A resume continues at `consumed` only over the very data the checkpoint was trained on."""
@@ -328,6 +422,7 @@ class DatasetTask:
     for split, sp in self._splits.items():
       out[f"data/{split}_prompts"] = float(len(sp.records))
       out[f"data/{split}_dropped_too_long"] = float(sum(sp.dropped.values()))
+      out[f"data/{split}_truncated"] = float(sp.truncated)
     return out
 
   def close(self) -> None:

@@ -69,11 +69,26 @@ class Record:
     return [{"role": r, "content": c} for r, c in self.prompt]
 
 
+# The filesystem package etils.epath needs per remote scheme, and the rl_jax extra that installs it.
+REMOTE_PACKAGES = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}
+
+
 def expand(patterns: str, key: str) -> list[str]:
   """Comma-separated paths or globs -> the sorted files each matches (every pattern must match).
 
   Remote patterns (gs://, s3://) are globbed through etils.epath like workdirs are.
   """
+  try:
+    return _expand(patterns, key)
+  except ImportError as e:  # etils reaches gs:// through gcsfs and s3:// through s3fs, optional packages
+    scheme = next((p.strip().split("://", 1)[0] for p in patterns.split(",") if "://" in p), "")
+    package, extra = REMOTE_PACKAGES.get(scheme, ("", ""))
+    hint = f": pip install 'rl_jax[{extra}]' (or {package})" if package else ""
+    raise ConfigError(f"config key '{key}': reading {scheme}:// files needs {package or 'a filesystem package'}"
+                      f"{hint} ({e})") from None
+
+
+def _expand(patterns: str, key: str) -> list[str]:
   out: list[str] = []
   for pat in [p.strip() for p in patterns.split(",") if p.strip()]:
     if not any(c in pat for c in _GLOB_CHARS):
@@ -104,16 +119,23 @@ def read_rows(path: str) -> Iterator[tuple[int, dict]]:
   """(row number, row dict) of a .jsonl or .parquet file; a malformed line names file and line."""
   p = epath.Path(path)
   if path.endswith(".parquet"):
+    import pyarrow as pa  # pylint: disable=g-import-not-at-top
+    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
     try:
-      import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
-    except ImportError as e:
-      raise ImportError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
-    table = pq.read_table(io.BytesIO(p.read_bytes()))
+      table = pq.read_table(io.BytesIO(p.read_bytes()))
+    except (pa.ArrowException, OSError, ValueError) as e:   # a corrupt or truncated file
+      first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+      raise DataError(f"{path}: not a readable parquet file ({first[:200]})") from None
     for i, row in enumerate(table.to_pylist()):
       yield i, row
     return
-  with p.open("r") as f:
-    for i, line in enumerate(f):
+  with p.open("rb") as f:
+    for i, raw in enumerate(f):
+      try:
+        line = raw.decode("utf-8-sig" if i == 0 else "utf-8")   # a leading byte-order mark is allowed
+      except UnicodeDecodeError as e:
+        raise DataError(f"{path}:{i + 1}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                        "prompt files are UTF-8 text") from None
       if not line.strip():
         continue
       try:
@@ -144,11 +166,39 @@ def lookup(row: Mapping[str, Any], dotted: str) -> Any:
   return node
 
 
+def _empty(value: Any) -> bool:
+  """A missing ground truth: null, NaN (pandas' missing value), a blank string, an empty list / dict."""
+  if value is None:
+    return True
+  if isinstance(value, float):
+    return value != value
+  if isinstance(value, str):
+    return not value.strip()
+  return isinstance(value, (list, tuple, dict)) and not value
+
+
+def _as_messages(text: str) -> list | None:
+  """A prompt string that is the JSON text of a chat-message list (pandas writing a list column
+  as text does this), decoded; None for any other string, which stays a plain prompt."""
+  if not text.lstrip().startswith("["):
+    return None
+  try:
+    value = json.loads(text)
+  except json.JSONDecodeError:
+    return None
+  if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m for m in value):
+    return value
+  return None
+
+
 def _prompt(value: Any, where: str, field: str) -> tuple[tuple[str, str], ...] | str:
   if isinstance(value, str):
     if not value:
       raise DataError(f"{where}: field '{field}' is an empty string")
-    return value
+    messages = _as_messages(value)
+    if messages is None:
+      return value
+    value = messages
   if hasattr(value, "tolist"):  # a numpy array of messages (pandas-written parquet)
     value = value.tolist()
   if not isinstance(value, Sequence) or not value:
@@ -195,6 +245,13 @@ def to_record(row: Mapping[str, Any], fields: Fields, where: str) -> Record:
   if answer is _MISSING:
     raise DataError(f"{where}: no field '{fields.answer}' (the ground truth; map another with "
                      "task.overrides.answer_key)")
+  if hasattr(answer, "tolist"):
+    answer = answer.tolist()
+  if _empty(answer):
+    # A row without a ground truth cannot be graded, and a verifier comparing with its text
+    # ('None', '') can be gamed: refused here rather than scored per call.
+    raise DataError(f"{where}: field '{fields.answer}' is {'null' if answer is None else repr(answer)}: "
+                     "every row needs a ground truth (drop the row or fill it in)")
   extra = lookup(row, fields.extra) if fields.extra else _MISSING
   extra = {} if extra is _MISSING or extra is None else extra
   if isinstance(extra, str):
@@ -216,11 +273,14 @@ def to_record(row: Mapping[str, Any], fields: Fields, where: str) -> Record:
 
 
 def read_records(files: Sequence[str], fields: Fields) -> list[Record]:
-  """Every row of `files`, in file order then row order."""
+  """Every row of `files`, in file order then row order; a file without rows is an error."""
   out = []
   for path in files:
+    n = len(out)
     for i, row in read_rows(path):
       out.append(to_record(row, fields, f"{path}:{i + 1}"))
+    if len(out) == n:
+      raise DataError(f"{path}: no rows (the file is empty)")
   return out
 
 

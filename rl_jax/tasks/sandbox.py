@@ -25,6 +25,14 @@ STARTUP_S = 120.0
 TIMEOUT, MEMORY, CRASHED, RECURSION, EXCEPTION, BAD_RESULT = (
     "timeout", "memory", "worker_crashed", "recursion", "verifier_exception", "bad_result")
 HEADER = struct.Struct("<I")
+# An exception's text as reported: its last line, cut to this many characters.
+DETAIL_CHARS = 300
+
+
+def exception_text(e: BaseException) -> str:
+  """'TypeError: f() takes 3 positional arguments but 4 were given' on one bounded line."""
+  lines = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {lines[-1] if lines else ''}"[:DETAIL_CHARS]
 
 
 def write_frame(f, obj) -> None:
@@ -101,8 +109,13 @@ class Pool:
   def _spawn(self) -> _Worker:
     return _Worker(self.memory_mb)
 
-  def run(self, calls: Sequence[tuple[str, list]]) -> list[tuple[float, str]]:
-    """(reward, error) per (verifier spec, args) call, in order; never raises for a call's sake."""
+  def run(self, calls: Sequence[tuple[str, list]], details: list | None = None) -> list[tuple[float, str]]:
+    """(reward, error) per (verifier spec, args) call, in order; never raises for a call's sake.
+
+    `details` (a list) receives, per call, the text of the exception a verifier raised ('' if none).
+    """
+    if details is not None:
+      details[:] = [""] * len(calls)
     out: list[tuple[float, str] | None] = [None] * len(calls)
     todo = list(range(len(calls)))[::-1]
     busy: dict[int, _Worker] = {}
@@ -124,7 +137,10 @@ class Pool:
       for fd in ready:
         w = busy.pop(fd)
         try:
-          out[w.slot] = _verdict(w.recv())
+          msg = w.recv()
+          out[w.slot] = _verdict(msg)
+          if details is not None and isinstance(msg, list) and len(msg) == 3:
+            details[w.slot] = str(msg[2])[:DETAIL_CHARS]
           self._idle.append(w)
         except (EOFError, OSError, ValueError):
           # Killed by RLIMIT_AS mid-allocation outside Python's reach, or crashed in C.
@@ -153,7 +169,7 @@ class Pool:
 
 
 def _verdict(msg: Any) -> tuple[float, str]:
-  if (not isinstance(msg, list) or len(msg) != 2 or not isinstance(msg[0], (int, float))
+  if (not isinstance(msg, list) or len(msg) not in (2, 3) or not isinstance(msg[0], (int, float))
       or not isinstance(msg[1], str)):
     return 0.0, BAD_RESULT
   return float(msg[0]), msg[1]
