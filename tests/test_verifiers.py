@@ -70,12 +70,43 @@ BOXES = [
 ]
 
 
+# The correctness tests' per-call deadline: a call is cut only if it hangs. A sympy check that takes
+# 50 ms on an idle box took over 3 s at load 12 on 2 cores (the equivalence table failed there with
+# the hostile tests' 3 s), and a 3x slower machine under load must still grade the table right.
+GRADING_TIMEOUT_S = 60.0
+# The hostile tests' per-call deadline, set on the same pool for their calls.
+HOSTILE_TIMEOUT_S = 3.0
+
+
 @pytest.fixture(scope="module")
 def pool(user_dir):
   del user_dir  # its workers import the user module too
-  p = sandbox.Pool(workers=2, timeout_s=3.0, memory_mb=1024)
+  p = sandbox.Pool(workers=2, timeout_s=GRADING_TIMEOUT_S, memory_mb=1024)
   yield p
   p.close()
+
+
+@pytest.fixture
+def spawn_s(monkeypatch):
+  """The seconds each verifier worker's start-up took during the test. Start-ups (importing the
+  verifiers and sympy) never count against a call's deadline, and they take seconds apiece on a
+  loaded box: the time bounds below are on the calls alone, the start-ups timed apart."""
+  times, spawn = [], sandbox.Pool._spawn  # pylint: disable=protected-access
+
+  def timed_spawn(self):
+    t0 = time.monotonic()
+    w = spawn(self)
+    times.append(time.monotonic() - t0)
+    return w
+  monkeypatch.setattr(sandbox.Pool, "_spawn", timed_spawn)
+  return times
+
+
+def _batch_bound_s(n_calls: int, workers: int, timeout_s: float) -> float:
+  """What `n_calls` bounded calls on `workers` workers may take, start-ups apart: each at most its
+  deadline, a worker's calls one after another, plus 1 s per call for killing and replacing a worker
+  on a loaded box (a hung call would instead never return)."""
+  return -(-n_calls // workers) * (timeout_s + 1.0) + 5.0
 
 
 def _run(pool, spec, completion, truth, extra=None):
@@ -169,18 +200,25 @@ HOSTILE = [
 ]
 
 
-def test_hostile_completions_return_within_bounds_and_name_their_error(pool):
-  t = time.monotonic()
-  got = pool.run([("math", ["m", c, "3", {}]) for c in HOSTILE])
-  elapsed = time.monotonic() - t
-  # Each call is bounded by timeout_s (3 s); 2 workers run them 2 at a time.
-  assert elapsed < 3.0 * len(HOSTILE) / 2 + 10, elapsed
+def test_hostile_completions_return_within_bounds_and_name_their_error(pool, spawn_s):
+  pool.timeout_s = HOSTILE_TIMEOUT_S
+  try:
+    t = time.monotonic()
+    got = pool.run([("math", ["m", c, "3", {}]) for c in HOSTILE])
+    calls_s = time.monotonic() - t - sum(spawn_s)
+  finally:
+    pool.timeout_s = GRADING_TIMEOUT_S
+  # Each call is bounded by its 3 s deadline; 2 workers run them 2 at a time.
+  assert calls_s < _batch_bound_s(len(HOSTILE), 2, HOSTILE_TIMEOUT_S), (calls_s, spawn_s)
   for c, (reward, error) in zip(HOSTILE, got):
     assert isinstance(reward, float) and isinstance(error, str), c[:40]
   # The megabyte ends in the right answer: only its tail is read, and it is found.
-  assert got[4] == (1.0, "")
+  # Its grade under a 3 s deadline can run out on a loaded box (0, timeout); graded with the pool's
+  # own deadline below, it is right.
+  assert got[4] == (1.0, "") or got[4] == (0.0, sandbox.TIMEOUT), got[4]
   assert all(r == 0.0 and e for i, (r, e) in enumerate(got) if i != 4), got
   assert _run(pool, "math", r"\boxed{3}", "3") == (1.0, "")   # the pool still works
+  assert _run(pool, "math", HOSTILE[4], "3") == (1.0, "")
 
 
 USER_MODULE = textwrap.dedent('''
@@ -233,18 +271,8 @@ def user_module(user_dir):
   return "my_rewards"
 
 
-def test_user_functions_run_bounded_and_a_killed_worker_is_replaced(user_module):
+def test_user_functions_run_bounded_and_a_killed_worker_is_replaced(user_module, spawn_s):
   pool = sandbox.Pool(workers=1, timeout_s=2.0, memory_mb=1024)
-  # Worker start-ups (importing the verifiers, sympy) never count against a call's deadline, and
-  # they take seconds apiece on a loaded box: timed apart, so the bound is on the calls alone.
-  spawn_s, spawn = [], pool._spawn  # pylint: disable=protected-access
-
-  def timed_spawn():
-    t0 = time.monotonic()
-    w = spawn()
-    spawn_s.append(time.monotonic() - t0)
-    return w
-  pool._spawn = timed_spawn  # pylint: disable=protected-access
   try:
     calls = [(f"{user_module}:{fn}", ["src", "42", "42", {}])
              for fn in ("score", "partial", "spin", "score", "hog", "boom", "die", "nan", "score")]
@@ -252,9 +280,9 @@ def test_user_functions_run_bounded_and_a_killed_worker_is_replaced(user_module)
     got = pool.run(calls)
     calls_s = time.monotonic() - t - sum(spawn_s)
     assert len(spawn_s) == 3, spawn_s  # the first worker and the two replacements
-    # One call spins to its 2 s deadline; the other eight return at once (the hog's 8 GiB fails
-    # at the cap): the batch's own time is ~2 s, and far below the 9 x 2 s of unbounded calls.
-    assert calls_s < 2.0 + 4.0, (calls_s, spawn_s)
+    # One call spins forever but is cut at its 2 s deadline; the other eight return at once (the
+    # hog's 8 GiB fails at the cap): ~2 s idle, bounded as any 9 calls on one worker are.
+    assert calls_s < _batch_bound_s(len(calls), 1, 2.0), (calls_s, spawn_s)
     assert got == [(1.0, ""), (0.5, "half"), (0.0, sandbox.TIMEOUT), (1.0, ""), (0.0, sandbox.MEMORY),
                    (0.0, sandbox.EXCEPTION), (0.0, sandbox.CRASHED), (0.0, "bad_result"), (1.0, "")]
     assert pool.restarts == 2   # the spinning and the dying worker
@@ -326,7 +354,7 @@ def test_cost_per_call(pool):
   assert per_call < 0.05
 
 
-def test_a_step_of_hostile_completions_scores_every_row_through_the_task():
+def test_a_step_of_hostile_completions_scores_every_row_through_the_task(spawn_s):
   """The dataset task's batch scoring (what the trainer calls per step) over hostile rows: one verdict
   per row, each hostile one 0 with a named error, the whole batch bounded in time."""
   from rl_jax.tasks.dataset import DatasetConfig, DatasetTask
@@ -340,9 +368,12 @@ def test_a_step_of_hostile_completions_scores_every_row_through_the_task():
     texts = HOSTILE + ["<answer>" + "(" * 10_000 + "</answer>", "x" * (1 << 20)]
     t = time.monotonic()
     verdicts = task.score_batch(problems, texts)
-    assert time.monotonic() - t < 3.0 * len(HOSTILE) / 2 + 10
+    calls_s = time.monotonic() - t - sum(spawn_s)
+    assert calls_s < _batch_bound_s(len(problems), 2, 3.0), (calls_s, spawn_s)
     assert len(verdicts) == len(problems)
-    assert verdicts[4].reward == 1.0   # the megabyte ending in the right boxed answer
+    # The megabyte ending in the right boxed answer (graded right, or its 3 s ran out on a loaded box:
+    # test_hostile_completions_return_within_bounds_and_name_their_error pins its grade).
+    assert verdicts[4].reward == 1.0 or verdicts[4].error == sandbox.TIMEOUT, verdicts[4]
     assert all(v.reward == 0.0 and v.error for i, v in enumerate(verdicts) if i != 4), verdicts
     assert task.verifier_of("cd") == "countdown" and task.verifier_of("other") == "math"
   finally:

@@ -21,6 +21,15 @@ def serve(memory_mb: int) -> None:
     import math_verify  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
     pass
+  else:
+    # One grade before 'ready' as well: a process's first LaTeX parse and sympy comparison builds
+    # lazy state (0.66 s CPU, 3 s wall on a loaded box, against 7 ms for every later one), which
+    # would otherwise fall inside the first call's deadline and math-verify's own 2 s timeouts,
+    # and grade a right answer wrong on a busy machine.
+    try:
+      verifiers.call_local("math", "warm_up", r"\boxed{(x+1)^2}", "x^2+2x+1", {})
+    except Exception:  # pylint: disable=broad-except
+      pass
   stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
   sys.stdout = sys.stderr  # a verifier's prints must not corrupt the frames
   fd = stdin.fileno()
