@@ -470,3 +470,25 @@ def test_corrections_study_holds_every_registered_method_in_one_regime():
   cal = {r.name: r.overrides for r in studies.get("dose_response_lr003").runs()}
   assert dict(by["pg"], **{"rl.steps": 400}) == cal["stale_16/pg"]
   assert by["pg_reject_k3"]["loss.rejection"] == "k3" and by["tis_p_old"]["loss.is_ratio"] == "p_old"
+
+
+def test_runs_of_other_environments_are_not_pooled():
+  """Issue 53: runs of one commit on machines that compute differently are not bit-identical, so the
+  analysis refuses to pool runs whose run.json records different environments (none recorded: no check)."""
+  env = {"cpu": "AMD EPYC", "packages": {"jax": "0.10.2"}, "xla_flags": ""}
+  key = protocol.environment_key({"environment": env, "history": []})
+  other = protocol.environment_key({"environment": dict(env, cpu="Intel Xeon")})
+  assert key and key != other and protocol.environment_key(None) == "" == protocol.environment_key({"config": {}})
+  resumed = protocol.environment_key({"environment": env, "history": [{"changed": []}, {"environment": env},
+                                                                      {"environment": dict(env, cpu="Intel Xeon")}]})
+  assert resumed == f"{key}|{other}"
+  proto = Protocol(contrasts=(Contrast("n", "a", "b"),))
+  study = dataclasses_replace(STUDY, lines=(("a", {}), ("b", {})), protocol=proto)
+  digest = proto.digest(protocol.study_definition(study))
+  mk = lambda line, seed, e: dataclasses_replace(_score("n", seed, 0.3 + 0.01 * seed, line=line), protocol=digest,
+                                                 environment=e)
+  same = [mk(line, k, key) for line in ("a", "b") for k in range(3)]
+  assert verdicts.analyze(study, same, []).mixed == []
+  assert verdicts.analyze(study, same + [mk("a", 3, ""), mk("b", 3, "")], []).mixed == []   # older runs
+  with pytest.raises(verdicts.MixedRunsError, match="2 environments"):
+    verdicts.analyze(study, same[:-1] + [mk("b", 2, other)], [])

@@ -157,6 +157,9 @@ class RunScore:
   # the one definition's floor (`aggregate.COLLAPSE_FLOOR`) where the protocol declares none, which
   # reports it per run but tests it in no contrast.
   collapse_step: int | None = None
+  # `environment_key` of the run's run.json ('' for a run that recorded none): runs of one commit on
+  # machines or package builds that compute differently are not bit-identical (docs/results.md).
+  environment: str = ""
 
   def as_dict(self) -> dict:
     d = dataclasses.asdict(self)
@@ -239,3 +242,13 @@ def study_definition(study: Any) -> dict:
   """What a protocol's digest covers of its study: base, seeds, steps and every run's overrides."""
   return {"name": study.name, "base": study.base, "seeds": study.seeds, "steps": study.steps,
           "runs": {r.name: r.overrides for r in study.runs()}}
+
+
+def environment_key(run_record: dict | None) -> str:
+  """A short key of the environments a run ran under (`run.json`: its `environment` and any a resume
+  recorded in its history, '|'-joined), '' when it recorded none."""
+  if not run_record:
+    return ""
+  envs = [run_record.get("environment")] + [h.get("environment") for h in run_record.get("history", [])]
+  keys = [hashlib.sha256(json.dumps(e, sort_keys=True).encode()).hexdigest()[:12] for e in envs if e]
+  return "|".join(dict.fromkeys(keys))

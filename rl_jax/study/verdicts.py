@@ -13,6 +13,7 @@ import math
 import os
 from typing import Any, Sequence
 
+from rl_jax import artifacts
 from rl_jax.analysis import runs as runs_lib
 from rl_jax.study import protocol as protocol_lib
 from rl_jax.study import rules as rules_lib
@@ -59,7 +60,8 @@ class Analysis:
 
 
 def _check_uniform(label: str, scores: Sequence[RunScore], digest: str) -> list[str]:
-  """Problems that forbid pooling `scores`: several commits, a dirty or other-protocol run."""
+  """Problems that forbid pooling `scores`: several commits or recorded environments, a dirty or
+  other-protocol run."""
   problems = []
   commits = sorted({s.commit for s in scores})
   if len(commits) > 1:
@@ -67,6 +69,10 @@ def _check_uniform(label: str, scores: Sequence[RunScore], digest: str) -> list[
   dirty = sorted({f"{s.panel}/{s.line}/seed{s.seed}" for s in scores if s.commit.endswith("+dirty")})
   if dirty:
     problems.append(f"{label}: runs from a tree with uncommitted changes: {', '.join(dirty)}")
+  envs = sorted({s.environment for s in scores if s.environment})
+  if len(envs) > 1:
+    problems.append(f"{label}: runs under {len(envs)} environments ({', '.join(envs)}; run.json's "
+                    "'environment': CPU, packages, XLA flags)")
   other = sorted({f"{s.panel}/{s.line}/seed{s.seed}" for s in scores if s.protocol != digest})
   if other:
     problems.append(f"{label}: runs under another protocol than {digest}: {', '.join(other)}")
@@ -237,6 +243,8 @@ def score_launches(launches: Sequence[Any], proto: Protocol) -> tuple[list[RunSc
     s = protocol_lib.score_run(run, proto, steps=launch.steps, eval_every=launch.eval_every,
                                eval_size=launch.eval_size, panel=launch.run.panel, line=launch.run.line,
                                seed=launch.seed)
+    record = artifacts.read_json(os.path.join(launch.workdir, artifacts.RUN))
+    s = dataclasses.replace(s, environment=protocol_lib.environment_key(record))
     if s.primary is None:
       unscored.append(f"{label} ({s.note})")
     scores.append(s)
