@@ -1,8 +1,9 @@
-"""Attention forward+backward time and XLA temporaries: `xla` (today's) vs `flash`, printed as ratios against xla."""
+"""Attention forward+backward time and XLA temporaries of each implementation, printed as ratios against xla."""
 # Usage:
 #   python benchmarks/bench_attention.py            # S = 160, 1024, 2048 at 5120 tokens per batch
 #   python benchmarks/bench_attention.py --small    # S = 160, 512 at 1280 tokens: seconds
 #   python benchmarks/bench_attention.py --S 512 1024 2048 --heads 4 --kv-heads 2 --head-dim 16  # tiny model's heads
+#   python benchmarks/bench_attention.py --impls xla,native --S 36 160   # which implementations (default: all CPU ones)
 #
 # Shapes: B = --tokens // S rows (issue 15's batch is 32 x 160 = 5120 tokens), --heads query
 # heads in --kv-heads groups of head dim --head-dim (default issue 15's 8 x 32, 4 KV heads),
@@ -53,16 +54,17 @@ def bench(s: int, args) -> dict:
   g, r, d = args.kv_heads, args.heads // args.kv_heads, args.head_dim
   xs = _inputs(b, s, g, r, d)
   fns, temps = {}, {}
-  for impl in ("xla", "flash"):
+  for impl in args.impls:
     t0 = time.perf_counter()
     compiled = _step(impl, args.block_q, args.block_k).lower(*xs).compile()
     temps[impl] = compiled.memory_analysis().temp_size_in_bytes
     fns[impl] = compiled
-    print(f"  S={s:5d} B={b:3d} compiled {impl:5s} in {time.perf_counter() - t0:5.1f} s, "
+    print(f"  S={s:5d} B={b:3d} compiled {impl:7s} in {time.perf_counter() - t0:5.1f} s, "
           f"temporaries {temps[impl] / 2**20:8.2f} MiB")
-  got, want = fns["flash"](*xs), fns["xla"](*xs)
-  for a, w in zip(got, want):
-    np.testing.assert_allclose(a, w, rtol=0, atol=1e-4 * max(1.0, float(jnp.max(jnp.abs(w)))))
+  want = fns["xla"](*xs)
+  for impl in args.impls[1:]:
+    for a, w in zip(fns[impl](*xs), want):
+      np.testing.assert_allclose(a, w, rtol=0, atol=1e-4 * max(1.0, float(jnp.max(jnp.abs(w)))), err_msg=impl)
   wall = {n: [] for n in fns}
   cpu = {n: [] for n in fns}
   for i in range(args.rounds):
@@ -85,19 +87,21 @@ def main():
   p.add_argument("--block-q", type=int, default=DEFAULT_BLOCK_Q)
   p.add_argument("--block-k", type=int, default=DEFAULT_BLOCK_K)
   p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--impls", default="xla,blocked,native", help="comma-separated; xla is always timed (the baseline)")
   args = p.parse_args()
+  args.impls = ["xla"] + [i for i in args.impls.split(",") if i and i != "xla"]
   if args.small:
     args.S, args.tokens, args.rounds = [160, 512], 1280, 3
   print(f"backend={jax.default_backend()} heads={args.heads} kv_heads={args.kv_heads} head_dim={args.head_dim} "
-        f"tokens={args.tokens} flash blocks {args.block_q} x {args.block_k}, fwd+bwd, float32")
+        f"tokens={args.tokens} blocked's blocks {args.block_q} x {args.block_k}, fwd+bwd, float32")
   rows = [(s, bench(s, args)) for s in args.S]
   med = statistics.median
-  print(f"{'S':>5s} {'B':>3s} {'impl':5s} {'wall med s':>10s} {'wall min s':>10s} {'cpu med s':>9s} "
+  print(f"{'S':>5s} {'B':>3s} {'impl':7s} {'wall med s':>10s} {'wall min s':>10s} {'cpu med s':>9s} "
         f"{'temp MiB':>9s} {'S*S*4 MiB':>9s} {'wall/xla':>8s} {'cpu/xla':>7s} {'temp/xla':>8s}")
   for s, res in rows:
-    for name in ("xla", "flash"):
+    for name in args.impls:
       w, c, t = res["wall"][name], res["cpu"][name], res["temps"][name]
-      print(f"{s:5d} {res['b']:3d} {name:5s} {med(w):10.4f} {min(w):10.4f} {med(c):9.3f} {t / 2**20:9.2f} "
+      print(f"{s:5d} {res['b']:3d} {name:7s} {med(w):10.4f} {min(w):10.4f} {med(c):9.3f} {t / 2**20:9.2f} "
             f"{s * s * 4 / 2**20:9.2f} {med(w) / med(res['wall']['xla']):7.3f}x "
             f"{med(c) / med(res['cpu']['xla']):6.3f}x {t / res['temps']['xla']:7.4f}x")
 

@@ -5,6 +5,7 @@ Usage:
   PYTHONPATH=. python benchmarks/bench_train_peers.py --small    # quick check (smaller batch, 3 rounds)
   PYTHONPATH=. python benchmarks/bench_train_peers.py --models dense --rounds 9
   PYTHONPATH=. python benchmarks/bench_train_peers.py --attention xla,blocked --response 128,992
+  PYTHONPATH=. python benchmarks/bench_train_peers.py --attention xla,native --models study,dense,moe
       # rl_jax against itself, one row per attention implementation (model.attention) and length:
       # step time as a ratio to the first implementation, and the compiled programs' XLA memory
       # stats (temporaries), which show the [S, S] score buffers blocked attention never holds
@@ -112,6 +113,17 @@ GPU_BASE = dict(vocab_size=32768, d_model=1024, n_layers=8, n_heads=16, n_kv_hea
 GPU_MODELS = _models(GPU_BASE, d_ff=3072, n_experts=16, moe_d_ff=768)
 LOSS = LossConfig(method="pg", score_centering="none", aggregation="batch_tokens")
 OPTIM = OptimConfig(name="adamw", lr=1e-5, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
+
+
+def study_model() -> tuple[ModelConfig, dict, int]:
+  """configs/countdown_tiny.py's model (the README main job's and every study's) and a batch of its
+  step's shape: (config, batch, prompt length), 32 prompts x 8 samples of 24 + 12 tokens."""
+  from rl_jax import job_sections  # pylint: disable=g-import-not-at-top
+  from rl_jax.configs import countdown_tiny  # pylint: disable=g-import-not-at-top
+  cfg = countdown_tiny.get_config()
+  model = job_sections.section(cfg, "model", ModelConfig)
+  p, t = cfg.sampler.max_prompt_len, cfg.sampler.max_new_tokens
+  return model, make_batch(cfg.rl.prompts_per_step * cfg.rl.group_size, p, t, model.vocab_size), p
 
 
 def make_batch(b, p, t, v, seed=0):
@@ -368,9 +380,13 @@ def main_attention(args):
   print(f"\n{'model':6} {'S':>5} {'attention':9} {'update s':>9} {'x first':>8} {'p_old s':>8} "
         f"{'x first':>8} {'update temp MiB':>16} {'p_old temp MiB':>15}")
   for name in args.models.split(","):
-    cfg = ModelConfig(**(GPU_MODELS if args.size == "gpu" else MODELS)[name])
-    for t_len in args.response_lengths:
-      data = make_batch(b, p, t_len, cfg.vocab_size)
+    if name == "study":  # the study model at its own batch (one row)
+      cfg, data, p_study = study_model()
+      runs = [(data["tokens"].shape[1] - p_study, data, p_study)]
+    else:
+      cfg = ModelConfig(**(GPU_MODELS if args.size == "gpu" else MODELS)[name])
+      runs = [(t_len, make_batch(b, p, t_len, cfg.vocab_size), p) for t_len in args.response_lengths]
+    for t_len, data, p in runs:
       res = bench_attention_impls(name, cfg, data, p, args)
       u0, o0, _ = res[args.attention[0]]
       for a, (u, o, mem) in res.items():

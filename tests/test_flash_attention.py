@@ -1,4 +1,4 @@
-"""rl_jax.ops.attention: xla is today's attention bit for bit; blocked (ex-"flash"), cudnn's wiring and splash equal it."""
+"""rl_jax.ops.attention: xla is today's attention bit for bit; blocked (ex-"flash"), native, cudnn's wiring and splash equal it."""
 # The tests reach the implementations behind `attention` (cudnn's wiring, splash, the loop bounds).
 # pylint: disable=protected-access
 import functools
@@ -110,15 +110,16 @@ def test_flash_equals_xla(name):
   _check(flash, xla, q, k, v, seen_BS)
 
 
-def test_flash_queries_that_see_no_key_pass_no_gradient_to_q_or_k():
+@pytest.mark.parametrize("impl", ["blocked", "native"])
+def test_flash_queries_that_see_no_key_pass_no_gradient_to_q_or_k(impl):
   """A query that sees no key has only constant (-1e30) scores: its output depends on v alone.
   With a loss over every query, dq there is exactly 0 and dq, dk equal xla's (dv differs: the
-  two average different keys for such a query)."""
+  implementations average different keys for such a query)."""
   q, k, v, valid = _inputs(3, 37, 37, 2, "left")
   seen_BS = _seen(valid, 37, 0, True)
   loss = lambda impl: lambda q, k, v: jnp.sum(jnp.sin(attn.attention(q, k, v, valid, impl=impl, block_q=16,
                                                                        block_k=8)))
-  dq, dk, _ = jax.jit(jax.grad(loss("blocked"), argnums=(0, 1, 2)))(q, k, v)
+  dq, dk, _ = jax.jit(jax.grad(loss(impl), argnums=(0, 1, 2)))(q, k, v)
   dq_x, dk_x, _ = jax.jit(jax.grad(loss("xla"), argnums=(0, 1, 2)))(q, k, v)
   assert (~seen_BS).sum() == 7 + 34 and not np.asarray(dq)[~seen_BS].any()
   for a, b in ((dq, dq_x), (dk, dk_x)):
@@ -212,12 +213,78 @@ def test_flash_temporaries_are_far_below_one_score_matrix():
   assert flash < scores / 8, flash
 
 
-def test_auto_on_cpu_is_xla_when_short_and_flash_when_long():
+def test_auto_on_cpu_is_native_for_the_no_cache_forward_else_xla_short_blocked_long(monkeypatch):
+  """float32 keys over the queries themselves: native; the cache layout, or without the
+  handlers: xla below 512 x 512 scores, blocked from there (bit for bit the chosen impl)."""
   assert jax.default_backend() == "cpu"
-  for s, want in ((40, "xla"), (512, "blocked")):
-    q, k, v, valid = _inputs(1, s, s, 1, "full")
-    got = jax.jit(lambda q, k, v: attn.attention(q, k, v, valid))(q, k, v)
-    np.testing.assert_array_equal(got, jax.jit(lambda q, k, v: attn.attention(q, k, v, valid, impl=want))(q, k, v))
+
+  def same(s, want, kv_layout="bcgd"):
+    q, k, v, valid = _inputs(1, s, s, 1, "full", kv_layout)
+    run = lambda impl: jax.jit(lambda q, k, v: attn.attention(q, k, v, valid, impl=impl, kv_layout=kv_layout))(q, k, v)
+    np.testing.assert_array_equal(run("auto"), run(want))
+
+  same(40, "native")
+  same(40, "xla", "cache")
+  same(512, "blocked", "cache")
+  monkeypatch.setattr(attn.native_causal_attention, "usable_for", lambda *a: False)
+  same(40, "xla")
+  same(512, "blocked")
+
+
+# The native handlers against xla on every no-cache case above, and a not-causal one over S keys.
+NATIVE_CASES = {n: c for n, c in CASES.items() if c[7] == "bcgd" and c[1] == c[2] and c[3] == 0}
+NATIVE_CASES["not_causal_over_the_queries"] = (4, 37, 37, 0, 2, "ragged", False, "bcgd", None)
+
+
+@pytest.mark.parametrize("name", list(NATIVE_CASES))
+def test_native_equals_xla(name):
+  assert attn.native_causal_attention.available(), "the native training attention did not build (see the warning)"
+  b, s, c, _, r, kind, causal, _, _ = NATIVE_CASES[name]
+  q, k, v, valid = _inputs(b, s, c, r, kind)
+  native = lambda q, k, v: attn.attention(q, k, v, valid, causal=causal, impl="native")
+  xla = lambda q, k, v: attn.attention(q, k, v, valid, causal=causal, impl="xla")
+  _check(native, xla, q, k, v, _seen(valid, s, 0, causal))
+
+
+def test_native_under_vmap_and_split_over_a_mesh_s_batch_axis():
+  """A vmapped call folds the mapped axis into the rows, and under a context mesh each device runs
+  its own rows (a shard_map over the batch axes, not a gathered custom call): both bit for bit
+  the plain call, output and gradients."""
+  q, k, v, valid = _inputs(8, 24, 24, 2, "left", seed=3)
+
+  def f(q, k, v, valid):  # (the loss, the output): gradients and output compared, not the summed loss
+    out = attn.attention(q, k, v, valid, impl="native")
+    return jnp.sum(jnp.sin(out)), out
+
+  grad = jax.grad(f, argnums=(0, 1, 2), has_aux=True)
+  want = jax.jit(grad)(q, k, v, valid)
+  two = jax.jit(jax.vmap(grad))(*(jnp.stack([x, x]) for x in (q, k, v, valid)))
+  for a, w in zip(jax.tree.leaves(two), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a)[1], np.asarray(w))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  with jax.set_mesh(mesh):
+    sharded = jax.jit(grad)
+    args = [jax.device_put(x, rows) for x in (q, k, v, valid)]
+    text = sharded.lower(*args).as_text()
+    got = sharded(*args)
+  assert "sdy.manual_computation" in text or "shard_map" in text, text[:3000]
+  assert attn.native_causal_attention.FWD_TARGET in text and attn.native_causal_attention.BWD_TARGET in text
+  for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+
+
+def test_native_asked_for_where_it_cannot_serve_falls_back_to_auto_warning_once():
+  q, k, v, valid = _inputs(3, 23, 64, 2, "left", "cache")
+  attn._WARNED.difference_update({x for x in attn._WARNED if x.startswith("native")})
+  want = jax.jit(lambda q, k, v: attn.attention(q, k, v, valid, kv_layout="cache"))(q, k, v)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(2):  # two traces: the second must not warn again
+      got = jax.jit(lambda q, k, v: attn.attention(q, k, v, valid, kv_layout="cache", impl="native"))(q, k, v)
+      np.testing.assert_array_equal(got, want)
+  ours = [str(w.message) for w in caught if "impl='native'" in str(w.message)]
+  assert len(ours) == 1 and "no-cache forward only" in ours[0], ours
 
 
 @pytest.mark.parametrize("impl", ["cudnn", "splash"])
@@ -294,8 +361,12 @@ _AUTO_CASES = [
     ("tpu", "bfloat16", 8, 2048, 2048, True, True, 128, "splash"),
     ("tpu", "float32", 8, 40, 2048, False, True, 128, "splash"),
     ("tpu", "bfloat16", 8, 40, 2048, False, False, 128, "xla"),
-    # CPU: xla below 512 x 512 scores, blocked from there (the bench_attention measurements).
+    # CPU: xla below 512 x 512 scores, blocked from there (the bench_attention measurements);
+    # native wherever it serves (the `native` argument, True in the rows marked so below).
     ("cpu", "bfloat16", 8, 40, 40, True, True, 128, "xla"),
+    ("cpu", "float32-native", 8, 40, 40, True, True, 32, "native"),
+    ("cpu", "float32-native", 1, 2048, 2048, True, True, 32, "native"),
+    ("gpu", "float32-native", 8, 2048, 2048, True, True, 128, "xla"),  # native is CPU's only
     ("cpu", "float32", 1, 512, 512, True, True, 16, "blocked"),
     ("cpu", "float32", 1, 511, 512, True, True, 16, "xla"),
 ]
@@ -303,7 +374,9 @@ _AUTO_CASES = [
 
 @pytest.mark.parametrize("backend,dtype,b,s,c,zero,static,d,want", _AUTO_CASES)
 def test_auto_impl_per_backend_dtype_and_shape(backend, dtype, b, s, c, zero, static, d, want):
-  got = attn.auto_impl(backend, jnp.dtype(dtype), b, s, c, 32, d, static_zero_offset=zero, static_offset=static)
+  native = dtype.endswith("-native")
+  got = attn.auto_impl(backend, jnp.dtype(dtype.removesuffix("-native")), b, s, c, 32, d, static_zero_offset=zero,
+                       static_offset=static, native=native)
   assert got == want
 
 
@@ -322,7 +395,7 @@ def test_the_chosen_implementation_is_recorded_at_trace_time():
   with impl_log.recording() as log:
     jax.jit(lambda q, k, v: attn.attention(q, k, v, valid))(q, k, v)
     jax.jit(lambda q, k, v: attn.attention(q, k, v, valid, impl="blocked"))(q, k, v)
-  assert log["attention"] == {"xla": 1, "blocked": 1}
+  assert log["attention"] == {"native": 1, "blocked": 1}
 
 
 def test_splash_kernel_lowers_for_tpu_from_this_host():

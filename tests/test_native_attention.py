@@ -1,4 +1,4 @@
-"""The native decode attention (rl_jax/ops/native_attention.py) equals the jnp reference it replaces on CPU."""
+"""The native attention handlers (rl_jax/ops/native_attention.py: decode; native_causal_attention.py: training) equal the references they replace on CPU."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,3 +77,39 @@ def test_programs_for_several_devices_keep_xla_s_dots():
   assert native_attention.TARGET not in lowered(jax.sharding.Mesh(devices, ("data",)))
   assert native_attention.TARGET in lowered(jax.sharding.Mesh(devices[:1], ("data",)))
   assert native_attention.TARGET in lowered(None)
+
+
+def test_the_update_and_p_old_programs_hold_the_native_training_attention(monkeypatch):
+  """On CPU at float32 the trainer's programs (`step.update`: forward and backward; `step.old_forward`)
+  attend through the native handlers by default (model.attention='auto'), and through XLA's dots with
+  model.attention='xla' or without the handlers. Lowered only (no compile)."""
+  from rl_jax.models.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  from rl_jax.optim import OptimConfig, make_optimizer  # pylint: disable=g-import-not-at-top
+  from rl_jax.ops import native_causal_attention as nca  # pylint: disable=g-import-not-at-top
+  from rl_jax.rl import step as step_lib  # pylint: disable=g-import-not-at-top
+  from rl_jax.rl.loss.loss_config import LossConfig  # pylint: disable=g-import-not-at-top
+  from rl_jax.train_state import init_params  # pylint: disable=g-import-not-at-top
+  b, p, t = 4, 5, 6
+  tokens = jnp.asarray(np.random.default_rng(0).integers(3, 32, (b, p + t)), jnp.int32)
+  batch = step_lib.TrainBatch(
+      prompt_len=p, tokens_BS=tokens, positions_BS=jnp.broadcast_to(jnp.arange(p + t, dtype=jnp.int32), (b, p + t)),
+      valid_BS=jnp.ones((b, p + t), bool), response_BT=tokens[:, p:], response_mask_BT=jnp.ones((b, t), bool),
+      logq_BT=jnp.full((b, t), -3.0), adv_B=jnp.ones((b,)), logp_old_BT=jnp.full((b, t), -3.0))
+  optimizer = make_optimizer(OptimConfig(name="adamw", lr=1e-3))
+  loss = LossConfig(method="pg", score_centering="none")
+
+  def lowered(attention: str) -> tuple[str, str]:
+    cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32,
+                      dtype="float32", param_dtype="float32", attention=attention)
+    graphdef, params = init_params(cfg, 0)
+    upd = jax.jit(lambda pr, o, bt: step_lib.update(pr, o, bt, graphdef=graphdef, optimizer=optimizer,
+                                                    loss_cfg=loss, aux_coef=0.0))
+    old = jax.jit(lambda pr, bt: step_lib.old_forward(pr, bt, graphdef=graphdef, loss_cfg=loss)[0])
+    return (upd.lower(params, optimizer.init(params), batch).as_text(), old.lower(params, batch).as_text())
+
+  update, p_old = lowered("auto")
+  assert nca.FWD_TARGET in update and nca.BWD_TARGET in update
+  assert nca.FWD_TARGET in p_old and nca.BWD_TARGET not in p_old
+  assert not any(nca.FWD_TARGET in x for x in lowered("xla"))
+  monkeypatch.setattr(nca, "usable_for", lambda *a: False)
+  assert not any(nca.FWD_TARGET in x for x in lowered("auto"))

@@ -65,11 +65,13 @@ class ModelConfig:
   # (each chunk rematerialized), which at 32K-token responses is most of a layer's memory.
   moe_seq_chunk: int = 0
   # Attention kernel (rl_jax/ops/attention.py, `auto_impl`): "auto" (cuDNN on GPU where the mask
-  # and dtype allow, splash on TPU, else XLA, or the blocked lax-loop attention where it wins (CPU,
-  # from 512 x 512 scores) or memory forces it), or one of "xla" (materialized [S, C] scores),
-  # "blocked", "cudnn", "splash" (the last two fall back to blocked, saying so once, where they
-  # cannot run). "flash" is blocked's old name (deprecated: a warning, then blocked).
-  attention: Literal["auto", "xla", "blocked", "cudnn", "splash", "flash"] = "auto"
+  # and dtype allow, splash on TPU, the native handlers on CPU for the float32 no-cache forward,
+  # else XLA, or the blocked lax-loop attention where it wins (CPU, from 512 x 512 scores) or
+  # memory forces it), or one of "xla" (materialized [S, C] scores), "blocked", "native" (auto's
+  # choice, saying so once, where it cannot run), "cudnn", "splash" (the last two fall back to
+  # blocked, saying so once, where they cannot run). "flash" is blocked's old name (deprecated:
+  # a warning, then blocked).
+  attention: Literal["auto", "xla", "blocked", "native", "cudnn", "splash", "flash"] = "auto"
   # The zero-mismatch mode (docs/math.md#zero-mismatch-mode): every forward computes a token the
   # same way whatever else it holds, so an fp32 sampler's log q equals the trainer's log p_old bit
   # for bit (on the shapes tests/test_zero_mismatch.py pins). Attention: blocked with 1-slot query
@@ -111,8 +113,8 @@ class ModelConfig:
     require(self.n_experts >= 0, "model.n_experts", "must be >= 0")
     require(self.moe_dispatch in ("gspmd", "shard_map", "all_gather"), "model.moe_dispatch",
             f"must be 'gspmd', 'shard_map' or 'all_gather', got {self.moe_dispatch!r}")
-    require(self.attention in ("auto", "xla", "blocked", "cudnn", "splash", "flash"), "model.attention",
-            f"must be one of auto, xla, blocked, cudnn, splash (flash: blocked's deprecated name); "
+    require(self.attention in ("auto", "xla", "blocked", "native", "cudnn", "splash", "flash"), "model.attention",
+            f"must be one of auto, xla, blocked, native, cudnn, splash (flash: blocked's deprecated name); "
             f"got {self.attention!r}")
     require(self.moe_a2a in ("padded", "ragged"), "model.moe_a2a",
             f"must be 'padded' or 'ragged', got {self.moe_a2a!r}")

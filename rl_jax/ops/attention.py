@@ -1,4 +1,4 @@
-"""GQA attention under a causal + per-slot key mask, without a dense mask: xla, blocked, cudnn, splash."""
+"""GQA attention under a causal + per-slot key mask, without a dense mask: xla, blocked, native, cudnn, splash."""
 # One entry point, `attention`. The mask is structured, never a dense [B, S, C] array: query i
 # sits at slot `q_offset + i` and reads key slot c iff (not causal or c <= q_offset + i) and
 # kv_valid_BC[b, c]. Query head h = g * R + r reads kv head g (transformers' repeat_kv order).
@@ -23,6 +23,11 @@
 #           Not a fused kernel: XLA compiles each block's dots and softmax separately (on one
 #           H200 it ran 1.8-2x slower than `xla`, docs/performance.md); it is the portable answer
 #           to memory at long sequences. `flash` is its old name, kept as a deprecated alias.
+#   native  CPU, float32, the trainer's no-cache case (bcgd keys over the S tokens themselves,
+#           q_offset the static 0): forward and backward FFI handlers (`native_causal_attention`)
+#           that take one (row, kv head) at a time in the model's layout, scores in the thread's
+#           scratch, the causal limit key by key; custom VJP from the row max and sum. Explicitly
+#           asked for where it cannot serve: auto's choice, with a one-time warning.
 #   cudnn   jax.nn.dot_product_attention(implementation="cudnn") on GPU. That API expresses
 #           padding only as per-row lengths (keys [0, len), "right padding"; a `mask` becomes a
 #           dense [B, N, T, S] bias), and its causal mask is top-left aligned. So: q_offset must
@@ -37,8 +42,9 @@
 #           and segment ids (valid key 0, padding key 1, every query 0) for the key mask;
 #           S and C are padded to a multiple of 128. Elsewhere, or with a traced q_offset, blocked
 #           with a one-time warning.
-#   auto    `auto_impl`, a pure function of (backend, dtype, shapes, offset): cudnn on GPU where
-#           expressible, splash on TPU where expressible; otherwise xla, or blocked where it wins
+#   auto    `auto_impl`, a pure function of (backend, dtype, shapes, offset, whether native can
+#           serve): cudnn on GPU where expressible, splash on TPU where expressible, native on CPU
+#           where it serves (`native_reason` is None); otherwise xla, or blocked where it wins
 #           (CPU from S * C >= _AUTO_BLOCKED_MIN_SC) or where xla's f32 score buffer would pass
 #           _AUTO_MAX_SCORE_BYTES (memory forces it; GPU / TPU).
 #
@@ -60,10 +66,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from rl_jax import impl_log
+from rl_jax.ops import native_causal_attention
 from rl_jax.ops.batch_invariant import ordered_sum
 
 # "flash": the deprecated name of "blocked" (a warning, then blocked).
-IMPLEMENTATIONS = ("auto", "xla", "blocked", "cudnn", "splash", "flash")
+IMPLEMENTATIONS = ("auto", "xla", "blocked", "native", "cudnn", "splash", "flash")
 KV_LAYOUTS = ("bcgd", "cache")  # k_BCGD, v_BCGD | the KV cache's kT_BGDC, v_BGCD (kv_cache.LayerKV)
 
 # Finite "minus infinity": a fully masked row (padding query) stays NaN-free.
@@ -101,13 +108,16 @@ _AUTO_MAX_SCORE_BYTES = 4 * 2**30
 
 def auto_impl(backend: str, dtype, b: int, s: int, c: int, heads: int, head_dim: int, *,
               static_zero_offset: bool, static_offset: bool, causal: bool = True,
-              capability: tuple[int, int] = (9, 0)) -> str:
+              capability: tuple[int, int] = (9, 0), native: bool = False) -> str:
   """What `impl="auto"` runs, as a pure function of the backend, q / k / v dtype and shapes.
 
   `static_zero_offset`: q_offset is the Python int 0; `static_offset`: it is a Python int;
-  `capability`: the GPU's compute capability (cuDNN's head-dim limit). The measured basis is in
-  the comments above (_AUTO_BLOCKED_MIN_SC, _AUTO_MAX_SCORE_BYTES).
+  `capability`: the GPU's compute capability (cuDNN's head-dim limit); `native`: the native CPU
+  attention can serve the call (`native_reason(...) is None`). The measured basis is in the
+  comments above (_AUTO_BLOCKED_MIN_SC, _AUTO_MAX_SCORE_BYTES) and in docs/performance.md.
   """
+  if backend == "cpu" and native:
+    return "native"
   if backend == "gpu" and cudnn_reason(jnp.dtype(dtype), head_dim, static_zero_offset, causal, capability) is None:
     return "cudnn"
   if backend == "tpu" and (static_offset or not causal):
@@ -174,11 +184,22 @@ def attention(q_BSGRD: jax.Array, k: jax.Array, v: jax.Array, kv_valid_BC: jax.A
     _warn_deprecated_flash()
     impl = "blocked"
   blocked = lambda *a: _blocked_attention(*a, block_q=block_q, block_k=block_k)
+  native_why = native_reason(q_BSGRD, k, v, q_offset, kv_layout) if impl in ("auto", "native") else None
+  if impl == "native":
+    if native_why is None:
+      impl_log.record("attention", "native")
+      return native_causal_attention.attention(q_BSGRD, k, v, kv_valid_BC, causal=causal)
+    _warn_native_once(native_why)
+    impl = "auto"
   if impl == "auto":
     dtypes = {jnp.dtype(x.dtype) for x in (q_BSGRD, k, v)}
     impl = auto_impl(backend, dtypes.pop() if len(dtypes) == 1 else jnp.float32, b, s, c,
                      q_BSGRD.shape[2] * q_BSGRD.shape[3], d, static_zero_offset=_is_static_zero(q_offset),
-                     static_offset=isinstance(q_offset, int), causal=causal, capability=_capability())
+                     static_offset=isinstance(q_offset, int), causal=causal, capability=_capability(),
+                     native=native_why is None)
+    if impl == "native":
+      impl_log.record("attention", "native")
+      return native_causal_attention.attention(q_BSGRD, k, v, kv_valid_BC, causal=causal)
   if impl == "cudnn":
     reason = _cudnn_unsupported(*args)
     if reason is None:
@@ -204,6 +225,26 @@ def _warn_deprecated_flash() -> None:
     _WARNED.add("flash")
     warnings.warn("attention impl 'flash' is deprecated: it is the blocked lax-loop attention, now named "
                   "'blocked' (not a fused flash kernel)", DeprecationWarning, stacklevel=3)
+
+
+def native_reason(q_BSGRD, k, v, q_offset, kv_layout: str) -> str | None:
+  """Why the native CPU attention cannot serve this call, or None when it can."""
+  if jax.default_backend() != "cpu":
+    return f"it runs on CPU only (backend {jax.default_backend()!r})"
+  if kv_layout != "bcgd" or k.shape[1] != q_BSGRD.shape[1] or not _is_static_zero(q_offset):
+    return "it serves the no-cache forward only (keys: the S queries themselves, q_offset the static 0)"
+  if not native_causal_attention.usable_for(q_BSGRD, k, v):
+    if not all(x.dtype == jnp.float32 for x in (q_BSGRD, k, v)):
+      return f"it takes float32 q / k / v, got {q_BSGRD.dtype} / {k.dtype} / {v.dtype}"
+    return "its handlers are unavailable (RL_JAX_NATIVE_ATTENTION=0, or the build failed: see the warning)"
+  return None
+
+
+def _warn_native_once(reason: str) -> None:
+  key = f"native: {reason}"
+  if key not in _WARNED:
+    _WARNED.add(key)
+    warnings.warn(f"attention impl='native' falls back to auto's choice: {reason}", RuntimeWarning, stacklevel=3)
 
 
 def _capability() -> tuple[int, int]:
