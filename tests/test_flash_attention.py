@@ -5,6 +5,7 @@ import functools
 import warnings
 
 import jax
+import jax.extend  # _count_eqns reads jax.extend.core: imported here, not by whichever module happened to load it first
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -1,5 +1,6 @@
 """grouped_matmul: the Pallas kernels (interpret mode) vs lax.ragged_dot and float64, forward and VJP, and no dense expansion."""
 import jax
+import jax.extend  # the jaxpr walk reads jax.extend.core: imported here, not by whichever module loaded it first
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -236,6 +236,8 @@ def native_reason(q_BSGRD, k, v, q_offset, kv_layout: str) -> str | None:
   if not native_causal_attention.usable_for(q_BSGRD, k, v):
     if not all(x.dtype == jnp.float32 for x in (q_BSGRD, k, v)):
       return f"it takes float32 q / k / v, got {q_BSGRD.dtype} / {k.dtype} / {v.dtype}"
+    if q_BSGRD.shape[-1] > native_causal_attention.MAX_HEAD_DIM:
+      return f"head dim {q_BSGRD.shape[-1]} > {native_causal_attention.MAX_HEAD_DIM}"
     return "its handlers are unavailable (RL_JAX_NATIVE_ATTENTION=0, or the build failed: see the warning)"
   return None
 
