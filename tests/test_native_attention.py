@@ -113,3 +113,12 @@ def test_the_update_and_p_old_programs_hold_the_native_training_attention(monkey
   assert not any(nca.FWD_TARGET in x for x in lowered("xla"))
   monkeypatch.setattr(nca, "usable_for", lambda *a: False)
   assert not any(nca.FWD_TARGET in x for x in lowered("auto"))
+
+
+def test_native_training_attention_names_a_bad_shape():
+  from rl_jax.ops import native_causal_attention as nca  # pylint: disable=g-import-not-at-top
+  q, k = jnp.zeros((2, 5, 2, 2, 8)), jnp.zeros((2, 5, 2, 8))
+  with pytest.raises(ValueError, match=r"k \(2, 5, 8, 2\) and v \(2, 5, 2, 8\) must be \(2, 5, 2, 8\)"):
+    nca.attention(q, jnp.swapaxes(k, -1, -2), k)
+  with pytest.raises(ValueError, match=r"valid_BS must be bool \(2, 5\), got int32 \(2, 5\)"):
+    nca.attention(q, k, k, jnp.ones((2, 5), jnp.int32))
