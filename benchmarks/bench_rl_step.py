@@ -9,6 +9,7 @@
 #                                                         # async (K=1, sampler on half the devices) vs sync
 #   python benchmarks/bench_rl_step.py --small --compare invariant  # the zero-mismatch mode's cost
 #   python benchmarks/bench_rl_step.py --compare attribution  # per-source attribution every step vs off
+#   python benchmarks/bench_rl_step.py --compare p_old   # p_old from the update's forward vs its own forward
 #
 # Two `RLTrainer`s are built from the config with warm_start.source='none' (random init:
 # timing only), wandb disabled, in a temporary workdir. `--compare sc` (default): "sc" with
@@ -22,7 +23,9 @@
 # "invariant" (model.batch_invariant=True: the certified zero-mismatch mode) vs "default", both with
 # an unquantized fp32 sampler and the config's loss; `--compare attribution`: "attr" with
 # rl.attribution_every=1 (rl.attribution_rows rows through one sampler per mismatch source of the
-# config's sampler) vs "off", also reported per call and at --attribution-every; 'sampler_wait' is how long async's host waited for the rollout
+# config's sampler) vs "off", also reported per call and at --attribution-every; `--compare p_old`:
+# "inupdate" (the default rl.p_old_in_update: no separate p_old forward at 'latest' with N = 1) vs
+# "separate" (rl.p_old_in_update=False), both with the config's loss; 'sampler_wait' is how long async's host waited for the rollout
 # generated ahead once the updates were done; `--compare mode` also prints each trainer's median
 # `async/sampler_busy`, `async/trainer_busy` and `async/busy_overlap` next to its step time.
 # A loss config is baked into
@@ -85,6 +88,7 @@ PAIRS = {
     "mode": {"async": (None, 0, RLTrainer), "sync": (None, 0, RLTrainer)},
     "invariant": {"invariant": (None, 0, RLTrainer), "default": (None, 0, RLTrainer)},
     "attribution": {"attr": (None, 0, RLTrainer), "off": (None, 0, RLTrainer)},
+    "p_old": {"inupdate": (None, 0, RLTrainer), "separate": (None, 0, RLTrainer)},
 }
 
 
@@ -129,6 +133,8 @@ def make_config(args, centering: str | None, meter_every: int | None, name: str 
     cfg.model.batch_invariant = name == "invariant"
   if name == "attr":
     cfg.rl.attribution_every = 1
+  if name == "separate":
+    cfg.rl.p_old_in_update = False
   if name == "sync":  # as many devices as async's trainer: the ratio is the overlap, not the mesh size
     cfg.mesh.num_devices = jax.device_count() // 2
   return cfg
@@ -263,6 +269,8 @@ def main():
           f"{', '.join(n for n, _, _ in trainers[a_name].programs.attribution_variants)}; "
           f"rl.attribution_rows={trainers[a_name].job.rl.attribution_rows}); every {e} steps: ratio "
           f"{1.0 + call / (e * med[b_name]['step']):.3f} (no target: a diagnostic's cost, set by its period)")
+  elif args.compare == "p_old":
+    print("  (no target: the step saves one forward over the global batch; issue 54's targets are the step's)")
   elif args.compare == "invariant":
     print("  (no target: the mode is a certificate, not a training setting; its cost is the per-slot "
           "attention loop and the router's ordered accumulation)")

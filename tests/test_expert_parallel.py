@@ -2,6 +2,7 @@
 reference (values, grads; balanced, skewed, overflowing, replay, quantized; slab or Pallas grouped
 local experts); byte model."""
 import dataclasses
+import functools
 import math
 import re
 
@@ -50,6 +51,7 @@ def _experts(seed, n_experts=E, d=D, f=F):
           jax.random.normal(ks[2], (n_experts, f, d)))
 
 
+@functools.partial(jax.jit, static_argnums=1)  # eagerly every op compiles its own XLA program
 def _routes(logits_NE, k=2):
   ids, gates, _, _ = moe_lib.route(logits_NE, k, True)
   return ids, gates
@@ -89,14 +91,18 @@ def _peer_loads(ids, shards=8, ep=4, n_local=2):
 GRADS = ("x", "gates", "w_gate", "w_up", "w_down")
 
 
+# The dropless references jitted: eagerly every op compiles its own XLA program.
+_ragged = jax.jit(moe_lib.ragged_experts, static_argnums=6)
+
+
 def _check_against_bounds(y, loss, grads, x, ids, gates, ws, proj):
   """y, loss = sum(y proj) and its gradients equal the reference within float32 rounding of the
   same sums (tests/tolerances.py: bounded from every sum's terms, not relative to the result; a
   relative check on the loss failed at 1.28e-5 where its 2048 terms cancel)."""
   bounds = tol.swiglu_experts_bounds(x, ids, gates, *ws, proj)
-  want = moe_lib.ragged_experts(x, ids, gates, *ws, E)
-  g_want = jax.grad(lambda x, g, *w: jnp.sum(moe_lib.ragged_experts(x, ids, g, *w, E) * proj),
-                    argnums=(0, 1, 2, 3, 4))(x, gates, *ws)
+  want = _ragged(x, ids, gates, *ws, E)
+  g_want = jax.jit(jax.grad(lambda x, g, ids, proj, *w: jnp.sum(moe_lib.ragged_experts(x, ids, g, *w, E) * proj),
+                            argnums=(0, 1, 4, 5, 6)))(x, gates, ids, proj, *ws)
   tol.assert_rounding_close(y, want, bounds["y"], "y")
   tol.assert_rounding_close(loss, jnp.sum(want * proj), bounds["loss"], "loss")
   for name, a, b in zip(GRADS, grads, g_want):
@@ -192,7 +198,7 @@ def test_dispatch_with_tokens_not_divisible_by_batch_axes():
   x = jax.random.normal(jax.random.key(0), (7, 8))  # 7 tokens over 8 batch shards: replicated
   ids, gates = _routes(jax.random.normal(jax.random.key(1), (7, 8)))
   ws = _experts(3)
-  want = moe_lib.ragged_experts(x, ids, gates, *ws, 8)
+  want = _ragged(x, ids, gates, *ws, 8)
   bound = tol.swiglu_experts_bounds(x, ids, gates, *ws, np.zeros((7, 8)))["y"]
   with jax.set_mesh(mesh):
     for name in ("a2a", "all_gather"):
@@ -205,10 +211,11 @@ def test_quantized_experts_equal_dropless():
   mesh = sh.make_mesh(MESHES["e4"])
   x = jax.random.normal(jax.random.key(0), (64, 8))  # 8 per device: the a2a moves 16-row buffers
   ids, gates = _routes(jax.random.normal(jax.random.key(1), (64, 8)))
-  qs = [ops.quantize_weight(w, WeightSpec("int8"), backend="xla") for w in _experts(4)]
-  want = moe_lib.dropless_experts(x, ids, gates, *qs, 8)
+  quantize = jax.jit(lambda w: ops.quantize_weight(w, WeightSpec("int8"), backend="xla"))
+  qs = [quantize(w) for w in _experts(4)]
+  want = jax.jit(moe_lib.dropless_experts, static_argnums=6)(x, ids, gates, *qs, 8)
   # The dequantized weights times the rows: the same float32 sums in another order.
-  deq = [dense(q, jnp.float32) for q in qs]
+  deq = [jax.jit(dense, static_argnums=1)(q, jnp.float32) for q in qs]
   bound = tol.swiglu_experts_bounds(x, ids, gates, *deq, np.zeros((64, 8)))["y"]
   with jax.set_mesh(mesh):
     for name in ("a2a", "all_gather"):
@@ -356,9 +363,10 @@ def test_model_loss_and_grads_equal_gspmd(cfg, mesh_name, routing, overflow):
 
 def test_missing_mesh_and_bad_config_name_the_key():
   for cfg in (EP, AG):
-    layer = moe_lib.MoE(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(moe_lib.MoE(cfg, rngs=nnx.Rngs(0)))
+    forward = jax.jit(lambda s, *a: nnx.merge(graphdef, s)(*a))  # raises while tracing: nothing compiles
     with pytest.raises(ConfigError, match="model.moe_dispatch"):
-      layer(jnp.ones((2, 3, cfg.d_model)), jnp.ones((2, 3), bool))
+      forward(state, jnp.ones((2, 3, cfg.d_model)), jnp.ones((2, 3), bool))
   with pytest.raises(ConfigError, match="model.moe_dispatch"):
     dataclasses.replace(MOE, moe_dispatch="all_to_all")
   with pytest.raises(ConfigError, match="model.moe_a2a"):

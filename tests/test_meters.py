@@ -62,8 +62,9 @@ def _grad_sq_norms_by_autodiff(z_NV, y_N, w_N, a_N, c_NK, ids_NK):
     rule = -w_N * a_N * jnp.take_along_axis(lp, y_N[:, None], -1)[:, 0]
     sc = a_N * jnp.sum(c_NK * jnp.take_along_axis(lp, ids_NK, -1), -1)
     return jnp.sum(sc + rule * with_rule)
-  g = jax.grad(ell)(z_NV, 1.0)
-  g_sc = jax.grad(ell)(z_NV, 0.0)
+  grad = jax.jit(jax.grad(ell))  # one program for both (eagerly every op compiles its own)
+  g = grad(z_NV, 1.0)
+  g_sc = grad(z_NV, 0.0)
   return np.sum(np.square(g), -1), np.sum(np.square(g_sc), -1)
 
 
@@ -77,7 +78,7 @@ def test_sc_logit_grad_norms_match_autodiff(k):
   w, a = rng.uniform(0.2, 2.0, n).astype(np.float32), rng.normal(size=n).astype(np.float32)
   c = rng.normal(size=(n, k)).astype(np.float32)
   p = np.exp(_log_softmax(z))
-  total, sc = meters.sc_logit_grad_sq_norms(
+  total, sc = jax.jit(meters.sc_logit_grad_sq_norms)(
       weight_X=w, adv_X=a, c_XK=c, head_p_XK=np.take_along_axis(p, ids, -1),
       p_y_X=p[np.arange(n), y], y_in_head_XK=(ids == y[:, None]).astype(np.float32))
   want_total, want_sc = _grad_sq_norms_by_autodiff(z, y, w, a, c, ids)
@@ -183,12 +184,14 @@ def test_seq_surrogate_has_the_gradient_of_the_sequence_objective():
 
   def j_seq(lp):
     return jnp.sum(adv * jnp.exp(jnp.sum(mask * (lp - logq), axis=1))) / z
-  g_ref = jax.grad(j_seq)(logp)
-  g_sur = jax.grad(lambda lp: meters.seq_objective_surrogate(lp, logq, adv, mask, z)[0])(logp)
+  # Jitted: eagerly every op compiles its own XLA program.
+  g_ref = jax.jit(jax.grad(j_seq))(logp)
+  sur_grad = jax.jit(jax.grad(lambda *a: meters.seq_objective_surrogate(*a)[0]))
+  g_sur = sur_grad(logp, logq, adv, mask, z)
   np.testing.assert_allclose(g_sur, g_ref, rtol=1e-5, atol=1e-7)
   # Padding may hold anything the sampler wrote: it must not leak into w_i or the gradient.
   bad_q = jnp.where(mask > 0, logq, -jnp.inf)
-  g_bad = jax.grad(lambda lp: meters.seq_objective_surrogate(lp, bad_q, adv, mask, z)[0])(logp)
+  g_bad = sur_grad(logp, bad_q, adv, mask, z)
   np.testing.assert_allclose(g_bad, g_ref, rtol=1e-5, atol=1e-7)
 
 

@@ -76,13 +76,15 @@ def _check(n, kind, dtype):
   loads = np.bincount(np.asarray(ids).ravel(), minlength=E)
   # The case exercises the branch it means to: capacity for random routing, fallback when skewed.
   assert (loads.max() <= c) == (kind == "random"), (loads, c)
-  want = moe_lib.ragged_experts(x, ids, gates, *ws, E)
+  # The references jitted too: eagerly every op compiles its own XLA program.
+  want = jax.jit(moe_lib.ragged_experts, static_argnums=6)(x, ids, gates, *ws, E)
   got = jax.jit(moe_lib.dropless_experts, static_argnums=6)(x, ids, gates, *ws, E)
-  g_want = jax.grad(_loss(moe_lib.ragged_experts), argnums=(0, 1, 2, 3, 4))(x, gates, *ws, ids)
+  g_want = jax.jit(jax.grad(_loss(moe_lib.ragged_experts), argnums=(0, 1, 2, 3, 4)))(x, gates, *ws, ids)
   g_got = jax.jit(jax.grad(_loss(moe_lib.dropless_experts), argnums=(0, 1, 2, 3, 4)))(x, gates, *ws, ids)
   _check_all(got, want, g_got, g_want, x, ids, gates, ws)
   if c < m and kind == "random":  # the slab alone (no switch) on routing that fits, too
-    slab = moe_lib._capacity_experts(x, ids, gates, *ws, E, c)  # pylint: disable=protected-access
+    slab = jax.jit(moe_lib._capacity_experts, static_argnums=(6, 7))(  # pylint: disable=protected-access
+        x, ids, gates, *ws, E, c)
     bounds = tol.swiglu_experts_bounds(x, ids, gates, *ws, _head(n), head="sin")
     tol.assert_rounding_close(slab, want, bounds["y"], "slab y",
                               u=tol.F64_U if dtype == jnp.float64 else tol.F32_U)
@@ -124,8 +126,9 @@ def test_each_capacity_tier_equals_ragged(kind, branch):
   x = jax.random.normal(jax.random.key(1), (n, D))
   ws = _weights()
   got = jax.jit(moe_lib.dropless_experts, static_argnums=6)(x, ids, gates, *ws, E)
-  want = moe_lib.ragged_experts(x, ids, gates, *ws, E)
-  g_want = jax.grad(_loss(moe_lib.ragged_experts), argnums=(0, 1, 2, 3, 4))(x, gates, *ws, ids)
+  # The references jitted too: eagerly every op compiles its own XLA program.
+  want = jax.jit(moe_lib.ragged_experts, static_argnums=6)(x, ids, gates, *ws, E)
+  g_want = jax.jit(jax.grad(_loss(moe_lib.ragged_experts), argnums=(0, 1, 2, 3, 4)))(x, gates, *ws, ids)
   g_got = jax.jit(jax.grad(_loss(moe_lib.dropless_experts), argnums=(0, 1, 2, 3, 4)))(x, gates, *ws, ids)
   _check_all(got, want, g_got, g_want, x, ids, gates, ws)
 
@@ -148,9 +151,11 @@ def test_moe_layer_with_replay_equals_ragged(replay, monkeypatch):
     y, ids, logits, aux, overflow = nnx.merge(graphdef, state)(x, valid, r_ids, r_mask)
     return jnp.sum(jnp.cos(y)) + aux, (y, ids, overflow)
 
-  (l_got, (y_got, ids_got, over)), g_got = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(state, x)
+  # Jitted (eagerly every op compiles its own XLA program); a fresh jit per side, traced after the patch.
+  vg = lambda: jax.jit(jax.value_and_grad(run, argnums=(0, 1), has_aux=True))
+  (l_got, (y_got, ids_got, over)), g_got = vg()(state, x)
   monkeypatch.setattr(moe_lib, "dropless_experts", moe_lib.ragged_experts)
-  (l_want, (y_want, ids_want, _)), g_want = jax.value_and_grad(run, argnums=(0, 1), has_aux=True)(state, x)
+  (l_want, (y_want, ids_want, _)), g_want = vg()(state, x)
   np.testing.assert_array_equal(ids_got, ids_want)
   assert float(over) == 0.0  # the single-device dispatch never falls back to another one
   # The router, softmax and aux loss are the same program on both sides (no reordering); only the

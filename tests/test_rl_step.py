@@ -99,3 +99,49 @@ def test_update_donates_every_param_and_optimizer_buffer():
   n_donated = len(jax.tree.leaves(params)) + len(jax.tree.leaves(opt_state))
   head = hlo[hlo.index("input_output_alias="):].split("\n", 1)[0]
   assert head.count("may-alias") + head.count("must-alias") == n_donated
+
+
+@pytest.mark.parametrize("replay,microbatches", [("none", 1), ("R2", 1), ("R3", 2)])
+def test_p_old_in_the_update_equals_the_separate_p_old_forward(replay, microbatches):
+  """`TrainBatch.old_in_update` (the trainer's choice for p_old 'latest' and one mini-batch): the
+  update takes log p_old from its own forward and reports the mismatch metrics, with the same
+  gradient, loss metrics and `mismatch/*` as the separate p_old forward's batch (R2 replaying that
+  forward's own experts, R3 the sampler's; gradient accumulation over 2 micro-batches for R3)."""
+  cfg = CFGS["moe_untied"]
+  graphdef, params = train_state.init_params(cfg, 0)
+  loss_cfg = LossConfig(method="ppo")  # reads p_old: its clip acts on p / p_old
+  batch = _batch()
+  rng = np.random.default_rng(3)
+  n_moe = cfg.n_layers  # every layer of this config is MoE
+  ids_BSLK = jnp.asarray(rng.integers(0, cfg.n_experts, (batch.rows, P + T, n_moe, cfg.n_experts_per_tok)),
+                         jnp.uint8)
+  logp_old, own_ids, m_old = step_lib.old_forward(params, batch, ids_BSLK, batch.valid_BS, graphdef=graphdef,
+                                                  loss_cfg=loss_cfg, replay=replay)
+  routes = {"none": None, "R2": own_ids, "R3": ids_BSLK}[replay]
+  ref = batch.replace(logp_old_BT=logp_old, replay_ids_BSLK=routes,
+                      replay_mask_BS=None if routes is None else batch.valid_BS)
+  new = batch.replace(old_in_update=True, sampler_ids_BSLK=ids_BSLK, sampler_valid_BS=batch.valid_BS,
+                      **({"replay_ids_BSLK": ids_BSLK, "replay_mask_BS": batch.valid_BS} if replay == "R3" else {}))
+  sgd = make_optimizer(OptimConfig(name="sgd", lr=1.0))
+  update = jax.jit(functools.partial(step_lib.update, graphdef=graphdef, optimizer=sgd, loss_cfg=loss_cfg,
+                                     aux_coef=0.01, microbatches=microbatches))
+  p_ref, _, m_ref = update(params, sgd.init(params), ref)
+  p_new, _, m_new = update(params, sgd.init(params), new)
+  assert set(m_new) == set(m_ref) | set(m_old)
+  for k in m_ref:
+    np.testing.assert_allclose(m_new[k], m_ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  for k in m_old:
+    np.testing.assert_allclose(m_new[k], m_old[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  assert float(m_new["mismatch/routing_agreement"]) < 1.0  # the random sampler routes disagree
+  # SGD at lr 1: params - new params = the gradient.
+  for (path, a), b, p in zip(jax.tree_util.tree_leaves_with_path(p_new), jax.tree.leaves(p_ref),
+                             jax.tree.leaves(params)):
+    g_new, g_ref = np.asarray(p) - np.asarray(a), np.asarray(p) - np.asarray(b)
+    scale = max(float(np.max(np.abs(g_ref))), 1e-30)
+    np.testing.assert_allclose(g_new / scale, g_ref / scale, rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+  if replay == "R3":  # the first-order meter reads the same batch before the update
+    meter = jax.jit(functools.partial(step_lib.first_order, graphdef=graphdef, loss_cfg=loss_cfg,
+                                      microbatches=microbatches))
+    fo_ref, fo_new = meter(params, ref), meter(params, new)
+    for k in fo_ref:
+      np.testing.assert_allclose(fo_new[k], fo_ref[k], rtol=1e-5, err_msg=k)

@@ -1,4 +1,5 @@
 """RL trainer: zero-mismatch check end to end, replay properties, NaN safety, crash resume, variants."""
+import copy
 import dataclasses
 import functools
 import json
@@ -44,6 +45,7 @@ def test_zero_mismatch_end_to_end(tmp_path):
     assert abs(r["mismatch/kl_k1"]) < 1e-6, r["mismatch/kl_k1"]
     assert abs(r["mismatch/kl_k3"]) < 1e-6
     assert r["mismatch/routing_agreement"] == 1.0
+    assert r["p_old/in_update"] == 1.0  # N = 1, p_old 'latest': the update's forward gave them
     # record_topk = 0 in this config: the sampler still records its top-1 mass.
     assert 0.0 < r["mismatch/head_mass_min"] <= r["mismatch/head_mass_mean"] <= 1.0
     assert np.isfinite(r["loss/loss"]) and np.isfinite(r["loss/grad_norm"])
@@ -84,16 +86,20 @@ def test_r2_first_minibatch_equals_no_replay_and_r3_differs(tmp_path):
 
 def test_r3_p_old_replays_the_sampler_so_first_minibatch_ratios_are_one(tmp_path):
   """R3, N=1: p_old is computed on the sampler's experts like the update, so at theta = theta_old
-  every staleness ratio is exactly 1 and MiniRL masks nothing, although the routing disagrees."""
+  every staleness ratio is 1 and MiniRL masks nothing, although the routing disagrees; both from
+  the separate p_old forward (`rl.p_old_in_update=False`) and from the update's own (the default)."""
   tr = trainer_lib.RLTrainer(_config(**{"rl.routing_replay": "R3", "sampler.quant": "fp4_w",
                                         "loss.method": "minirl", "loss.score_centering": "none"}),
                              str(tmp_path))
+  assert tr.programs.old_in_update
   _, ro = tr.rollout(0)
   rewards = np.tile([1.0, 0.0], ro.tokens_BS.shape[0] // 2).astype(np.float32)
-  batch, m_old = tr.prepare(ro, rewards)
+  tr_sep = copy.copy(tr)  # the same trainer with the separate p_old forward
+  tr_sep.programs = dataclasses.replace(tr.programs, old_in_update=False)
+  batch, m_old = tr_sep.prepare(ro, rewards)
   assert float(m_old["mismatch/routing_agreement"]) < 1.0  # replay actually changes the routing
   mb = next(tr.minibatches(batch))
-  assert mb.replay_ids_BSLK is not None and mb.rows == batch.rows
+  assert mb.replay_ids_BSLK is not None and mb.rows == batch.rows and not mb.old_in_update
   (_, m), _ = _loss_and_grad(tr)(tr.state["params"], mb)  # the update's loss at theta = theta_old
   assert float(m["num_tokens"]) > 0
   # 1 up to float32 rounding: p_old and p come from two differently compiled XLA programs (a
@@ -102,6 +108,16 @@ def test_r3_p_old_replays_the_sampler_so_first_minibatch_ratios_are_one(tmp_path
   np.testing.assert_allclose(float(m["staleness_ratio_max"]), 1.0, rtol=0, atol=2e-6)
   np.testing.assert_allclose(float(m["staleness_ratio_mean"]), 1.0, rtol=0, atol=2e-6)
   assert float(m["frac_masked"]) == 0.0, m["frac_masked"]
+  # The default: no p_old forward; the update's own forward gives p_old (the ratios 1 to rounding
+  # again: the loss and p_old read the same logits, fused apart) and the same mismatch metrics.
+  batch, m_none = tr.prepare(ro, rewards)
+  assert m_none == {} and batch.old_in_update and batch.logp_old_BT is None
+  (_, m), _ = _loss_and_grad(tr)(tr.state["params"], next(tr.minibatches(batch)))
+  np.testing.assert_allclose(float(m["staleness_ratio_max"]), 1.0, rtol=0, atol=2e-6)
+  np.testing.assert_allclose(float(m["staleness_ratio_mean"]), 1.0, rtol=0, atol=2e-6)
+  assert float(m["frac_masked"]) == 0.0, m["frac_masked"]
+  for k, v in m_old.items():
+    np.testing.assert_allclose(float(m[k]), float(v), rtol=1e-5, atol=1e-7, err_msg=k)
 
 
 def test_injected_nan_stops_cleanly_and_keeps_last_checkpoint(tmp_path, monkeypatch):

@@ -123,19 +123,25 @@ def test_zero_mismatch_logq_topk_experts(model, monkeypatch):
   _count_traces(monkeypatch)
   r = gen.generate(graphdef, state, toks, valid, jax.random.key(0), cfg)
 
-  out = model(r.tokens_BS, r.positions_BS, r.valid_BS)  # the trainer's teacher forcing
+  @jax.jit  # the trainer's side as one program: eagerly every op compiles its own XLA program
+  def teacher_forcing(state, r):
+    out = nnx.merge(graphdef, state)(r.tokens_BS, r.positions_BS, r.valid_BS)
+    # The lower-level helpers too: targets at logits slot s = token s+1.
+    targets_BS, tmask_BS = rollout_lib.trainer_targets(r)
+    logp_BSV = next_token_logq(out.logits_BSV, cfg.temperature)
+    logp_BS = jnp.take_along_axis(logp_BSV, targets_BS[..., None], -1)[..., 0]
+    return (out, rollout_lib.trainer_logprobs(out.logits_BSV, r, cfg.temperature),
+            rollout_lib.response_slice(tmask_BS, r), rollout_lib.response_slice(logp_BS, r),
+            rollout_lib.response_slice(logp_BSV, r))
+
+  out, (logp_BT, logp_topk_BTK), tmask_BT, logp_BS_BT, logp_BTV = teacher_forcing(state, r)
   mask = np.asarray(r.response_mask_BT)
   assert mask[:, 0].all()
-  logp_BT, logp_topk_BTK = rollout_lib.trainer_logprobs(out.logits_BSV, r, cfg.temperature)
   err = np.abs(np.where(mask, np.asarray(logp_BT) - np.asarray(r.logq_BT), 0.0))
   assert err.max() < LOGQ_ATOL, err.max()
-  # The same numbers through the lower-level helpers: targets at logits slot s = token s+1.
-  targets_BS, tmask_BS = rollout_lib.trainer_targets(r)
-  np.testing.assert_array_equal(rollout_lib.response_slice(tmask_BS, r), mask)
-  logp_BSV = next_token_logq(out.logits_BSV, cfg.temperature)
-  logp_BS = jnp.take_along_axis(logp_BSV, targets_BS[..., None], -1)[..., 0]
-  np.testing.assert_allclose(np.where(mask, rollout_lib.response_slice(logp_BS, r), 0), logp_BT, atol=1e-6)
-  logp_BTV = rollout_lib.response_slice(logp_BSV, r)
+  # The same numbers through the lower-level helpers.
+  np.testing.assert_array_equal(tmask_BT, mask)
+  np.testing.assert_allclose(np.where(mask, logp_BS_BT, 0), logp_BT, atol=1e-6)
   if cfg.top_k:  # sampled tokens lie in the top-k of q (= p here)
     kth = np.asarray(jax.lax.top_k(logp_BTV, cfg.top_k)[0][..., -1])
     assert np.all((np.asarray(r.logq_BT) >= kth - LOGQ_ATOL)[mask])
@@ -253,8 +259,12 @@ def test_head_mass_without_topk_is_the_top1_mass(model):
   toks, valid = _prompts([3, 8, 5, 1], seed=1)
   r = gen.generate(graphdef, state, toks, valid, jax.random.key(0), cfg)
   assert r.topk_ids_BTK is None and r.topk_logq_BTK is None
-  out = model(r.tokens_BS, r.positions_BS, r.valid_BS)
-  logp_BTV = rollout_lib.response_slice(next_token_logq(out.logits_BSV, cfg.temperature), r)
+
+  @jax.jit  # one program: eagerly every op compiles its own XLA program
+  def trainer_logp_BTV(state, r):
+    out = nnx.merge(graphdef, state)(r.tokens_BS, r.positions_BS, r.valid_BS)
+    return rollout_lib.response_slice(next_token_logq(out.logits_BSV, cfg.temperature), r)
+  logp_BTV = trainer_logp_BTV(state, r)
   mask = np.asarray(r.response_mask_BT)
   chex.assert_shape(r.head_mass_BT, mask.shape)
   want = np.where(mask, np.exp(np.max(np.asarray(logp_BTV), axis=-1)), 0.0)
@@ -269,15 +279,20 @@ def test_alignment_helpers_round_trip():
       response_mask_BS=jnp.array([[0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1]], bool),
       logq_BT=jnp.zeros((b, t)), topk_ids_BTK=None, topk_logq_BTK=None, head_mass_BT=None,
       expert_ids_BSLK=None, expert_valid_BS=None, lengths_B=None, prompt_lengths_B=None, prompt_len=4)
-  targets, mask = rollout_lib.trainer_targets(r)
+  x_BT = jnp.arange(1, 7, dtype=jnp.float32).reshape(2, 3)
+
+  @jax.jit  # one program: eagerly every op compiles its own XLA program
+  def helpers(r, x_BT):
+    targets, mask = rollout_lib.trainer_targets(r)
+    back = rollout_lib.response_to_logit_slots(x_BT, r)
+    return targets, mask, rollout_lib.response_slice(targets, r), back, rollout_lib.response_slice(back, r)
+  targets, mask, targets_BT, back, back_BT = helpers(r, x_BT)
   np.testing.assert_array_equal(targets[0], [1, 2, 3, 4, 5, 6, 0])
   np.testing.assert_array_equal(mask[1], [0, 0, 0, 1, 1, 1, 0])
   # Logits slot 3 (the last prompt token) predicts response token 0 (slot 4).
-  np.testing.assert_array_equal(rollout_lib.response_slice(targets, r), r.tokens_BS[:, 4:])
-  x_BT = jnp.arange(1, 7, dtype=jnp.float32).reshape(2, 3)
-  back = rollout_lib.response_to_logit_slots(x_BT, r)
+  np.testing.assert_array_equal(targets_BT, r.tokens_BS[:, 4:])
   assert back.shape == (2, 7)
-  np.testing.assert_array_equal(rollout_lib.response_slice(back, r), x_BT)
+  np.testing.assert_array_equal(back_BT, x_BT)
 
 
 # ---------------------------------------------------------------------- sharding

@@ -1,5 +1,6 @@
 """loss.sampling_mask='kept_set' by enumeration: the truncated objective's exact gradient, masking outside the kept set."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,8 @@ def _case(mismatch, top_k, top_p, k_rec, seed=0):
   rng = np.random.default_rng(seed)
   theta = rng.normal(size=(R, V)).astype(np.float32)
   logq = np.log(_softmax((theta + mismatch * rng.normal(size=theta.shape)) / TEMP)).astype(np.float32)
-  _, tau = decode.truncate(jnp.asarray(logq), top_k, top_p)
+  # Jitted, as the other programs below: eagerly every op compiles its own XLA program.
+  _, tau = jax.jit(decode.truncate, static_argnums=(1, 2))(jnp.asarray(logq), top_k, top_p)
   tau = np.asarray(tau)
   kept = logq >= tau[:, None]                                 # K_q, the set the sampler drew from
   logmass = np.log(np.where(kept, np.exp(logq), 0).sum(-1))
@@ -50,20 +52,25 @@ def _case(mismatch, top_k, top_p, k_rec, seed=0):
 def _per_token(cfg, theta, logq, tau, logmass, head, head_tq, covered, adv):
   """(grad, metrics) of the loss of the single-token batch (context r, token y), for every r, y."""
   rr, yy = np.meshgrid(np.arange(R), np.arange(V), indexing="ij")
+  g, m = _per_token_grads(cfg, jnp.asarray(theta), jnp.asarray(yy, jnp.int32), jnp.asarray(rr, jnp.int32),
+                          np.broadcast_to(np.asarray(adv, np.float32), (R, V)),
+                          *(jnp.asarray(a) for a in (logq, logmass, head, head_tq, tau, covered)))
+  return np.asarray(g, np.float64), {k: np.asarray(v) for k, v in m.items()}
 
+
+# One jitted program: eagerly, every op of the vmapped gradient compiles its own XLA program.
+@functools.partial(jax.jit, static_argnums=0)
+def _per_token_grads(cfg, theta, yy, rr, adv, logq, logmass, head, head_tq, tau, covered):
   def one(th_V, y, r, a):
     def loss(th):
       return rl_loss(th[None, None], y[None, None], jnp.ones((1, 1), bool), a[None],
-                     (jnp.asarray(logq)[r, y] - jnp.asarray(logmass)[r])[None, None], cfg,
-                     topk_ids_BTK=jnp.asarray(head)[r][None, None], topk_logq_BTK=jnp.asarray(head_tq)[r][None, None],
-                     trunc_thresh_BT=jnp.asarray(tau)[r][None, None],
-                     trunc_covered_BT=jnp.asarray(covered)[r][None, None])
+                     (logq[r, y] - logmass[r])[None, None], cfg,
+                     topk_ids_BTK=head[r][None, None], topk_logq_BTK=head_tq[r][None, None],
+                     trunc_thresh_BT=tau[r][None, None],
+                     trunc_covered_BT=covered[r][None, None])
     return jax.grad(loss, has_aux=True)(th_V)
 
-  f = jax.vmap(jax.vmap(one, (None, 0, 0, 0)), (0, 0, 0, 0))
-  g, m = f(jnp.asarray(theta), jnp.asarray(yy, jnp.int32), jnp.asarray(rr, jnp.int32),
-           jnp.broadcast_to(jnp.asarray(adv, jnp.float32), (R, V)))
-  return np.asarray(g, np.float64), {k: np.asarray(v) for k, v in m.items()}
+  return jax.vmap(jax.vmap(one, (None, 0, 0, 0)), (0, 0, 0, 0))(theta, yy, rr, adv)
 
 
 def _truncated_grad(theta, kset, reward):
@@ -149,8 +156,10 @@ def test_on_policy_ratios_are_one_in_both_modes(top_k, top_p, k_rec):
   size = np.asarray(ro.trunc_size_BT)
   assert (size[mask] >= 1).all() and (size[~mask] == 0).all()
   # The record against the kept sets of the trainer's p (= q up to rounding), cut in numpy.
-  out = model(ro.tokens_BS, ro.positions_BS, ro.valid_BS)
-  logp_XV = np.asarray(rollout_lib.response_slice(next_token_logq(out.logits_BSV, TEMP), ro))[mask]
+  # Jitted here and below: eagerly every op of a forward compiles its own XLA program.
+  logp_BSV = jax.jit(lambda params, *a: next_token_logq(nnx.merge(graphdef, params)(*a).logits_BSV, TEMP))(
+      params, ro.tokens_BS, ro.positions_BS, ro.valid_BS)
+  logp_XV = np.asarray(rollout_lib.response_slice(logp_BSV, ro))[mask]
   desc = -np.sort(-logp_XV, -1)
   n_keep = np.full(len(desc), vocab) if not top_k else np.full(len(desc), top_k)
   if top_p < 1:
@@ -165,12 +174,13 @@ def test_on_policy_ratios_are_one_in_both_modes(top_k, top_p, k_rec):
   np.testing.assert_allclose(np.asarray(ro.trunc_logmass_BT)[mask], mass, atol=1e-4)
   assert (mass < -1e-3).any()
   adv = jnp.asarray(np.random.default_rng(1).normal(size=8), jnp.float32)
+  old_forward = jax.jit(step_lib.old_forward, static_argnames=("graphdef", "loss_cfg"))
+  loss_fn = jax.jit(step_lib.loss_fn, static_argnames=("graphdef", "loss_cfg", "aux_coef"))
   for mode in ("none", "kept_set"):
     cfg = LossConfig(method="naive_is", temperature=TEMP, sampling_mask=mode)
     batch = step_lib.TrainBatch.from_rollout(ro, adv, truncated=mode == "kept_set")
-    logp_old, _, m_old = step_lib.old_forward(params, batch, graphdef=graphdef, loss_cfg=cfg)
-    _, m = step_lib.loss_fn(params, batch.replace(logp_old_BT=logp_old), graphdef=graphdef, loss_cfg=cfg,
-                            aux_coef=0.0)
+    logp_old, _, m_old = old_forward(params, batch, graphdef=graphdef, loss_cfg=cfg)
+    _, m = loss_fn(params, batch.replace(logp_old_BT=logp_old), graphdef=graphdef, loss_cfg=cfg, aux_coef=0.0)
     assert abs(float(m["is_ratio_max"]) - 1) < 1e-4 and abs(float(m["is_ratio_min"]) - 1) < 1e-4, mode
     assert abs(float(m_old["mismatch/kl_k1"])) < 1e-5
     if mode == "kept_set":

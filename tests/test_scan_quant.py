@@ -69,7 +69,8 @@ def test_stacked_quantization_equals_per_layer_bit_for_bit(name, backend):
   qcfg = dataclasses.replace(QCFGS[name], backend=backend)
   quant = jax.jit(quantize_params, static_argnums=1)
   scanned = quant(_params(RUNS, True), qcfg)
-  per_layer = stack_layers(quant(_params(RUNS, False), qcfg), RUNS)
+  # Stacking and dequantizing jitted too: eagerly every op compiles its own XLA program.
+  per_layer = jax.jit(stack_layers, static_argnums=1)(quant(_params(RUNS, False), qcfg), RUNS)
   _assert_bit_equal(scanned, per_layer)
   groups = scanned["layer_groups"]
   moe_w, dense_w = groups[2]["ffn"]["w_gate"], groups[1]["ffn"]["w_gate"]
@@ -78,8 +79,8 @@ def test_stacked_quantization_equals_per_layer_bit_for_bit(name, backend):
   # The logical shape follows the children: the scan's per-layer slice is a 2-D / 3-D QTensor.
   layer = jax.tree.map(lambda x: x[1], dense_w)
   assert layer.shape == (32, 64) and layer.k == 32
-  np.testing.assert_array_equal(np.asarray(ops.dequantize_weight(dense_w))[1],
-                                np.asarray(ops.dequantize_weight(layer)))
+  dequantize = jax.jit(ops.dequantize_weight)
+  np.testing.assert_array_equal(np.asarray(dequantize(dense_w))[1], np.asarray(dequantize(layer)))
 
 
 def test_stacked_shape_errors_name_the_parameter():

@@ -74,6 +74,14 @@ class RLConfig:
   that trains the rollout: staleness lands in the train/inference weight p_old/q, as with
   `staleness`) or 'rollout' (the trainer's params at the rollout's version: p_old/q is the pure
   train/inference mismatch and staleness lands in p/p_old, the trust-region ratio).
+  `p_old_in_update`: where the p_old forward is provably the update's own first forward (p_old at
+  'latest', one mini-batch: the one update runs at theta_old on the same batch and routing), the
+  update takes p_old from its forward under stop-gradient and reports the `mismatch/*` metrics
+  itself, saving one forward over the global batch (`p_old/in_update` = 1 in the metrics); the
+  staleness ratios are 1 to float32 rounding either way (a few ulp: two reads of one forward's
+  logits may fuse differently). False
+  always runs the separate p_old forward, as the zero-mismatch mode (`model.batch_invariant`) does:
+  its bitwise certificate is the separate forward's.
   `attribution_every`: every that many steps (0 = off), the first `attribution_rows` rows of the
   step's rollout are teacher-forced through one sampler per mismatch source the run has on
   (`attribution/*`, docs/math.md#mismatch-attribution); one call costs about one forward per
@@ -113,6 +121,7 @@ class RLConfig:
   mode: Mode = "sync"
   max_staleness: int = 1
   p_old_version: POldVersion = "latest"
+  p_old_in_update: bool = True
   stale_policy: StalePolicy = "wait"
   sampler_sync_every: int = 1
   attribution_every: int = 0

@@ -81,6 +81,8 @@ class StepPrograms:
   replay: step_lib.Replay = "none"
   probe: Any = None
   n_minibatches: int = 1
+  # The p_old forward is the update's own (`old_in_update(job)`): `prepare` runs none.
+  old_in_update: bool = False
 
   # -- the sampler -------------------------------------------------------------------------
 
@@ -184,7 +186,16 @@ class StepPrograms:
   def prepare(self, params, ro: rollout_lib.Rollout, adv_B, old=None) -> tuple[step_lib.TrainBatch, dict]:
     """The TrainBatch of a global step (`train_batch`) with p_old from `forward_old` at `params` (or
     `old`, its outputs computed earlier) and the routing replay's routes (`with_replay`), and the
-    p_old forward's metrics: the batch every update of the step trains on."""
+    p_old forward's metrics: the batch every update of the step trains on.
+
+    Under `old_in_update` with no `old`, no forward runs: the batch is marked for the update to take
+    p_old from its own forward (`step._forward_with_old`), which also reports the p_old metrics; R3
+    replays the sampler's experts as always, R2 routes on its own (theta_old's experts are that
+    forward's routing), and the metrics returned here are empty."""
+    if old is None and self.old_in_update:
+      batch = self.train_batch(ro, adv_B).replace(old_in_update=True, sampler_ids_BSLK=ro.expert_ids_BSLK,
+                                                  sampler_valid_BS=ro.expert_valid_BS)
+      return (self.with_replay(batch, ro, None) if self.replay == "R3" else batch), {}
     if old is None:
       old = self.forward_old(params, ro, adv_B)
     logp_old, own_ids, m = old
@@ -310,7 +321,7 @@ def build(job, mesh, graphdef: nnx.GraphDef, param_shardings, opt_shardings, opt
                          out_shardings=sh.batch_sharding(mesh, 1)),
       attribution=attribution, attribution_variants=variants,
       sampler_cfg=job.sampler, quant_plan=sampler_weights.quant_plan(job.model), loss_cfg=job.loss,
-      replay=rl.routing_replay, n_minibatches=rl.n_minibatches)
+      replay=rl.routing_replay, n_minibatches=rl.n_minibatches, old_in_update=old_in_update(job))
 
 
 def build_local(graphdef: nnx.GraphDef | None = None, loss: LossConfig | None = None, *, model=None,
@@ -344,6 +355,19 @@ def _build_local(graphdef, loss, model, sampler, replay, optimizer, aux_coef) ->
       optimizer=optimizer, old_forward=progs.get("old_forward"), update=progs.get("update"),
       first_order=progs.get("first_order"), probe=progs.get("probe"), advantages=None, sampler_cfg=sampler,
       quant_plan=None if model is None else sampler_weights.quant_plan(model), loss_cfg=loss, replay=replay)
+
+
+def old_in_update(job) -> bool:
+  """Whether the step's p_old forward is provably its update's own forward, so the update computes
+  p_old itself (`rl.p_old_in_update`, on by default): p_old at the trainer's latest params
+  (`rl.p_old_version='latest'`) and one update per step (`rl.n_minibatches=1`), which then runs at
+  theta_old on the same batch and routing. The staleness ratios are then 1 (to float32 rounding, as
+  with the separate forward) and the step saves one forward over the global batch (`p_old/in_update` in the metrics). Not in the
+  zero-mismatch mode (`model.batch_invariant`): its certificate is the separate forward's log p_old
+  equal to the sampler's bit for bit, and the update's fused forward and backward is a few ulp off."""
+  rl = job.rl
+  return (bool(rl.p_old_in_update) and rl.p_old_version == "latest" and rl.n_minibatches == 1
+          and not job.model.batch_invariant)
 
 
 def attribution_stale(job) -> bool:

@@ -34,7 +34,11 @@ STATIC = ("graphdef", "loss_cfg", "aux_coef", "optimizer", "replay", "microbatch
 class TrainBatch:
   """What one global step trains on, rows = responses (B), laid out as `rl_jax.rollout.Rollout`.
 
-  `logp_old_BT` is filled by `old_forward`; `replay_*` only under routing replay (R2: the
+  `logp_old_BT` is filled by `old_forward`, or, with `old_in_update`, by the update's own forward
+  (`_forward_with_old`: its log-probs under stop-gradient, where the p_old forward is provably that
+  forward: p_old at the update's params, one update per step; `programs.old_in_update`), which then
+  also reports the `mismatch/*` metrics, against the sampler's experts `sampler_ids_BSLK` where
+  recorded. `replay_*` only under routing replay (R2: the
   trainer's own theta_old experts, R3: the sampler's); top-k fields whenever the sampler
   recorded them (`sampler.record_topk` > 0): score centering reads them and the drift meter
   (`drift/*`) compares them with the trainer's distribution. Optional fields are None when
@@ -61,6 +65,9 @@ class TrainBatch:
   replay_mask_BS: jax.Array | None = None
   trunc_thresh_BT: jax.Array | None = None
   trunc_covered_BT: jax.Array | None = None
+  old_in_update: bool = flax.struct.field(pytree_node=False, default=False)
+  sampler_ids_BSLK: jax.Array | None = None  # only with old_in_update: the routing agreement's
+  sampler_valid_BS: jax.Array | None = None
 
   @classmethod
   def from_rollout(cls, ro: rollout_lib.Rollout, adv_B: jax.Array, with_topk: bool = True,
@@ -232,6 +239,13 @@ def _old_forward_rows(params, batch: TrainBatch, sampler_ids_BSLK, sampler_valid
   if r3:
     kw = dict(replay_ids_BSLK=sampler_ids_BSLK, replay_mask_BS=sampler_valid_BS, return_router_logits=True)
   out = _forward(model, batch, **kw)
+  return _old_outputs(model, out, batch, sampler_ids_BSLK, sampler_valid_BS, loss_cfg, r3)
+
+
+def _old_outputs(model, out, batch: TrainBatch, sampler_ids_BSLK, sampler_valid_BS, loss_cfg: LossConfig,
+                 r3: bool):
+  """(logp_old_BT, own_ids_BSLK, sums for `_mismatch_metrics`) of a forward at theta_old (`out`;
+  with router logits under R3)."""
   logp_old_BT = _sampled_logp(model, out, batch, loss_cfg)
   own_ids_BSLK = out.expert_ids_BSLK
   if r3 and own_ids_BSLK is not None:
@@ -270,25 +284,49 @@ def _old_forward_rows(params, batch: TrainBatch, sampler_ids_BSLK, sampler_valid
   return logp_old_BT, own_ids_BSLK, st
 
 
+def _forward_with_old(model, batch: TrainBatch, loss_cfg: LossConfig):
+  """The update's forward (routing replay iff `batch.replay_ids_BSLK` is set) -> (out, batch, sums).
+
+  With `batch.old_in_update` the batch comes back with `logp_old_BT` = this forward's log-probs of
+  the sampled tokens under stop-gradient, and the sums of `_mismatch_metrics`: the p_old forward's
+  outputs, from the forward that the update computes anyway (the same function at the same params
+  on the same routing, so the ratios pi_theta / pi_theta_old are 1, to float32 rounding: XLA may fuse
+  the two reads of the same logits differently). Else the batch as given and no sums.
+  """
+  kw = _replay_kw(batch)
+  r3 = bool(kw)  # under old_in_update only R3 replays (R2's own experts are this forward's routing)
+  if batch.old_in_update and r3:
+    kw["return_router_logits"] = True
+  out = _forward(model, batch, **kw)
+  if not batch.old_in_update:
+    return out, batch, {}
+  logp_old_BT, _, st = _old_outputs(model, out, batch, batch.sampler_ids_BSLK, batch.sampler_valid_BS,
+                                    loss_cfg, r3)
+  return out, batch.replace(logp_old_BT=jax.lax.stop_gradient(logp_old_BT)), jax.lax.stop_gradient(st)
+
+
 def loss_fn(params, batch: TrainBatch, *, graphdef: nnx.GraphDef, loss_cfg: LossConfig, aux_coef: float):
-  """Loss of one mini-batch and its metrics; routing replay is on iff `batch.replay_ids_BSLK` is set."""
+  """Loss of one mini-batch and its metrics; routing replay is on iff `batch.replay_ids_BSLK` is set;
+  with `batch.old_in_update` also the `mismatch/*` metrics of p_old (`_forward_with_old`)."""
   model = nnx.merge(graphdef, params)
-  out = _forward(model, batch, **_replay_kw(batch))
+  out, batch, st_old = _forward_with_old(model, batch, loss_cfg)
   loss, metrics = _rl_loss(model, out, batch, loss_cfg)
   # The load-balancing loss uses the trainer's own routing, also under replay (models/moe.py).
-  return loss + aux_coef * out.aux_loss, dict(metrics, aux_loss=out.aux_loss, moe_overflow=out.moe_overflow)
+  return loss + aux_coef * out.aux_loss, dict(metrics, aux_loss=out.aux_loss, moe_overflow=out.moe_overflow,
+                                              **(_mismatch_metrics(st_old) if st_old else {}))
 
 
 def _microbatch_loss(params, mb: TrainBatch, norm, valid_share, *, graphdef, loss_cfg, aux_coef):
   """One micro-batch's share of the mini-batch loss: the RL loss over the whole mini-batch's
   aggregation denominator `norm`, plus its `valid_share` of the load-balancing term (computed per
   micro-batch on its own routing, as Megatron and MaxText do: the aux loss's product of two token
-  means does not split over rows exactly). Returns (loss, (stats, weighted aux))."""
+  means does not split over rows exactly). Returns (loss, (stats, weighted aux, overflow, p_old's
+  mismatch sums under `mb.old_in_update`))."""
   model = nnx.merge(graphdef, params)
-  out = _forward(model, mb, **_replay_kw(mb))
+  out, mb, st_old = _forward_with_old(model, mb, loss_cfg)
   loss, stats = _rl_loss(model, out, mb, loss_cfg, norm=norm, return_stats=True)
   aux = valid_share * out.aux_loss
-  return loss + aux_coef * aux, (stats, aux, out.moe_overflow)
+  return loss + aux_coef * aux, (stats, aux, out.moe_overflow, st_old)
 
 
 def _pin(tree, shardings):
@@ -313,12 +351,13 @@ def accumulated_grads(params, batch: TrainBatch, microbatches: int, *, graphdef:
 
   def body(acc, mb):
     share = jnp.sum(mb.valid_BS.astype(jnp.float32)) / valid_total
-    (loss, (stats, aux, overflow)), g = grad_fn(params, mb, norm, share)
-    return _pin(jax.tree.map(jnp.add, acc, g), grad_shardings), (loss, stats, aux, overflow)
+    (loss, (stats, aux, overflow, st_old)), g = grad_fn(params, mb, norm, share)
+    return _pin(jax.tree.map(jnp.add, acc, g), grad_shardings), (loss, stats, aux, overflow, st_old)
 
   zeros = _pin(jax.tree.map(jnp.zeros_like, params), grad_shardings)
-  grads, (losses, stats, aux, overflow) = jax.lax.scan(body, zeros, microbatch.split(batch, microbatches))
-  metrics = dict(finalize_stats(reduce_stacked(stats)), aux_loss=jnp.sum(aux), moe_overflow=jnp.mean(overflow))
+  grads, (losses, stats, aux, overflow, st_old) = jax.lax.scan(body, zeros, microbatch.split(batch, microbatches))
+  metrics = dict(finalize_stats(reduce_stacked(stats)), aux_loss=jnp.sum(aux), moe_overflow=jnp.mean(overflow),
+                 **(_mismatch_metrics(reduce_stacked(st_old)) if st_old else {}))
   return jnp.sum(losses), metrics, grads
 
 
@@ -346,15 +385,15 @@ def first_order(params, batch: TrainBatch, *, graphdef: nnx.GraphDef, loss_cfg: 
   def grads(mb):
     def objectives(p):
       model = nnx.merge(graphdef, p)
-      out = _forward(model, mb, **_replay_kw(mb))
-      loss, _ = _rl_loss(model, out, mb, loss_cfg, norm=norm)
+      out, mb_old, _ = _forward_with_old(model, mb, loss_cfg)
+      loss, _ = _rl_loss(model, out, mb_old, loss_cfg, norm=norm)
       logp_BT = _sampled_logp(model, out, mb, loss_cfg)
       # Under sampling_mask='kept_set' the tokens outside a kept set (-inf) drop out of both objectives.
       mask_BT = mb.response_mask_BT > 0
       if loss_cfg.kept_set_mask:
         mask_BT = mask_BT & jnp.isfinite(logp_BT)
-        if mb.logp_old_BT is not None:
-          mask_BT = mask_BT & jnp.isfinite(mb.logp_old_BT)
+        if mb_old.logp_old_BT is not None:
+          mask_BT = mask_BT & jnp.isfinite(mb_old.logp_old_BT)
       logp_BT = jnp.where(mask_BT, logp_BT, mb.logq_BT)
       j_seq, _ = meters.seq_objective_surrogate(logp_BT, mb.logq_BT, mb.adv_B, mask_BT, z)
       return -loss, j_seq

@@ -256,9 +256,10 @@ class RLTrainer:
     """Advantages, the theta_old forward and the replay routes of this global step.
 
     `old`: the p_old forward's outputs when they were computed at the rollout's version
-    (`produce`); None runs it here at the policy `rl.p_old_version` names.
+    (`produce`); None runs it here at the policy `rl.p_old_version` names, or leaves it to the
+    update's own forward where that is the same (`programs.old_in_update`).
     """
-    if old is None:
+    if old is None and not self.programs.old_in_update:
       old = self._old_forward(self._p_old_params(), ro, rewards)
     return self.programs.prepare(None, ro, self.programs.advantages(jnp.asarray(rewards)), old)
 
@@ -355,8 +356,10 @@ class RLTrainer:
     row = {"reward": float(rewards.mean()), "accuracy": float((rewards >= 1.0).mean()),
            "response_length": float(lengths.mean()),
            **{k: float(v) for k, v in m_old.items()},
-           # The drift meters (present when the sampler recorded its top-k) are logged top-level.
-           **{k if k.startswith("drift/") else f"loss/{k}": v for k, v in m_upd.items()},
+           # The drift meters (present when the sampler recorded its top-k) are logged top-level, and
+           # so are p_old's mismatch metrics when the update computed p_old (`old_in_update`).
+           **{k if k.startswith(("drift/", "mismatch/")) else f"loss/{k}": v for k, v in m_upd.items()},
+           "p_old/in_update": float(batch.old_in_update),
            **m_first, **m_attr,
            "time/sample_s": t1 - t0, "time/p_old_s": t2 - t1, "time/update_s": t3 - t2,
            "async/lag": float(item.lag), **item.metrics}
