@@ -1,6 +1,5 @@
 """Model properties: KV cache == recompute, dropless MoE == naive loop, expert matmuls agree, replay, remat, sharding."""
 import dataclasses
-import functools
 import re
 
 import jax
@@ -14,6 +13,7 @@ from rl_jax.config_utils import ConfigError
 from rl_jax.models import ModelConfig, Transformer, init_cache
 from rl_jax.models import moe as moe_lib
 import tolerances as tol
+from jitted_model import jitted
 
 # float32 tolerance for results computed with different reduction orders / layouts.
 F32_ATOL = 2e-5
@@ -35,22 +35,6 @@ FAMILY_CASES = dict(argvalues=[DENSE, MOE, LLAMA3, QWEN2_MOE], ids=["dense", "mo
 
 def _tokens(b=4, t=7, seed=0, vocab=64):
   return jax.random.randint(jax.random.key(seed), (b, t), 0, vocab)
-
-
-def _jitted(model):
-  """`model`'s forward as one jitted program, called like the model (bool / str keywords static).
-  Eagerly every op of a forward compiles its own XLA program: 139 for MOE's, 14 s against 2.9 s
-  jitted on a 2-core box, most of these tests' time."""
-  graphdef, state = nnx.split(model)
-
-  @functools.partial(jax.jit, static_argnames=("flags",))
-  def run(state, args, arrays, flags):
-    return nnx.merge(graphdef, state)(*args, **arrays, **dict(flags))
-
-  def call(*args, **kw):
-    flags = tuple(sorted((k, v) for k, v in kw.items() if isinstance(v, (bool, str))))
-    return run(state, args, {k: v for k, v in kw.items() if not isinstance(v, (bool, str))}, flags)
-  return call
 
 
 def test_moe_layer_map_follows_qwen3_rule():
@@ -87,7 +71,7 @@ def test_expert_matmul_auto_resolves_by_backend():
 
 @pytest.mark.parametrize("cfg", **FAMILY_CASES)
 def test_kv_cache_decode_equals_full_recompute(cfg):
-  model = _jitted(Transformer(cfg, rngs=nnx.Rngs(0)))
+  model = jitted(Transformer(cfg, rngs=nnx.Rngs(0)))
   tok = _tokens(2, 9)
   full = model(tok)
   cache = init_cache(cfg, 2, 12)
@@ -102,7 +86,7 @@ def test_kv_cache_decode_equals_full_recompute(cfg):
 
 
 def test_left_padding_matches_unpadded():
-  model = _jitted(Transformer(MOE, rngs=nnx.Rngs(1)))
+  model = jitted(Transformer(MOE, rngs=nnx.Rngs(1)))
   tok = _tokens(1, 5)
   padded = jnp.concatenate([jnp.zeros((1, 3), tok.dtype), tok], axis=1)
   valid = jnp.array([[False] * 3 + [True] * 5])
@@ -226,7 +210,7 @@ def test_grouped_expert_matmul_is_the_pallas_kernel_without_dense_rows():
 def test_replay_with_natural_ids_reproduces_forward_exactly(cfg):
   """Replaying a forward's own ids reproduces it; the record holds the routed experts only (one
   entry per MoE layer, top-k wide: a shared expert never enters it)."""
-  model = _jitted(Transformer(cfg, rngs=nnx.Rngs(2)))
+  model = jitted(Transformer(cfg, rngs=nnx.Rngs(2)))
   tok = _tokens()
   nat = model(tok)
   assert nat.expert_ids_BSLK.shape == (*tok.shape, cfg.n_moe_layers, cfg.n_experts_per_tok)
@@ -237,7 +221,7 @@ def test_replay_with_natural_ids_reproduces_forward_exactly(cfg):
 
 def test_replay_other_ids_changes_output_and_router_gets_gradient():
   module = Transformer(MOE, rngs=nnx.Rngs(2))
-  model = _jitted(module)
+  model = jitted(module)
   tok = _tokens()
   nat = model(tok)
   other = (nat.expert_ids_BSLK + 3) % MOE.n_experts  # distinct slots, all differ from natural

@@ -1,6 +1,5 @@
 """Scanned layers (ModelConfig.scan_layers) == the unrolled model: logits, grads, cache, replay, I/O, sharding."""
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +11,7 @@ from rl_jax import sharding as sh
 from rl_jax.models import ModelConfig, Transformer, hf, init_cache
 from rl_jax.models.kv_cache import unstack_cache
 from rl_jax.models.transformer import stack_layers, unstack_layers
+from jitted_model import jitted
 
 # float32 tolerance for results computed with different reduction orders / layouts.
 F32_ATOL = 2e-5
@@ -44,21 +44,6 @@ def _pair(cfg, **kw):
 
 def _params(model):
   return nnx.to_pure_dict(nnx.state(model))
-
-
-def _jitted(model):
-  """`model`'s forward as one jitted program, called like the model (bool / str keywords static):
-  eagerly every op of a forward compiles its own XLA program (tests/test_model.py)."""
-  graphdef, state = nnx.split(model)
-
-  @functools.partial(jax.jit, static_argnames=("flags",))
-  def run(state, args, arrays, flags):
-    return nnx.merge(graphdef, state)(*args, **arrays, **dict(flags))
-
-  def call(*args, **kw):
-    flags = tuple(sorted((k, v) for k, v in kw.items() if isinstance(v, (bool, str))))
-    return run(state, args, {k: v for k, v in kw.items() if not isinstance(v, (bool, str))}, flags)
-  return call
 
 
 def _tokens(b=2, s=7, seed=0):
@@ -113,8 +98,8 @@ def _loss_fn(graphdef, tok):
 def test_scanned_equals_unrolled_logits_and_grads(cfg, remat):
   unrolled, scanned = _pair(cfg, remat=remat)
   tok = _tokens()
-  a = _jitted(unrolled)(tok, return_router_logits=True)
-  b = _jitted(scanned)(tok, return_router_logits=True)
+  a = jitted(unrolled)(tok, return_router_logits=True)
+  b = jitted(scanned)(tok, return_router_logits=True)
   np.testing.assert_allclose(b.logits_BSV, a.logits_BSV, atol=F32_ATOL)
   np.testing.assert_array_equal(b.expert_ids_BSLK, a.expert_ids_BSLK)
   assert b.expert_ids_BSLK.shape == (2, 7, cfg.n_moe_layers, 2)
@@ -134,7 +119,7 @@ def test_scanned_equals_unrolled_logits_and_grads(cfg, remat):
 def test_scanned_kv_cache_decode_equals_full_recompute(cfg):
   unrolled, scanned = _pair(cfg)
   scfg = scanned.cfg
-  unrolled, scanned = _jitted(unrolled), _jitted(scanned)
+  unrolled, scanned = jitted(unrolled), jitted(scanned)
   tok = _tokens(2, 9)
   full = scanned(tok)
   cache = init_cache(scfg, 2, 12)
@@ -160,7 +145,7 @@ def test_scanned_kv_cache_decode_equals_full_recompute(cfg):
 
 @pytest.mark.parametrize("cfg", [RUNS, ALT], ids=["runs", "alternating"])
 def test_scanned_routing_replay_equals_unrolled(cfg):
-  unrolled, scanned = (_jitted(m) for m in _pair(cfg))
+  unrolled, scanned = (jitted(m) for m in _pair(cfg))
   tok = _tokens()
   # Replay ids unlike the natural ones (a per-layer shift), on half of the positions.
   natural = unrolled(tok).expert_ids_BSLK
