@@ -424,7 +424,7 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
   clean = None
   for name, kind, rows, cfg in (("eval_greedy", "greedy", rl.eval_size, progs.eval_cfg),
                                 ("eval_sampled", "sampled", rl.eval_size * rl.eval_samples, progs.eval_sampled_cfg)):
-    if name in programs:
+    if name in programs and rows:  # rl.eval_size = 0: no evaluation, nothing to plan
       if clean is None:
         clean = jax.tree.map(_sds, *_lowered_out(progs.clean_weights, params))
       plan_generate(name, kind, rows, clean, device_bytes(clean), cfg)

@@ -44,14 +44,16 @@ def _train_rows(workdir):
 
 def test_async_at_zero_lag_equals_sync_bit_for_bit(tmp_path):
   """max_staleness 0: the sampler on devices 0-3 and the trainer on 4-7 give the sync loop's params
-  on 4 devices (the same programs on same-shaped meshes)."""
-  steps = {"rl.steps": 2, "rl.eval_every": 2}
+  on 4 devices (the same programs on same-shaped meshes). Evaluation off (rl.eval_size=0): no eval
+  row is written and no eval program compiled (the async loop's evaluation is the fixture's below)."""
+  steps = {"rl.steps": 2, "rl.eval_size": 0}
   sync_cfg = _config(**steps, **{"mesh.num_devices": 4})
   async_cfg = _config(**steps, **ASYNC, **{"rl.max_staleness": 0})
   trainer_lib.run(sync_cfg, str(tmp_path / "sync"))
   trainer_lib.run(async_cfg, str(tmp_path / "async"))
   assert _equal(_params(tmp_path / "sync", sync_cfg)[1], _params(tmp_path / "async", async_cfg)[1])
   assert [r["async/lag"] for r in _train_rows(tmp_path / "async")] == [0.0, 0.0]
+  assert not any(k.startswith("eval") for r in read_metrics(str(tmp_path / "async")) for k in r)
   # Both run the sync loop: generation, then the trainer, each waited for before the next
   # program is dispatched, so their busy intervals never overlap.
   for workdir in (tmp_path / "sync", tmp_path / "async"):
@@ -86,6 +88,9 @@ def test_lags_and_p_old_at_the_rollout_version(uninterrupted):
     assert r["loss/staleness_ratio_max"] > 1.1, r  # the lagged versions' policy moved
   summary = json.loads((uninterrupted / "summary.json").read_text())
   assert summary["lag_steps"] == {"0": 1, "1": 1, "2": 2}
+  # The async loop evaluates at the start and at the end (clean weights, the sampler's devices).
+  evals = [r["step"] for r in read_metrics(str(uninterrupted)) if "eval_greedy_accuracy" in r]
+  assert evals == [0, 4] and 0 <= summary["final_eval_greedy_accuracy"] <= 1
   # 'wait': nothing dropped; the sampler took the trainer's weights before each of the two
   # generations dispatched ahead (steps 0, 1; steps 2, 3 have nothing left to generate).
   assert [r["async/dropped"] for r in rows] == [0.0] * 4
@@ -239,7 +244,7 @@ def test_stale_policy_config_errors_name_the_key():
 # K = 1 and a sampler refreshed every 2 steps: the rollout of step 2 is generated at step 1 by
 # version 0 (lag 2 > K) and dropped; steps 1 and 3 arrive at lag 1.
 DROP = {**ASYNC, "rl.max_staleness": 1, "rl.stale_policy": "drop", "rl.sampler_sync_every": 2,
-        "rl.p_old_version": "rollout", "rl.steps": 4, "rl.eval_every": 4, "rl.checkpoint_every": 10}
+        "rl.p_old_version": "rollout", "rl.steps": 4, "rl.eval_size": 0, "rl.checkpoint_every": 10}
 
 
 def _prompt_key(row, pad_id):

@@ -122,7 +122,7 @@ def test_r3_p_old_replays_the_sampler_so_first_minibatch_ratios_are_one(tmp_path
 
 def test_injected_nan_stops_cleanly_and_keeps_last_checkpoint(tmp_path, monkeypatch):
   workdir = str(tmp_path)
-  tr = trainer_lib.RLTrainer(_config(**{"rl.steps": 3}), workdir)
+  tr = trainer_lib.RLTrainer(_config(**{"rl.steps": 3, "rl.eval_size": 0}), workdir)
   # Fault injection from outside the library: the 2nd update (step 2, N=1) gets NaN advantages.
   real_update, calls = tr.programs.update, []
 
@@ -176,6 +176,8 @@ def test_config_errors_fail_before_compute(tmp_path):
     trainer_lib.RLJob.from_config(_config(**{"rl.routing_replay": "R4"}))
   with pytest.raises(ConfigError, match="rl.n_minibatches"):
     trainer_lib.RLJob.from_config(_config(**{"rl.n_minibatches": 3}))
+  with pytest.raises(ConfigError, match="rl.eval_size.*>= 0"):
+    trainer_lib.RLJob.from_config(_config(**{"rl.eval_size": -8}))
 
 
 VARIANTS = [

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import user_codegen_env
 from flax import nnx
 
 from rl_jax.models.config import ModelConfig
@@ -111,12 +112,11 @@ def test_single_kv_head_holds_to_a_few_ulp():
 
 @pytest.mark.slow  # ~3 min: the file again in a fresh process
 def test_the_certificate_holds_at_llvms_default_level():
-  """The suite compiles with LLVM at -O0 (tests/conftest.py); this reruns the file's default tests at
-  the level a user's programs get, so the bitwise claims hold where they are used."""
-  import os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
-  env = {**os.environ, "RL_JAX_TEST_XLA_OPT": "default",
-         "XLA_FLAGS": " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                               if "xla_backend_optimization_level" not in f)}
+  """The suite compiles with LLVM at -O0 and XLA:CPU's classic emitters (tests/conftest.py); this
+  reruns the file's default tests at the settings a user's programs get, so the bitwise claims hold
+  where they are used."""
+  import subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  env = user_codegen_env()   # LLVM's default level and XLA:CPU's default emitters
   proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", __file__],
                         env=env, capture_output=True, text=True, timeout=1800, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

@@ -46,7 +46,8 @@ class RLConfig:
   (replay the sampler's experts), applied to every update of the global step (docs/math.md#routing-replay).
   Held-out eval every `eval_every` steps on `eval_size` fixed prompts: greedy accuracy, and
   `eval_samples` completions per prompt at `eval_temperature` for the sampled accuracy
-  (mean@k: the policy's expected held-out reward) and pass@k.
+  (mean@k: the policy's expected held-out reward) and pass@k. `eval_size = 0` turns it off
+  (no eval rows, no eval programs compiled: quick sweeps and tests that read no accuracy).
   `meter_every`: the first-order-approximation meter (`first_order/*`) runs on the first
   mini-batch of every `meter_every`-th step (0 = off); see `rl_jax.rl.step.first_order`. One
   call costs about one step (a forward and two backward passes), hence the default of 40
@@ -134,8 +135,9 @@ class RLConfig:
 
   def __post_init__(self):
     for k in ("steps", "prompts_per_step", "group_size", "n_minibatches", "staleness",
-              "eval_every", "eval_size", "eval_samples", "checkpoint_every", "max_to_keep"):
+              "eval_every", "eval_samples", "checkpoint_every", "max_to_keep"):
       require(getattr(self, k) >= 1, f"rl.{k}", f"must be >= 1, got {getattr(self, k)}")
+    require(self.eval_size >= 0, "rl.eval_size", f"must be >= 0 (0 = no evaluation), got {self.eval_size}")
     require(self.meter_every >= 0, "rl.meter_every", f"must be >= 0 (0 = off), got {self.meter_every}")
     require(self.overlong_buffer >= 0, "rl.overlong_buffer", f"must be >= 0 (0 = off), got {self.overlong_buffer}")
     require(self.overlong_penalty >= 0, "rl.overlong_penalty", f"must be >= 0, got {self.overlong_penalty}")
@@ -349,7 +351,7 @@ class RLJob:
               f"{getattr(s, key)} differs from the tokenizer's {key} {want}")
     count = min(rl.steps, PROMPT_CHECK_STEPS) * rl.prompts_per_step
     for split, n in (("train", count), ("eval", rl.eval_size)):
-      if split == "eval" and not task_build.has_eval(task):
+      if split == "eval" and (not n or not task_build.has_eval(task)):
         continue
       problems = task.make_problems(self.seed, split, 0, n)
       longest = max(problems, key=lambda p: len(data_lib.prompt_ids(task, tok, p)))

@@ -374,8 +374,8 @@ class RLTrainer:
 
   def evaluate(self) -> dict:
     """Held-out greedy accuracy, sampled mean@k and pass@k; clean fp32 weights (no quant, noise).
-    Nothing for a task without eval problems (a dataset without task.eval_files)."""
-    if not task_build.has_eval(self.task):
+    Nothing for a task without eval problems (a dataset without task.eval_files) or at rl.eval_size=0."""
+    if not self.job.rl.eval_size or not task_build.has_eval(self.task):
       return {}
     n, k = self.job.rl.eval_size, self.job.rl.eval_samples
     problems, ids, valid = self.prompts(0, split="eval", count=n, start=0)
