@@ -55,10 +55,15 @@ def _run(moe: bool, quant="none", noise=0.0, stale=False):
   return raw, found, ro, dict(mcfg=mcfg, graphdef=graphdef, params=params, src=src, delta=delta)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _logq_BSV(graphdef, weights, ro):
+  """A plain forward's next-token log q (no cache), jitted: eagerly every op compiles its own program."""
+  return next_token_logq(nnx.merge(graphdef, weights)(ro.tokens_BS, ro.positions_BS, ro.valid_BS).logits_BSV, 1.0)
+
+
 def _oracle(ctx, ro, weights, graphdef=None):
   """KL(q || p) and TV over V, averaged over response tokens, from two plain forwards (no cache)."""
-  fwd = lambda g, w: response_slice(next_token_logq(nnx.merge(g, w)(ro.tokens_BS, ro.positions_BS, ro.valid_BS)
-                                                    .logits_BSV, 1.0), ro)
+  fwd = lambda g, w: response_slice(_logq_BSV(g, w, ro), ro)
   logp, logq = fwd(ctx["graphdef"], ctx["params"]), fwd(graphdef or ctx["graphdef"], weights)
   q, p = np.exp(np.asarray(logq, np.float64)), np.exp(np.asarray(logp, np.float64))
   mask = np.asarray(ro.response_mask_BT)
@@ -110,8 +115,7 @@ def test_each_source_matches_its_oracle():
   assert raw["total"]["logq_err_max"] < 1e-2, raw["total"]
   # The total's k1 at the sampled tokens is the run's mismatch/kl_k1 on these rows.
   mask = np.asarray(ro.response_mask_BT)
-  logp = response_slice(next_token_logq(nnx.merge(ctx["graphdef"], ctx["params"])(
-      ro.tokens_BS, ro.positions_BS, ro.valid_BS).logits_BSV, 1.0), ro)
+  logp = response_slice(_logq_BSV(ctx["graphdef"], ctx["params"], ro), ro)
   logp_y = np.take_along_axis(np.asarray(logp), np.asarray(ro.response_BT)[..., None], -1)[..., 0]
   # |mean of two per-token log q's difference| <= the rounding share + the quantizer-step tokens' share.
   tot = raw["total"]
