@@ -7,7 +7,8 @@
 Everything is abstract (shapes + shardings, no parameter memory): the trainer's params and
 optimizer state, the sampler's (quantized) weights, the rollout and the train batch. The
 programs are the ones the trainer jits: the sampler-weight sync, the sampler's generate, the
-theta_old forward and the update, lowered with the config's mesh and batch shapes and compiled
+theta_old forward (where the trainer runs it apart from the update: `default_programs`) and the
+update, lowered with the config's mesh and batch shapes and compiled
 by XLA:CPU on `mesh size` simulated devices. Per program it prints per-device bytes (arguments
 by kind, outputs, temporaries, the other programs' state that stays resident meanwhile), FLOPs
 and bytes accessed, and a roofline time on the named accelerator; it exits 1 naming the
@@ -287,6 +288,16 @@ def compile_program(plan: ProgramPlan, lowered) -> Any:
 
 
 PROGRAMS = ("sync", "generate", "old_forward", "update", "first_order", "eval_greedy", "eval_sampled")
+
+
+def default_programs(job) -> tuple[str, ...]:
+  """The programs of PROGRAMS that `job`'s trainer runs: no separate p_old forward where the update
+  computes p_old itself (`RLJob.old_in_update`: p_old 'latest', one mini-batch), no evaluation at
+  `rl.eval_size=0`. `--programs` names any subset, these included."""
+  skip = {"old_forward"} if job.old_in_update() else set()
+  if not job.rl.eval_size:
+    skip |= {"eval_greedy", "eval_sampled"}
+  return tuple(p for p in PROGRAMS if p not in skip)
 
 
 def plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "") -> list[ProgramPlan]:
@@ -653,8 +664,9 @@ def substitutions(log: dict, job, device: str) -> list[str]:
 
 
 def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=None, out=print,
-        programs: tuple[str, ...] = PROGRAMS, mem_fraction: float | None = None, notes: dict | None = None):
+        programs: tuple[str, ...] | None = None, mem_fraction: float | None = None, notes: dict | None = None):
   """Plans `config`'s RL step; returns (plans, fits: dict program -> error message or None).
+  `programs`: default the ones its trainer runs (`default_programs`).
 
   `notes` (a dict, optional) receives "substitutions": what XLA:CPU compiled in place of what
   `device` runs (`substitutions`), also printed under the table's header."""
@@ -665,6 +677,7 @@ def run(config, device: str = "h100", devices: int = 1, layers: int = 0, mesh=No
     raise SystemExit(f"--device {device!r}: not one of {sorted(plan_hw.DEVICES)}")
   acc = plan_hw.DEVICES[device]
   job = RLJob.from_config(config)
+  programs = default_programs(job) if programs is None else programs
   split = job.rl.mode == "async" and job.mesh.sampler_devices > 0 and mesh is None
   if split:
     # Async on split devices: the sampler's programs on its group, the trainer's on the rest.
@@ -824,7 +837,8 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--device", default="h100", help="accelerator: h100 | h200 | tpu_v5p")
   ap.add_argument("--devices", type=int, default=1, help="mesh size when a mesh axis is -1")
   ap.add_argument("--layers", type=int, default=0, help="compile N and 2N layers, extrapolate to all")
-  ap.add_argument("--programs", default=",".join(PROGRAMS), help="comma-separated subset of " + ",".join(PROGRAMS))
+  ap.add_argument("--programs", default="", help="comma-separated subset of " + ",".join(PROGRAMS) +
+                  " (default: those the config's trainer runs)")
   ap.add_argument("--dispatch", default="", help="MoE: plan each of these model.moe_dispatch values "
                   "(comma-separated, e.g. gspmd,shard_map) instead of the config's")
   ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -837,8 +851,8 @@ def main(argv: list[str] | None = None) -> int:
   config = load_config(args.config)
   for item in args.set:
     set_key(config, item)
-  programs = tuple(x for x in args.programs.split(",") if x)
-  unknown = sorted(set(programs) - set(PROGRAMS))
+  programs = tuple(x for x in args.programs.split(",") if x) or None
+  unknown = sorted(set(programs or ()) - set(PROGRAMS))
   if unknown:  # before the re-exec below: no second process for a typo
     raise SystemExit(f"--programs: unknown {unknown}; valid: {','.join(PROGRAMS)}")
   n = mesh_size(config.mesh, args.devices)

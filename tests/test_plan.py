@@ -112,6 +112,24 @@ def test_set_key_overrides_and_names_unknown_keys():
     plan.set_key(config, "model.scan_layers")
 
 
+@pytest.mark.parametrize("over,skipped", [
+    ({}, {"old_forward"}),                                            # p_old from the update's forward
+    ({"rl.p_old_in_update": False}, set()),
+    ({"rl.n_minibatches": 2}, set()),                                 # N = 2: the separate forward runs
+    ({"rl.p_old_version": "rollout", "rl.staleness": 2}, set()),  # p_old at the stale sampler's version
+    ({"rl.eval_size": 0}, {"old_forward", "eval_greedy", "eval_sampled"}),
+])
+def test_default_programs_are_the_ones_the_trainer_runs(over, skipped):
+  """The planner's default set follows the trainer: no separate p_old forward where the update
+  computes p_old (RLJob.old_in_update), no evaluation at rl.eval_size=0."""
+  config = countdown_tiny.get_config("test")
+  for key, value in over.items():
+    plan.set_key(config, f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
+  job = RLJob.from_config(config)
+  assert job.old_in_update() == ("old_forward" in skipped)
+  assert set(plan.PROGRAMS) - set(plan.default_programs(job)) == skipped
+
+
 @pytest.mark.parametrize("dispatch", ["gspmd", "shard_map"])
 def test_planner_compiles_both_moe_dispatches_in_the_mesh_context(dispatch, fast_compile):
   """The shard_map dispatch traces only under the mesh context, which `plan_step` enters; its

@@ -309,6 +309,19 @@ class RLJob:
       job_sections.check_batch(rl.attribution_rows, "rl.attribution_rows", mesh)
     self.microbatch_counts(mesh)
 
+  def old_in_update(self) -> bool:
+    """Whether the step's p_old forward is provably its update's own forward, so the update computes
+    p_old itself (`rl.p_old_in_update`, on by default): p_old at the trainer's latest params
+    (`rl.p_old_version='latest'`) and one update per step (`rl.n_minibatches=1`), which then runs at
+    theta_old on the same batch and routing. The staleness ratios are then 1 (to float32 rounding, as
+    with the separate forward) and the step saves one forward over the global batch (`p_old/in_update`
+    in the metrics). Not in the zero-mismatch mode (`model.batch_invariant`): its certificate is the
+    separate forward's log p_old equal to the sampler's bit for bit, and the update's fused forward
+    and backward is a few ulp off."""
+    rl = self.rl
+    return (bool(rl.p_old_in_update) and rl.p_old_version == "latest" and rl.n_minibatches == 1
+            and not self.model.batch_invariant)
+
   def microbatch_counts(self, mesh) -> tuple[int, int]:
     """(p_old forward, update) micro-batch counts of `rl.forward_microbatch` (rows of the whole global
     batch per forward) and `rl.update_microbatch` (rows of each mini-batch per accumulation step);

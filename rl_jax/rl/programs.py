@@ -81,7 +81,7 @@ class StepPrograms:
   replay: step_lib.Replay = "none"
   probe: Any = None
   n_minibatches: int = 1
-  # The p_old forward is the update's own (`old_in_update(job)`): `prepare` runs none.
+  # The p_old forward is the update's own (`RLJob.old_in_update`): `prepare` runs none.
   old_in_update: bool = False
 
   # -- the sampler -------------------------------------------------------------------------
@@ -321,7 +321,7 @@ def build(job, mesh, graphdef: nnx.GraphDef, param_shardings, opt_shardings, opt
                          out_shardings=sh.batch_sharding(mesh, 1)),
       attribution=attribution, attribution_variants=variants,
       sampler_cfg=job.sampler, quant_plan=sampler_weights.quant_plan(job.model), loss_cfg=job.loss,
-      replay=rl.routing_replay, n_minibatches=rl.n_minibatches, old_in_update=old_in_update(job))
+      replay=rl.routing_replay, n_minibatches=rl.n_minibatches, old_in_update=job.old_in_update())
 
 
 def build_local(graphdef: nnx.GraphDef | None = None, loss: LossConfig | None = None, *, model=None,
@@ -355,19 +355,6 @@ def _build_local(graphdef, loss, model, sampler, replay, optimizer, aux_coef) ->
       optimizer=optimizer, old_forward=progs.get("old_forward"), update=progs.get("update"),
       first_order=progs.get("first_order"), probe=progs.get("probe"), advantages=None, sampler_cfg=sampler,
       quant_plan=None if model is None else sampler_weights.quant_plan(model), loss_cfg=loss, replay=replay)
-
-
-def old_in_update(job) -> bool:
-  """Whether the step's p_old forward is provably its update's own forward, so the update computes
-  p_old itself (`rl.p_old_in_update`, on by default): p_old at the trainer's latest params
-  (`rl.p_old_version='latest'`) and one update per step (`rl.n_minibatches=1`), which then runs at
-  theta_old on the same batch and routing. The staleness ratios are then 1 (to float32 rounding, as
-  with the separate forward) and the step saves one forward over the global batch (`p_old/in_update` in the metrics). Not in the
-  zero-mismatch mode (`model.batch_invariant`): its certificate is the separate forward's log p_old
-  equal to the sampler's bit for bit, and the update's fused forward and backward is a few ulp off."""
-  rl = job.rl
-  return (bool(rl.p_old_in_update) and rl.p_old_version == "latest" and rl.n_minibatches == 1
-          and not job.model.batch_invariant)
 
 
 def attribution_stale(job) -> bool:

@@ -36,7 +36,7 @@ class TrainBatch:
 
   `logp_old_BT` is filled by `old_forward`, or, with `old_in_update`, by the update's own forward
   (`_forward_with_old`: its log-probs under stop-gradient, where the p_old forward is provably that
-  forward: p_old at the update's params, one update per step; `programs.old_in_update`), which then
+  forward: p_old at the update's params, one update per step; `RLJob.old_in_update`), which then
   also reports the `mismatch/*` metrics, against the sampler's experts `sampler_ids_BSLK` where
   recorded. `replay_*` only under routing replay (R2: the
   trainer's own theta_old experts, R3: the sampler's); top-k fields whenever the sampler

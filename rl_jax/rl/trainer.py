@@ -257,7 +257,7 @@ class RLTrainer:
 
     `old`: the p_old forward's outputs when they were computed at the rollout's version
     (`produce`); None runs it here at the policy `rl.p_old_version` names, or leaves it to the
-    update's own forward where that is the same (`programs.old_in_update`).
+    update's own forward where that is the same (`RLJob.old_in_update`).
     """
     if old is None and not self.programs.old_in_update:
       old = self._old_forward(self._p_old_params(), ro, rewards)
