@@ -23,8 +23,22 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 #   recomputes in two fusions 1-5 ulp apart, so a claim of bit equality *between* programs (or
 #   between two fusions of one) is checked at the default emitters: the tests in USER_CODEGEN below
 #   rerun in a subprocess with RL_JAX_TEST_XLA_EMITTERS=default, the setting users' programs get.
+#   Only where XLA has them: jaxlib 0.10's does; 0.12's has only the fusion emitters, and an unknown
+#   flag in XLA_FLAGS aborts the process (the 3.12 smoke subset of .ci/run runs there).
 TEST_XLA_FLAGS = {"RL_JAX_TEST_XLA_OPT": "--xla_backend_optimization_level=0",
                   "RL_JAX_TEST_XLA_EMITTERS": "--xla_cpu_use_fusion_emitters=false"}
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+  from importlib import metadata  # pylint: disable=g-import-not-at-top
+  try:
+    return tuple(int(x) for x in metadata.version("jaxlib").split(".")[:2])
+  except (metadata.PackageNotFoundError, ValueError):
+    return (0, 0)
+
+
+if _jaxlib_version() >= (0, 11):
+  os.environ["RL_JAX_TEST_XLA_EMITTERS"] = "default"   # no classic emitters to choose
 for _switch, _flag in TEST_XLA_FLAGS.items():
   if os.environ.get(_switch, "") != "default" and _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " " + _flag
