@@ -300,8 +300,9 @@ def default_programs(job) -> tuple[str, ...]:
   return tuple(p for p in PROGRAMS if p not in skip)
 
 
-def plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "") -> list[ProgramPlan]:
-  """Lowers and compiles `programs` (default: sync, generate, old_forward, update) for `job` on `mesh`.
+def plan_step(job, mesh, programs: tuple[str, ...] | None = None, group: str = "") -> list[ProgramPlan]:
+  """Lowers and compiles `programs` (default: those `job`'s trainer runs, `default_programs`) for `job`
+  on `mesh`.
 
   `group` 'sampler' / 'trainer': async RL on split devices (`mesh.sampler_devices`), where each
   group's devices hold only their own state (the sampler's weights, or the trainer's params and
@@ -313,7 +314,7 @@ def plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "") 
   """
   import jax  # pylint: disable=g-import-not-at-top
   with jax.set_mesh(mesh):
-    return _plan_step(job, mesh, programs, group)
+    return _plan_step(job, mesh, default_programs(job) if programs is None else programs, group)
 
 
 def dispatch_comm(job, mesh, tokens_per_device: float) -> float:

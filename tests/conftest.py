@@ -186,8 +186,6 @@ def _run_at_user_codegen(item):
                            item.nodeid], cwd=str(item.config.rootpath), env=user_codegen_env("RL_JAX_TEST_XLA_EMITTERS"),
                           capture_output=True, text=True, timeout=1800, check=False)
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
-    if proc.returncode == 0 and " skipped" in proc.stdout and " passed" not in proc.stdout:
-      pytest.skip(f"at the default emitters: {tail.strip().splitlines()[-1]}")
     assert proc.returncode == 0 and "1 passed" in proc.stdout, f"at the default emitters:\n{tail}"
   item.runtest = runtest
 
