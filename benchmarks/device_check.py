@@ -18,7 +18,7 @@
 #   attention     cudnn / blocked (and auto, naming its choice) vs xla at the training shape
 #                 (S x S, fwd and fwd+bwd) and the sampler's prefill shape (S = P - 1 queries over
 #                 C = P + T cache slots, heads-major cache layout, static offset 0, fwd);
-#   calibration   the planner (rl_jax/plan.py) compiling the same programs of one config on this
+#   calibration   the planner (rl_jax/plan/) compiling the same programs of one config on this
 #                 device and on its CPU backend: XLA's memory figures side by side;
 #   train_peer    benchmarks/bench_train_peers.py --torch-device cuda --size gpu --models moe: the
 #                 MoE update and p_old rows the first run's time limit cut;
@@ -771,15 +771,16 @@ def _calibration_rows(out_dir: str):
       raise RuntimeError(state["error"])
     if "by" not in state:
       try:
-        from rl_jax import plan
+        from rl_jax.plan import config as plan_config
+        from rl_jax.plan import report as plan_report
         from rl_jax import sharding as sh
         from rl_jax.rl.job import RLJob
-        config = plan.load_config(os.path.join(repo, CALIBRATION_CONFIG))
+        config = plan_config.load_config(os.path.join(repo, CALIBRATION_CONFIG))
         job = RLJob.from_config(config)
         by = {}
         for where, devs in (("device", jax.devices()[:1]), ("cpu", jax.devices("cpu")[:1])):
           mesh = sh.make_mesh(job.mesh, devs)
-          got, _ = plan.run(config, "h200", 1, mesh=mesh, programs=CALIBRATION_PROGRAMS, out=lambda *_: None)
+          got, _ = plan_report.run(config, "h200", 1, mesh=mesh, programs=CALIBRATION_PROGRAMS, out=lambda *_: None)
           by[where] = {p.name: p for p in got}
         state["by"] = by
         if out_dir:

@@ -12,6 +12,8 @@ from rl_jax import artifacts
 from rl_jax import cli
 from rl_jax import distributed
 from rl_jax import preempt
+from rl_jax.config_utils import ConfigError
+from rl_jax.workdir import LockHeldError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.")
@@ -59,8 +61,6 @@ def main(argv):
     _fail(CONFIG_ERROR, f"config error: --config={path}: {str(e).strip().splitlines()[-1].strip()}")
   if job not in JOBS:
     _fail(CONFIG_ERROR, f"config error: config key 'job': {job!r} is not one of {list(JOBS)}")
-  from rl_jax.config_utils import ConfigError  # pylint: disable=g-import-not-at-top
-  from rl_jax.workdir import LockHeldError  # pylint: disable=g-import-not-at-top
   try:
     if job == "sft":
       from rl_jax import sft  # pylint: disable=g-import-not-at-top

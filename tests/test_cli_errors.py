@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from rl_jax import cli, plan, preempt
+from rl_jax import cli, preempt
+from rl_jax.plan import cli as plan_cli
+from rl_jax.plan import config as plan_config
 from rl_jax.analysis import __main__ as analysis_cli
 from rl_jax.analysis import attribution_report, precursors
 from rl_jax.config_utils import ConfigError
@@ -29,7 +31,7 @@ def exit_of(main, argv) -> int:
 def _no_traceback_no_reexec(monkeypatch):
   monkeypatch.delenv(cli.TRACEBACK_ENV, raising=False)
   # plan re-execs itself unless the simulated device count already matches the config's mesh.
-  monkeypatch.setenv(plan._ENV_DEVICES, str(plan.mesh_size(plan.load_config(CONFIG).mesh, 1)))
+  monkeypatch.setenv(plan_cli._ENV_DEVICES, str(plan_config.mesh_size(plan_config.load_config(CONFIG).mesh, 1)))
 
 
 def write_run(workdir):
@@ -47,7 +49,7 @@ def setup_tmp(tmp):
   write_run(tmp / "runs" / "a" / "seed0")
 
 
-MAINS = {"study": study_cli.main, "plan": plan.main, "analysis": analysis_cli.main,
+MAINS = {"study": study_cli.main, "plan": plan_cli.main, "analysis": analysis_cli.main,
          "precursors": precursors.main, "attribution": attribution_report.main}
 C = "--config=configs/countdown_tiny.py"   # the tests run from the repo root
 RUNS = "{tmp}/runs/*/seed*"
@@ -101,7 +103,7 @@ def test_traceback_env_adds_the_traceback(capsys, monkeypatch):
   monkeypatch.chdir(REPO)
   for value, shown in (("1", True), ("0", False)):
     monkeypatch.setenv(cli.TRACEBACK_ENV, value)
-    rc = exit_of(plan.main, ["--config=configs/nope.py"])
+    rc = exit_of(plan_cli.main, ["--config=configs/nope.py"])
     err = capsys.readouterr().err
     assert rc == 2 and "--config: no file 'configs/nope.py'" in err
     assert ("Traceback" in err) == shown, err

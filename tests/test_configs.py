@@ -305,11 +305,11 @@ def test_expert_matmul_is_in_every_config_and_survives_hf_loading():
     assert _module(fname).get_config().model.expert_matmul == "auto", fname
   job = RLJob.from_config(qwen3_30b_a3b_minirl.get_config())
   assert job.model.expert_matmul == "auto"
-  from rl_jax import plan  # pylint: disable=g-import-not-at-top
+  from rl_jax.plan import report as plan_report  # pylint: disable=g-import-not-at-top
   # The planner states the assumption of its figures (and what XLA:CPU compiled instead).
-  assert plan.expert_matmul_note(job.model, "h200") == (
+  assert plan_report.expert_matmul_note(job.model, "h200") == (
       "expert matmul grouped on h200 (model.expert_matmul=auto), compiled here as slab")
-  assert plan.expert_matmul_note(job.model, "tpu_v5p").startswith("expert matmul ragged_dot on tpu_v5p")
+  assert plan_report.expert_matmul_note(job.model, "tpu_v5p").startswith("expert matmul ragged_dot on tpu_v5p")
   ref = PRESETS["qwen3-30b-a3b"]
   assert hf.hf_to_model_config(hf.model_config_to_hf(ref), expert_matmul="grouped").expert_matmul == "grouped"
   with pytest.raises(hf.CheckpointError, match="model.expert_matmul"):

@@ -14,8 +14,6 @@ ROOT = REPO / "rl_jax"
 LOCAL_IMPORTS = {
     ("rl_jax.analysis", "rl_jax.analysis.attribution_report"):
         "start-up: `python -m rl_jax.analysis.attribution_report` must find the module unimported by the package",
-    ("rl_jax.analysis.precursors", "rl_jax.analysis.runs"):
-        "debt: no circle or start-up cost (precursors imports runs' names at module level already)",
     ("rl_jax.analysis.runs", "rl_jax.workdir"):
         "start-up: the analysis tools read run files without importing etils (workdir)",
     ("rl_jax.cli", "rl_jax.config_schema"):
@@ -26,48 +24,29 @@ LOCAL_IMPORTS = {
         "start-up: an SFT job's schema does not import the RL stack",
     ("rl_jax.main", "rl_jax.config_schema"):
         "start-up: flags are checked against the schema only when one is unknown",
-    ("rl_jax.main", "rl_jax.config_utils"):
-        "debt: a light module (main imports cli at module level); only the error handler's names",
-    ("rl_jax.main", "rl_jax.workdir"):
-        "debt: light (etils); imported beside the job for the error handler's LockHeldError",
     ("rl_jax.main", "rl_jax.sft"):
         "start-up: the CLI imports the SFT job only when the job is sft",
     ("rl_jax.main", "rl_jax.rl.trainer"):
         "start-up: the CLI imports the RL trainer only when the job is rl",
     ("rl_jax.models.families", "rl_jax.models.transformer"):
         "start-up: the family registry is read by config checks and the planner without the model code",
-    ("rl_jax.plan", "rl_jax.train_state"):
-        "start-up: the planner parses flags and prints help without jax / the model stack",
-    ("rl_jax.plan", "rl_jax.sharding"): "start-up: as above (planner)",
-    ("rl_jax.plan", "rl_jax.models.kv_cache"): "start-up: as above (planner)",
-    ("rl_jax.plan", "rl_jax.models.layers"): "start-up: as above (planner)",
-    ("rl_jax.plan", "rl_jax.models.families"): "start-up: as above (planner)",
-    ("rl_jax.plan", "rl_jax.models.expert_parallel"): "start-up: as above (planner)",
-    ("rl_jax.plan", "rl_jax.models.moe"): "start-up: as above (planner)",
-    ("rl_jax.plan", "rl_jax.ops.attention"): "start-up: as above (planner; attention's auto rule per device)",
-    ("rl_jax.plan", "rl_jax.sampler.continuous"): "start-up: as above (planner; the continuous engine's slot count)",
-    ("rl_jax.plan", "rl_jax.microbatch"): "start-up: as above (planner)",
-    ("rl_jax.plan", "rl_jax.plan_hw"): "start-up: as above (planner)",
-    ("rl_jax.plan", "rl_jax.optim"): "start-up: as above (planner; optax)",
-    ("rl_jax.plan", "rl_jax.rl.programs"): "start-up: as above (planner)",
-    ("rl_jax.plan", "rl_jax.rl.job"): "start-up: as above (planner)",
+    ("rl_jax.plan.cli", "rl_jax.plan.report"):
+        "start-up: the planner parses its flags and re-executes itself with the mesh's device count "
+        "before the model stack loads (once, in that process)",
     ("rl_jax.rl.trainer", "rl_jax.models.hf_stage"):
         "start-up: only a warm start from a Hugging Face checkpoint needs it",
     ("rl_jax.rl.trainer", "rl_jax.tasks.hf_tokenizer"):
         "start-up: only a Hugging Face warm start loads transformers' tokenizer",
     ("rl_jax.tasks._verifier_worker", "rl_jax.tasks.verifiers"):
         "start-up: the verifier worker caps its memory (RLIMIT_AS) before the verifiers load math-verify",
-    ("rl_jax.rl.warm_start", "rl_jax.sft"):
-        "debt: rl.job imports sft at module level since issue 40 (a), so this hides nothing; issue 40 item 3",
     ("rl_jax.rl.warm_start", "rl_jax.models.hf"):
         "start-up: only a Hugging Face warm start loads the safetensors reader",
-    ("rl_jax.sampler.weights", "rl_jax.models.quantize"):
-        "start-up: only a quantized sampler needs the parameter quantizer",
     ("rl_jax.study.config", "rl_jax.rl.warm_start"):
         "start-up: the study runner lists and launches runs without importing the RL stack",
 }
-# A ratchet: function-local imports of rl_jax modules (statement x module). 56 before issue 40.
-MAX_LOCAL_IMPORTS = 47
+# A ratchet: function-local imports of rl_jax modules (statement x module). 56 before issue 40, 47
+# before issue 55 item 5 (the planner as a package, the debt entries imported at module level).
+MAX_LOCAL_IMPORTS = 17
 
 # Imports from a lower layer into a higher one that are known debt: (importer, imported) -> why.
 # Empty since issue 40 item 2 (the kernels layer `ops` under `models`, above `quant`).
@@ -237,3 +216,15 @@ def test_no_module_reads_another_modules_private_names():
           and not node.attr.startswith("__") and aliases.get(node.value.id, name) != name):
         found.append(f"{name}:{node.lineno} {node.value.id}.{node.attr}")
   assert not found, found
+
+
+def test_the_planners_command_line_loads_without_jax():
+  """`python -m rl_jax.plan` parses its flags and re-executes itself with the mesh's device count
+  before the model stack loads (rl_jax/plan/__init__.py): its `cli` and `config` import no jax."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = ("import sys; from rl_jax.plan import cli, config; "
+          "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'optax')))")
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == "[]", out.stdout

@@ -3,8 +3,13 @@ import jax
 import pytest
 
 from rl_jax import job_sections
-from rl_jax import plan
-from rl_jax import plan_hw
+from rl_jax.plan import cli as plan_cli
+from rl_jax.plan import config as plan_config
+from rl_jax.plan import cost as plan_cost
+from rl_jax.plan import hw as plan_hw
+from rl_jax.plan import report as plan_report
+from rl_jax.plan import state as plan_state
+from rl_jax.plan import steps as plan_steps
 from rl_jax import sharding as sh
 from rl_jax import train_state
 from rl_jax.configs import countdown_tiny
@@ -26,22 +31,22 @@ def test_abstract_bytes_equal_real_init(fast_compile):
   config = countdown_tiny.get_config("test")  # AdamW: moments shaped like params + a scalar count
   job = RLJob.from_config(config)
   mesh = _mesh2()
-  _, params_sds = plan.abstract_params(job.model, mesh)
+  _, params_sds = plan_state.abstract_params(job.model, mesh)
   optimizer = make_optimizer(job.optim)
-  opt_sds = plan.abstract_opt_state(optimizer, params_sds, mesh)
+  opt_sds = plan_state.abstract_opt_state(optimizer, params_sds, mesh)
   _, params = train_state.init_params(job.model, job.seed, mesh)
   opt_state = train_state.init_opt_state(optimizer, params, mesh)
   d0 = mesh.devices.flat[0]
   # fsdp=2 splits the 64-wide model dimension: a real per-device figure, not the full size.
   full = sum(x.nbytes for x in jax.tree.leaves(params))
-  assert plan.device_bytes(params_sds) == _device0_bytes(params, d0) < full
-  assert plan.device_bytes(opt_sds) == _device0_bytes(opt_state, d0) > 0
+  assert plan_state.device_bytes(params_sds) == _device0_bytes(params, d0) < full
+  assert plan_state.device_bytes(opt_sds) == _device0_bytes(opt_state, d0) > 0
   # AdamW's mu and nu are sharded like the params they mirror: exactly 2x the params per device
   # (+ the int32 step counts), not the full moments on every device.
   counts = [x for x in jax.tree.leaves(opt_sds) if x.ndim == 0]
   assert counts and all(x.dtype == "int32" for x in counts)
-  assert plan.device_bytes(opt_sds) == 2 * plan.device_bytes(params_sds) + 4 * len(counts)
-  assert plan.device_bytes(plan.opt_state_like_params(opt_sds, params_sds)) == plan.device_bytes(opt_sds)
+  assert plan_state.device_bytes(opt_sds) == 2 * plan_state.device_bytes(params_sds) + 4 * len(counts)
+  assert plan_state.device_bytes(plan_state.opt_state_like_params(opt_sds, params_sds)) == plan_state.device_bytes(opt_sds)
   # The shardings themselves agree leaf by leaf.
   same = jax.tree.map(lambda a, b: a.sharding.is_equivalent_to(b.sharding, len(a.shape)), params_sds, params)
   assert all(jax.tree.leaves(same))
@@ -50,7 +55,7 @@ def test_abstract_bytes_equal_real_init(fast_compile):
 def test_xla_argument_bytes_are_per_device_and_fit_check_names_contributors(monkeypatch, capsys, fast_compile):
   config = countdown_tiny.get_config("test")
   mesh = _mesh2()
-  plans, fits = plan.run(config, "h100", mesh=mesh, programs=("sync",), out=lambda _: None)
+  plans, fits = plan_report.run(config, "h100", mesh=mesh, programs=("sync",), out=lambda _: None)
   (sync,) = plans
   # XLA's per-device argument size is the sharded params: the planner's own sum agrees.
   assert sync.argument == sync.args["params"] > 0
@@ -59,7 +64,7 @@ def test_xla_argument_bytes_are_per_device_and_fit_check_names_contributors(monk
   # contributor (in-process: this session already has the devices, so no re-exec).
   monkeypatch.setitem(plan_hw.DEVICES, "tiny", plan_hw.Accelerator("tiny", 1e12, 1e12, 1000))
   monkeypatch.setenv("RL_JAX_PLAN_DEVICES", "2")
-  assert plan.main([f"--config={CONFIG}", "--devices=2", "--device=tiny", "--programs=sync"]) == 1
+  assert plan_cli.main([f"--config={CONFIG}", "--devices=2", "--device=tiny", "--programs=sync"]) == 1
   err = capsys.readouterr().err
   assert "DOES NOT FIT: program 'sync' needs" in err and "tiny's" in err
   # AdamW's two moments (2x the params, sharded alike) are the largest term, named first.
@@ -85,9 +90,9 @@ def test_check_fit_and_roofline_closed_forms():
 
 
 def test_layer_extrapolation_is_linear():
-  a = plan.ProgramPlan("u", args={"params": 10}, resident={}, temp=4, flops_xla=1.0)
-  b = plan.ProgramPlan("u", args={"params": 18}, resident={}, temp=6, flops_xla=3.0)
-  c = plan.extrapolate(a, b, 1, 2, 48)
+  a = plan_cost.ProgramPlan("u", args={"params": 10}, resident={}, temp=4, flops_xla=1.0)
+  b = plan_cost.ProgramPlan("u", args={"params": 18}, resident={}, temp=6, flops_xla=3.0)
+  c = plan_cost.extrapolate(a, b, 1, 2, 48)
   assert (c.args["params"], c.temp, c.flops_xla) == (10 + 8 * 47, 4 + 2 * 47, 1.0 + 2.0 * 47)
 
 
@@ -98,18 +103,18 @@ def test_collective_bytes_reads_every_collective_output_once():
   %rs = f32[2,3]{1,0} reduce-scatter(f32[8,3]{1,0} %y), dimensions={0}
   %dot = f32[64,64]{1,0} dot(f32[64,64]{1,0} %p, f32[64,64]{1,0} %q)
   """
-  assert plan.collective_bytes(hlo) == 8 * 128 * 2 + (16 + 16) * 4 + 6 * 4
+  assert plan_cost.collective_bytes(hlo) == 8 * 128 * 2 + (16 + 16) * 4 + 6 * 4
 
 
 def test_set_key_overrides_and_names_unknown_keys():
   config = countdown_tiny.get_config("test")
-  plan.set_key(config, "model.scan_layers=True")
-  plan.set_key(config, "model.moe_dispatch=shard_map")  # not a literal: kept as a string
+  plan_config.set_key(config, "model.scan_layers=True")
+  plan_config.set_key(config, "model.moe_dispatch=shard_map")  # not a literal: kept as a string
   assert config.model.scan_layers is True and config.model.moe_dispatch == "shard_map"
   with pytest.raises(SystemExit, match="no section 'modle'"):
-    plan.set_key(config, "modle.scan_layers=True")
+    plan_config.set_key(config, "modle.scan_layers=True")
   with pytest.raises(SystemExit, match="expected KEY=VALUE"):
-    plan.set_key(config, "model.scan_layers")
+    plan_config.set_key(config, "model.scan_layers")
 
 
 @pytest.mark.parametrize("over,skipped", [
@@ -124,10 +129,10 @@ def test_default_programs_are_the_ones_the_trainer_runs(over, skipped):
   computes p_old (RLJob.old_in_update), no evaluation at rl.eval_size=0."""
   config = countdown_tiny.get_config("test")
   for key, value in over.items():
-    plan.set_key(config, f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
+    plan_config.set_key(config, f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}")
   job = RLJob.from_config(config)
   assert job.old_in_update() == ("old_forward" in skipped)
-  assert set(plan.PROGRAMS) - set(plan.default_programs(job)) == skipped
+  assert set(plan_config.PROGRAMS) - set(plan_config.default_programs(job)) == skipped
 
 
 @pytest.mark.parametrize("dispatch", ["gspmd", "shard_map"])
@@ -139,7 +144,7 @@ def test_planner_compiles_both_moe_dispatches_in_the_mesh_context(dispatch, fast
   config.model.moe_dispatch = dispatch
   config.model.scan_layers = True
   mesh = sh.make_mesh(sh.MeshConfig(data=1, fsdp=1, expert=2, tensor=1), jax.devices()[:2])
-  (_, old), _ = plan.run(config, "h100", mesh=mesh, programs=("sync", "old_forward"), out=lambda _: None)
+  (_, old), _ = plan_report.run(config, "h100", mesh=mesh, programs=("sync", "old_forward"), out=lambda _: None)
   job = RLJob.from_config(config)
   m = job.model
   assert m.n_moe_layers > 0 and old.temp > 0
@@ -157,7 +162,7 @@ def _shapes(tree):
 
 
 def _derived_step_arguments_lower_like_the_trainers(tr):
-  """`plan.step_args` (the planner's batch: `jax.eval_shape` over the trainer's own `StepPrograms`
+  """`plan_steps.step_args` (the planner's batch: `jax.eval_shape` over the trainer's own `StepPrograms`
   methods) against the batch `tr` prepares from a real rollout: same structure, shapes and dtypes,
   and the same lowered text of the p_old forward, the update and the first-order meter."""
   progs = tr.programs
@@ -170,7 +175,7 @@ def _derived_step_arguments_lower_like_the_trainers(tr):
   sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
   params, opt_state = (jax.tree.map(sds, tr.state[k]) for k in ("params", "opt_state"))
   with sh.mesh_context(tr.mesh):
-    derived = plan.step_args(progs, params, jax.tree.map(sds, tr.sampler_state), tr.mesh)
+    derived = plan_steps.step_args(progs, params, jax.tree.map(sds, tr.sampler_state), tr.mesh)
     for name in real:
       assert _shapes(derived[name]) == _shapes(real[name]), name
     text = {side: {"old_forward": progs.lower_old_forward(params, *args["old_forward"]).as_text(),
@@ -186,7 +191,7 @@ def test_planner_compiles_the_programs_the_trainer_runs(tmp_path, fast_compile):
   """The planner lowers the trainer's own programs (rl_jax/rl/programs.py) on the trainer's mesh:
   for the `:test` config the compiled p_old forward and update, lowered from abstract shapes, are
   the trainer's, lowered from its real arrays in the mesh context its loop runs them in (same
-  fingerprint of the compiled HLO). Its batch is derived, not built: `plan.step_args` has the
+  fingerprint of the compiled HLO). Its batch is derived, not built: `plan_steps.step_args` has the
   trainer's structure, shapes and dtypes and lowers the p_old forward, the update and the meter
   to the trainer's program text (`_derived_step_arguments_lower_like_the_trainers`)."""
   from rl_jax.rl.trainer import RLTrainer  # pylint: disable=g-import-not-at-top
@@ -202,8 +207,8 @@ def test_planner_compiles_the_programs_the_trainer_runs(tmp_path, fast_compile):
       lowered = {"old_forward": tr.programs.old_forward.lower(tr.state["params"], raw, sampler_ids,
                                                               ro.expert_valid_BS),
                  "update": tr.programs.update.lower(tr.state["params"], tr.state["opt_state"], batch)}
-    want = {k: plan.fingerprint(v.compile()) for k, v in lowered.items()}
-    plans = plan.plan_step(tr.job, tr.mesh, programs=("old_forward", "update"))
+    want = {k: plan_cost.fingerprint(v.compile()) for k, v in lowered.items()}
+    plans = plan_steps.plan_step(tr.job, tr.mesh, programs=("old_forward", "update"))
   assert {p.name: p.fingerprint for p in plans} == want
 
 
@@ -234,7 +239,7 @@ def test_async_split_plans_each_group_on_its_own_devices(fast_compile):
   config = countdown_tiny.get_config("test")
   config.rl.mode, config.mesh.sampler_devices = "async", 4
   lines = []
-  plans, fits = plan.run(config, "h100", 8, programs=("sync", "generate", "update"), out=lines.append)
+  plans, fits = plan_report.run(config, "h100", 8, programs=("sync", "generate", "update"), out=lines.append)
   by = {p.name: p for p in plans}
   assert set(by) == {"sync", "generate", "update"} and all(m is None for m in fits.values())
   assert by["generate"].resident == {} and "params" not in by["sync"].resident
@@ -259,7 +264,7 @@ def test_substitutions_name_what_a_gpu_runs_in_place_of_the_cpu_compile():
   log = {"attention_call": {train: 2, prefill: 1}, "attention": {"xla": 3},
          "quantized_linear": {"xla dequantize + float32 dot": 5},
          "experts": {"quantized ragged_dot float32": 3, "slab bfloat16": 2}}
-  subs = plan.substitutions(log, job, "h200")
+  subs = plan_report.substitutions(log, job, "h200")
   assert subs[0].startswith("attention cudnn x2 on h200 (distinct call shapes), compiled here as xla")
   assert "float32 copies" in subs[0]
   assert subs[1] == "quantized linears pallas qmatmul on h200, compiled here as xla dequantize + float32 dot"
@@ -267,7 +272,7 @@ def test_substitutions_name_what_a_gpu_runs_in_place_of_the_cpu_compile():
                      "quantized ragged_dot float32")
   assert subs[3].startswith("experts expert matmul grouped on h200") and "slab bfloat16" in subs[3]
   # On a TPU: splash for both call shapes (static offsets), and ragged_dot for the experts.
-  tpu = plan.substitutions(log, job, "tpu_v5p")
+  tpu = plan_report.substitutions(log, job, "tpu_v5p")
   assert tpu[0].startswith("attention splash x2 on tpu_v5p")
   assert "quantized ragged_dot bfloat16 on tpu_v5p" in tpu[2]
 
@@ -287,7 +292,7 @@ def test_kv_cache_sizing_is_the_cache_and_its_product():
   config.sampler.engine = "continuous"
   m, s = job_sections.section(config, "model", ModelConfig), sampler_config(config.sampler)
   mesh = types.SimpleNamespace(shape=dict(data=1, fsdp=2, expert=8, tensor=1))
-  total, text = plan.kv_cache_sizing(m, s, 128, s.quant.kv, mesh)
+  total, text = plan_state.kv_cache_sizing(m, s, 128, s.quant.kv, mesh)
   cache = jax.eval_shape(lambda: init_cache(m, 128, s.max_len, dtype_of(s.dtype), s.quant.kv))
   assert total * 16 == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
   values = 8 * 33024 * 48 * 2 * 4 * 128 * 1

@@ -31,6 +31,7 @@ import numpy as np
 
 from rl_jax import cli
 from rl_jax.analysis import aggregate
+from rl_jax.analysis import runs as runs_lib
 from rl_jax.analysis.runs import Group, Run
 
 DRIFT = "drift/tv_mean"
@@ -388,7 +389,6 @@ def matched_markdown(runs: Sequence[Run], panel_of, meters: dict[str, Direction]
 def main(argv: list[str] | None = None) -> int:
   """python -m rl_jax.analysis.precursors --workdirs 'ROOT/*/*/seed*': the predictor table of those runs."""
   import argparse  # pylint: disable=g-import-not-at-top
-  from rl_jax.analysis import runs as runs_lib  # pylint: disable=g-import-not-at-top
   p = argparse.ArgumentParser(prog="python -m rl_jax.analysis.precursors",
                               description="ESS, gradient norm, KL, drift and first-order cosine as predictors of a collapse")
   p.add_argument("--workdirs", nargs="+", required=True, help="globs of RL workdirs (quote them)")

@@ -35,7 +35,7 @@ def _minibatch(mesh, start: int, stop: int):
   """Rows [start, stop) of a batch, batch-sharded (jitted). An eager slice of a batch-sharded array
   takes its rows from a few devices and comes out replicated on every device: each device would
   hold the whole mini-batch and the update would run on replicated rows, not the split the planner
-  sizes (`plan.step_args`). Cached: a new `jax.jit` object per call misses jit's cache, so every
+  sizes (`rl_jax.plan.steps.step_args`). Cached: a new `jax.jit` object per call misses jit's cache, so every
   step would compile the slice again."""
   def one(x):
     return jax.lax.with_sharding_constraint(x, sh.batch_sharding(mesh, x.ndim)) if x.ndim else x

@@ -6,6 +6,7 @@ from typing import Any
 import ml_collections
 from flax import nnx
 
+from rl_jax import sft
 from rl_jax import train_state
 from rl_jax.checkpoint import Checkpointer
 from rl_jax.config_utils import ConfigError
@@ -30,7 +31,6 @@ def sft_config(config: Any) -> ml_collections.ConfigDict:
 def check_sft_section(config: Any, task: Any, tok: Any) -> None:
   """The SFT job an 'auto' warm start runs, validated before any compute (even when its checkpoint
   exists already and it will not run: a bad key is an error in the config either way)."""
-  from rl_jax import sft  # pylint: disable=g-import-not-at-top
   job = sft.SFTJob.from_config(sft_config(config))
   job.check_data(task, tok)
 
@@ -54,7 +54,6 @@ def warm_start(job: RLJob, config: Any, workdir: str, mesh) -> tuple[nnx.GraphDe
                         f"set model to {model.cfg}")
     graphdef, state = nnx.split(model)
     return graphdef, nnx.to_pure_dict(state)
-  from rl_jax import sft  # pylint: disable=g-import-not-at-top
   path = ws.path or workdir
   # A reader: a mistyped path is reported, not created.
   warm = Checkpointer(path, create=False)

@@ -13,6 +13,7 @@ from rl_jax.config_utils import ConfigError
 from rl_jax.models.config import ModelConfig
 from rl_jax.models.layers import dtype_of
 from rl_jax.models import families
+from rl_jax.models.quantize import plan_of, quantize_params
 from rl_jax.quant.qtensor import QTensor
 
 def _is_quantized(x) -> bool:
@@ -69,7 +70,6 @@ def _sync(params_state, delta, qcfg, dtype, plan=None):
     state = jax.tree.map(lambda w, d: (w.astype(jnp.float32) + d).astype(w.dtype) if _is_float(w) else w,
                          state, delta)
   if qcfg is not None and not _is_noop_quant(qcfg):
-    from rl_jax.models.quantize import quantize_params  # pylint: disable=g-import-not-at-top
     state = quantize_params(state, qcfg, plan)
   target = dtype_of(dtype)
   # QTensors keep their own storage and scale dtypes; only plain float leaves are cast.
@@ -107,7 +107,6 @@ def lower_sync(params_state: Any, delta: Any | None, qcfg: Any, dtype: str, plan
 def quant_plan(model_cfg: ModelConfig):
   """The `models.quantize.QuantPlan` of the model of `model_cfg` (its parameter tags, read from the
   abstract model: nothing allocated); its paths are `nnx.to_pure_dict`'s of the trainer's state."""
-  from rl_jax.models.quantize import plan_of  # pylint: disable=g-import-not-at-top
   return plan_of(nnx.state(families.abstract_model(model_cfg)))
 
 
