@@ -19,6 +19,7 @@ from ml_collections import config_flags
 
 from rl_jax import config_schema
 from rl_jax import sharding as sh
+from rl_jax import train_state
 from rl_jax import workdir as wd
 from rl_jax.config_utils import ConfigError
 from rl_jax.configs import countdown_tiny
@@ -30,6 +31,7 @@ from rl_jax.models.presets import PRESETS, abstract_state
 from rl_jax.ops import kv_quant as qkv
 from rl_jax.rl.loss.loss_config import METHODS
 from rl_jax.rl.trainer import RLJob
+from rl_jax.sampler import generate as gen
 from rl_jax.sampler import weights as sampler_weights
 from rl_jax.sft import SFTJob
 from rl_jax.study import sweeps
@@ -428,3 +430,42 @@ def test_0p6b_mesh_is_fsdp_over_one_host():
   shape, _, spec = layout["embedding"]
   assert shape == (151936, 1024) and spec == P(None, "fsdp")
   assert _per_device_bytes(mesh, layout) < 0.6e9 * 4 / 8 * 1.05
+
+
+# Sampler settings a generate rejects while it is traced (its waves, slots, prefill chunks), on the
+# test config's 8 rows x 8 devices: (overrides, the key named). The job's mesh check raises the same
+# error before any compute (RLJob.check_mesh -> SamplerConfig.check_rows), not after a warm start.
+TRACE_TIME_CHECKS = [
+    ({"sampler.max_rows_in_flight": 3}, "sampler.max_rows_in_flight"),      # 3 does not divide 8 rows
+    ({"sampler.max_rows_in_flight": 4}, "sampler.max_rows_in_flight"),      # 4 rows over 8 devices
+    ({"sampler.prefill_rows": 3}, "sampler.prefill_rows"),
+    ({"sampler.engine": "continuous", "sampler.slots": 3}, "sampler.slots"),
+    ({"sampler.engine": "continuous", "sampler.prefill_rows": 4}, "sampler.prefill_rows"),
+    ({"rl.eval_rows_in_flight": 3}, "rl.eval_rows_in_flight"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_params_on_8():
+  job = RLJob.from_config(countdown_tiny.get_config("test"))
+  mesh = sh.make_mesh(job.mesh, jax.devices()[:8])
+  return mesh, train_state.init_params(job.model, 0, mesh)[1]
+
+
+@pytest.mark.parametrize("overrides,key", TRACE_TIME_CHECKS, ids=lambda x: str(x) if isinstance(x, str) else None)
+def test_a_generate_that_would_fail_its_trace_fails_the_jobs_mesh_check(tiny_params_on_8, overrides, key):
+  mesh, params = tiny_params_on_8
+  job = RLJob.from_config(sweeps.apply_overrides(countdown_tiny.get_config("test"), overrides))  # passes alone
+  with pytest.raises(ConfigError, match=f"config key '{re.escape(key)}'") as at_config:
+    job.check_mesh(mesh)
+  # The trace's own error (the evaluation's names the sampler's key, the one its config carries).
+  rl, cfg, rows = job.rl, job.sampler, job.rl.prompts_per_step * job.rl.group_size
+  if key.startswith("rl.eval"):
+    cfg, rows = job.sampler.eval_configs(rl.eval_temperature, rl.eval_rows_in_flight)[0], rl.eval_size
+  state = sampler_weights.sync_weights(params, None, None, cfg.dtype)
+  prompts = np.ones((rows, cfg.max_prompt_len), np.int32)
+  with pytest.raises(ConfigError) as at_trace:
+    gen.generate(sampler_weights.sampler_graphdef(job.model, cfg.dtype), state, prompts, prompts > 0,
+                 jax.random.key(0), cfg, mesh=mesh)
+  same = str(at_config.value) if not key.startswith("rl.eval") else str(at_config.value).replace(key, "sampler.max_rows_in_flight")
+  assert str(at_trace.value) == same

@@ -16,7 +16,6 @@ from rl_jax.plan.cost import ProgramPlan, attn_flops, compile_program, dispatch_
 from rl_jax.plan.state import (abstract_opt_state, abstract_params, device_bytes, kv_cache_sizing,
                                opt_state_like_params, sds)
 from rl_jax.rl import programs as programs_lib
-from rl_jax.sampler.continuous import slot_count
 
 
 def plan_step(job, mesh, programs: tuple[str, ...] | None = None, group: str = "") -> list[ProgramPlan]:
@@ -97,7 +96,7 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
     cache_rows = rows // n_waves
     g.engine = f"static, {n_waves} wave(s) of {cache_rows} rows"
     if cfg.engine == "continuous":  # one S-slot cache region per slot, whatever the rows
-      cache_rows = slot_count(cfg, rows, div)
+      cache_rows = cfg.slots_for(rows, div)
       g.engine = (f"continuous, {cache_rows} slots for {rows} rows, refill prefill chunks of "
                   f"{min(cfg.prefill_chunk, p - 1)} prompt slots")
       if kind == "rollout" and rl.inflight_updates:

@@ -293,7 +293,8 @@ class RLJob:
   def check_mesh(self, mesh, sampler_mesh=None) -> None:
     """The batches split over the meshes' batch axes: the trainer's `mesh` (its mini-batches, the
     evaluation, the attributed rows, the micro-batches) and the sampler's (`sampler_mesh`, default
-    `mesh`: the step's rollouts)."""
+    `mesh`: the step's rollouts), and each generate's waves, slots and prefill chunks
+    (`SamplerConfig.check_rows`)."""
     rl = self.rl
     b, g, n = rl.prompts_per_step, rl.group_size, rl.n_minibatches
     div = sh.batch_divisor(mesh)
@@ -305,6 +306,14 @@ class RLJob:
       raise ConfigError(f"config key 'rl.prompts_per_step': {b * g} responses do not split over the "
                         f"sampler mesh's batch axes ({sampler_div})")
     job_sections.check_batch(rl.eval_size, "rl.eval_size", mesh)
+    # The sampler's waves, slots and prefill chunks for each generate the step runs: the same
+    # ConfigError its trace would raise, named here before any compute.
+    self.sampler.check_rows(b * g, sampler_div)
+    if rl.eval_size:
+      key = "rl.eval_rows_in_flight" if rl.eval_rows_in_flight else "sampler.max_rows_in_flight"
+      greedy, sampled = self.sampler.eval_configs(rl.eval_temperature, rl.eval_rows_in_flight)
+      greedy.check_rows(rl.eval_size, div, key)
+      sampled.check_rows(rl.eval_size * rl.eval_samples, div, key)
     if rl.attribution_every:
       job_sections.check_batch(rl.attribution_rows, "rl.attribution_rows", mesh)
     self.microbatch_counts(mesh)

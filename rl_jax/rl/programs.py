@@ -263,16 +263,6 @@ def probe(params, mb: step_lib.TrainBatch, sampler_ids_BSLK, sampler_valid_BS, *
   return logp_BT, routing_agreement_per_layer(own.expert_ids_BSLK, sampler_ids_BSLK, sampler_valid_BS)
 
 
-def eval_configs(sampler: SamplerConfig, eval_temperature: float,
-                 rows_in_flight: int = 0) -> tuple[SamplerConfig, SamplerConfig]:
-  """(greedy, sampled) evaluation configs: the sampler's shapes with clean float32 weights, in
-  waves of `rows_in_flight` rows (0 = the sampler's `max_rows_in_flight`)."""
-  greedy = dataclasses.replace(sampler, greedy=True, noise="none", noise_sigma=0.0, quant="none",
-                               dtype="float32", record_topk=0, record_experts=False,
-                               max_rows_in_flight=rows_in_flight or sampler.max_rows_in_flight)
-  return greedy, dataclasses.replace(greedy, greedy=False, temperature=eval_temperature)
-
-
 def _step_programs(graphdef: nnx.GraphDef, loss: LossConfig, replay: step_lib.Replay, mesh, *, fwd_n: int = 1,
                    upd_n: int = 1, optimizer=None, aux_coef: float = 0.0, param_shardings=None,
                    opt_shardings=None) -> dict:
@@ -299,7 +289,7 @@ def build(job, mesh, graphdef: nnx.GraphDef, param_shardings, opt_shardings, opt
   rollouts are generated on `sampler_mesh` (default: `mesh`)."""
   rl = job.rl
   fwd_n, upd_n = job.microbatch_counts(mesh)
-  greedy, sampled = eval_configs(job.sampler, rl.eval_temperature, rl.eval_rows_in_flight)
+  greedy, sampled = job.sampler.eval_configs(rl.eval_temperature, rl.eval_rows_in_flight)
   attribution, variants = None, ()
   if rl.attribution_every:
     found = attribution_lib.variants(job.sampler, job.model.dtype, stale=attribution_stale(job), moe=job.model.is_moe)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from rl_jax import microbatch
 from rl_jax.config_utils import ConfigError, from_dict, require
 from rl_jax.quant.config import QuantConfig
 
@@ -112,6 +113,33 @@ class SamplerConfig:
     n = max(1, min(self.decode_phases, t // self.min_phase_steps))
     ends = [-(-t * (i + 1) // n) for i in range(n)]
     return [(e, min(self.max_len, -(-(p + e - 1) // 8) * 8)) for e in ends]
+
+  def slots_for(self, rows: int, div: int) -> int:
+    """The continuous engine's slots N for `rows` rows on `div` batch-axis devices: `slots`, else
+    `max_rows_in_flight`, else every row; at most the rows, and split evenly over the devices."""
+    n = min(self.slots or self.max_rows_in_flight or rows, rows)
+    if n % div:
+      raise ConfigError(f"config key 'sampler.slots': {n} slots do not split over the mesh's batch axes "
+                        f"({div} devices)")
+    return n
+
+  def check_rows(self, rows: int, div: int, rows_key: str = "sampler.max_rows_in_flight") -> None:
+    """Raises the ConfigError a generate of `rows` rows on `div` batch-axis devices would raise while
+    it is traced (its waves, slots and prefill chunks), so a job names it before any compute.
+    `rows_key`: the key that set `max_rows_in_flight` (the evaluation's own `rl.eval_rows_in_flight`)."""
+    if self.engine == "continuous":
+      prefill_rows = self.slots_for(rows, div)   # the first N rows' batched prefill
+    else:
+      prefill_rows = rows // microbatch.count(rows, self.max_rows_in_flight, rows_key, div)
+    microbatch.count(prefill_rows, self.prefill_rows, "sampler.prefill_rows", div)
+
+  def eval_configs(self, temperature: float, rows_in_flight: int = 0) -> tuple[SamplerConfig, SamplerConfig]:
+    """(greedy, sampled) evaluation configs: these shapes with clean float32 weights, sampled at
+    `temperature`, in waves of `rows_in_flight` rows (0 = `max_rows_in_flight`)."""
+    greedy = dataclasses.replace(self, greedy=True, noise="none", noise_sigma=0.0, quant="none",
+                                 dtype="float32", record_topk=0, record_experts=False,
+                                 max_rows_in_flight=rows_in_flight or self.max_rows_in_flight)
+    return greedy, dataclasses.replace(greedy, greedy=False, temperature=temperature)
 
   @property
   def truncates(self) -> bool:

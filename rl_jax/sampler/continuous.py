@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl_jax.config_utils import ConfigError
 from rl_jax.logprobs import next_token_logq
 from rl_jax.models.kv_cache import cache_prefix, init_cache, put_cache_prefix
 from rl_jax.models.layers import dtype_of
@@ -31,15 +30,6 @@ from rl_jax.sampler.config import SamplerConfig
 #     slot P - 1 + j;
 #   - row b samples step j with fold_in(split(key, B)[b], j), as in the static engine, and every
 #     record (log q, top-k, kept set, routes) is scattered to row b's own index of the rollout.
-
-
-def slot_count(cfg: SamplerConfig, rows: int, div: int) -> int:
-  """Slots N: `sampler.slots`, else `max_rows_in_flight`, else every row; at most the rows."""
-  n = min(cfg.slots or cfg.max_rows_in_flight or rows, rows)
-  if n % div:
-    raise ConfigError(f"config key 'sampler.slots': {n} slots do not split over the mesh's batch axes "
-                      f"({div} devices)")
-  return n
 
 
 def _groups(x, ax: int, div: int):
@@ -108,7 +98,7 @@ def init(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: SamplerConfig, 
   mcfg = model.cfg
   b = prompts_BP.shape[0]
   p, t, s = cfg.max_prompt_len, cfg.max_new_tokens, cfg.max_len
-  n = slot_count(cfg, b, div)
+  n = cfg.slots_for(b, div)
   n_moe, k_exp = mcfg.n_moe_layers, mcfg.n_experts_per_tok
   record_experts = cfg.record_experts and n_moe > 0
   k_rec = cfg.record_topk
