@@ -91,7 +91,7 @@ def from_dict(cls: type, section: Any, prefix: str = "") -> Any:
   values = _to_plain(section)
   hints = get_type_hints(cls)
   fields = {f.name: f for f in dataclasses.fields(cls)}
-  # Fields a registry entry owns (`registry.add_registry_params`), as the registry is now.
+  # Fields a registry entry owns (`config_registry.add_registry_params`), as the registry is now.
   extra = getattr(cls, "registry_fields", lambda: {})()
   hints.update({k: t for k, (t, _) in extra.items()})
   fields.update(extra)

@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 
 from rl_jax.config_utils import ConfigError, from_dict
+from rl_jax import config_registry
 from rl_jax import config_schema
 from rl_jax.rl.loss import methods
 from rl_jax.rl.loss import registry
 from rl_jax.rl.loss.loss_config import registered_methods
 from rl_jax.rl.loss.losses import rl_loss
+from rl_jax.rl import advantages
 from rl_jax.rl.advantages import AdvantageConfig
 from rl_jax.rl.loss.loss_config import METHODS, LossConfig
 
@@ -21,13 +23,15 @@ def test_names_register_once_and_fields_have_one_owner():
   with pytest.raises(ValueError, match="already registered"):
     registry.register_method("pg", level="token", statistic="none", weight_fn=abs)(lambda x, c: x)
   with pytest.raises(ValueError, match="declared by both"):
-    registry._params_owned({"a": registry.EstimatorSpec("a", abs, {"f": registry.Param(1)}),
-                            "b": registry.EstimatorSpec("b", abs, {"f": registry.Param(1)})})
+    config_registry.params_owned({"a": advantages.EstimatorSpec("a", abs, {"f": registry.Param(1)}),
+                                  "b": advantages.EstimatorSpec("b", abs, {"f": registry.Param(1)})})
   with pytest.raises(ValueError, match="exactly one of weight_fn"):
     registry.MethodSpec("m", abs, "token", "ratio")
   with pytest.raises(ValueError, match="exactly one of weight_fn"):
     registry.MethodSpec("m", abs, "token", "ratio", weight_fn=abs, sc_incompatible="why")
-  assert set(METHODS) == set(registry.METHOD_REGISTRY)
+  assert METHODS == tuple(spec.name for spec in methods.BUILTIN_METHODS)
+  assert tuple(registry.METHOD_REGISTRY)[:len(METHODS)] == METHODS   # listed first, in that order
+  assert all(registry.METHOD_REGISTRY[s.name] is s for s in methods.BUILTIN_METHODS)
 
 
 def test_config_fields_and_errors_come_from_the_registry():
@@ -91,14 +95,14 @@ def test_builtin_method_fields_are_declared_fields_of_the_class():
   """Issue 40: the built-in methods' thresholds are generated into LossConfig when the class is
   created (visible to `dataclasses.fields`), not read from `registry_params`."""
   declared = {f.name: f for f in dataclasses.fields(LossConfig)}
-  owned = {k: p for m in METHODS for k, p in methods.METHOD_REGISTRY[m].params.items()}
+  owned = {k: p for m in METHODS for k, p in registry.METHOD_REGISTRY[m].params.items()}
   assert owned and set(owned) <= set(declared)
   assert all(declared[k].default == p.default for k, p in owned.items())
   cfg = LossConfig(method="tis", tis_high=3.0)
   assert cfg.tis_high == 3.0 and cfg.registry_params == ()
   assert dataclasses.replace(cfg, tis_high=4.0).tis_high == 4.0
   with pytest.raises(ValueError, match="already declares"):
-    registry.registry_fields_now(methods.METHOD_REGISTRY)(
+    config_registry.registry_fields_now(registry.METHOD_REGISTRY)(
         type("Clash", (), {"__annotations__": {"tis_high": float}}))
 
 

@@ -2,14 +2,45 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl_jax.rl.loss.registry import (ADVANTAGE_REGISTRY, REWARD_MODE_REGISTRY, Param,
-                                add_registry_params, check_registry_params, register_advantage,
-                                register_reward_mode, require_registered)
+from rl_jax.config_registry import (Param, add_entry, add_registry_params, check_registry_params,
+                                    require_registered)
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimatorSpec:
+  """One advantage estimator: fn(rewards_NG, cfg) -> adv_NG on [groups, group size] rewards."""
+  name: str
+  fn: Callable
+  params: dict = dataclasses.field(default_factory=dict)
+  check: Optional[Callable[[Any], None]] = None   # cfg -> None, raising ConfigError
+
+
+ADVANTAGE_REGISTRY: dict[str, EstimatorSpec] = {}   # name -> spec, in registration order
+REWARD_MODE_REGISTRY: dict[str, Callable] = {}      # name -> rewards_B -> rewards_B
+
+
+def register_advantage(name: str, *, params: Optional[dict] = None, check=None):
+  """Decorator registering `fn(rewards_NG, cfg) -> adv_NG` as advantage estimator `name`."""
+  def deco(fn):
+    add_entry(ADVANTAGE_REGISTRY, name, EstimatorSpec(name, fn, dict(params or {}), check))
+    return fn
+  return deco
+
+
+def register_reward_mode(name: str):
+  """Decorator registering `fn(rewards_B) -> rewards_B` (task rewards in [0, 1]) as reward mode `name`."""
+  def deco(fn):
+    if name in REWARD_MODE_REGISTRY:
+      raise ValueError(f"reward mode {name!r} is already registered")
+    REWARD_MODE_REGISTRY[name] = fn
+    return fn
+  return deco
 
 
 # --- Reward modes: task rewards in [0, 1] -> the rewards the estimator sees ------------------

@@ -7,10 +7,11 @@ import warnings
 from typing import Literal
 
 from rl_jax.config_utils import ConfigError, require
+from rl_jax.config_registry import (add_registry_params, check_registry_params, registry_fields_now,
+                                    require_registered)
 from rl_jax.rl.advantages import AdvantageConfig  # re-exported: the config sections live together
-from rl_jax.rl.loss import methods as _builtin_methods  # noqa: F401  (fills METHOD_REGISTRY before the class)
-from rl_jax.rl.loss.registry import (METHOD_REGISTRY, add_registry_params, check_registry_params,
-                                registry_fields_now, require_registered)
+from rl_jax.rl.loss.methods import BUILTIN_METHODS
+from rl_jax.rl.loss.registry import METHOD_REGISTRY, add_method
 
 ScoreCentering = Literal["none", "full", "topk"]
 Aggregation = Literal["batch_tokens", "constant", "seq_mean"]
@@ -20,9 +21,12 @@ IsRatio = Literal["current", "p_old"]
 Rejection = Literal["none", "k1", "k2", "k3"]
 RejectionReduce = Literal["mean", "sum", "max"]
 
-# The built-in methods (registered by rl_jax/rl/__init__.py, before this module), in registration
-# order, for sweeps and tests; `registered_methods()` also has those registered since.
-METHODS: tuple[str, ...] = tuple(METHOD_REGISTRY)
+# The built-in methods go in the table here, first and in their listed order (methods.BUILTIN_METHODS),
+# before LossConfig is created from it. METHODS names them, for sweeps and tests;
+# `registered_methods()` also has those a user's module registered since.
+for _spec in BUILTIN_METHODS:
+  add_method(_spec)
+METHODS: tuple[str, ...] = tuple(spec.name for spec in BUILTIN_METHODS)
 
 
 def registered_methods() -> tuple[str, ...]:

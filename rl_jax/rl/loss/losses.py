@@ -14,6 +14,7 @@ from rl_jax.rl import meters
 from rl_jax.rl.loss import methods
 from rl_jax.rl.loss.loss_config import LossConfig
 from rl_jax.rl.loss.loss_diagnostics import diagnostic_stats, finalize_stats
+from rl_jax.rl.loss.registry import METHOD_REGISTRY
 
 sg = jax.lax.stop_gradient
 Metrics = dict[str, jax.Array]
@@ -215,7 +216,7 @@ def _loss_core(logp_BT, head_logp_BTK, entropy_BT, mask_BT, adv_B, logq_BT, cfg,
                                      cfg.rejection_reduce)
     rejected_B = rej_stat_B > cfg.rejection_threshold
     rejected_BT = jnp.broadcast_to(rejected_B[:, None], mask_BT.shape) & on
-  out = methods.METHOD_REGISTRY[cfg.method].rule(x, cfg)
+  out = METHOD_REGISTRY[cfg.method].rule(x, cfg)
   if rejected_BT is not None:
     out = methods.drop_rows(out, rejected_B, count_as_dropped=False)
   kept_rows_BT = on if rejected_BT is None else on & ~rejected_BT

@@ -1,4 +1,4 @@
-"""The correction rules of docs/math.md#correction-methods: per-token weights, clips, drops and masks, each registered."""
+"""The correction rules of docs/math.md#correction-methods: per-token weights, clips, drops and masks, and their specs."""
 from __future__ import annotations
 
 import math
@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from rl_jax.config_utils import require
-from rl_jax.rl.loss.registry import METHOD_REGISTRY, Param, register_method
+from rl_jax.rl.loss.registry import METHOD_REGISTRY, MethodSpec, Param, method
 
-if TYPE_CHECKING:  # loss_config imports this module (to fill the registry) before LossConfig exists
+if TYPE_CHECKING:  # loss_config imports this module (for BUILTIN_METHODS) before LossConfig exists
   from rl_jax.rl.loss.loss_config import LossConfig
 
 sg = jax.lax.stop_gradient
@@ -208,39 +208,49 @@ _NO_P_OLD_SEQ_PPO = ("its trust region is the sequence's geometric-mean ratio, a
 _NO_P_OLD_TV = "its trust region is the total variation |p - q|, not a ratio whose p could be p_old"
 
 
-@register_method("pg", level="token", statistic="none", weight_fn=_ones_weight)
 def _pg_rule(x, cfg):
   del cfg
   return _sg_weight_rule(x, jnp.ones_like(x.logp_BT))
 
 
-@register_method("naive_is", level="token", statistic="ratio", weight_fn=_naive_is_weight)
+PG = method("pg", _pg_rule, level="token", statistic="none", weight_fn=_ones_weight)
+
+
 def _naive_is_rule(x, cfg):
   return _sg_weight_rule(x, _naive_is_weight(_is_ratio(x), x.adv_BT, cfg))
 
 
-@register_method("tis", level="token", statistic="ratio", weight_fn=_tis_weight,
-                 params={"tis_high": _positive(2.0)})
+NAIVE_IS = method("naive_is", _naive_is_rule, level="token", statistic="ratio", weight_fn=_naive_is_weight)
+
+
 def _tis_rule(x, cfg):
   r = _is_ratio(x)
   return _sg_weight_rule(x, _tis_weight(r, x.adv_BT, cfg), clipped=r > cfg.tis_high)
 
 
+TIS = method("tis", _tis_rule, level="token", statistic="ratio", weight_fn=_tis_weight,
+             params={"tis_high": _positive(2.0)})
+
+
 # cispo_high: 1.28 is verl's / Trinity's 1 + 0.28 (docs/math.md#cispo leaves it configurable).
-@register_method("cispo", level="token", statistic="ratio", weight_fn=_cispo_weight,
-                 params={"cispo_low": Param(0.0), "cispo_high": Param(1.28)},
-                 check=_ordered("cispo"))
 def _cispo_rule(x, cfg):
   r = _is_ratio(x)
   return _sg_weight_rule(x, _cispo_weight(r, x.adv_BT, cfg),
                          clipped=(r > cfg.cispo_high) | (r < cfg.cispo_low))
 
 
-@register_method("mis", level="token", statistic="ratio", weight_fn=_mis_weight,
-                 params={"mis_low": Param(0.5), "mis_high": Param(5.0)}, check=_ordered("mis"))
+CISPO = method("cispo", _cispo_rule, level="token", statistic="ratio", weight_fn=_cispo_weight,
+               params={"cispo_low": Param(0.0), "cispo_high": Param(1.28)},
+               check=_ordered("cispo"))
+
+
 def _mis_rule(x, cfg):
   r = _is_ratio(x)
   return _sg_weight_rule(x, _mis_weight(r, x.adv_BT, cfg), dropped=~_mis_inside(r, cfg))
+
+
+MIS = method("mis", _mis_rule, level="token", statistic="ratio", weight_fn=_mis_weight,
+             params={"mis_low": Param(0.5), "mis_high": Param(5.0)}, check=_ordered("mis"))
 
 
 def _ppo_surrogate(ratio_BT: jax.Array, x: TokenInputs, lo: float, hi: float,
@@ -278,18 +288,22 @@ def _ppo_family(x: TokenInputs, cfg, lo: float, hi: float) -> RuleOutput:
   return _ppo_surrogate(_token_ratio(x), x, lo, hi, cfg.dual_clip)
 
 
-@register_method("ppo", level="token", statistic="ratio",
-                 weight_fn=_ppo_weight_fn("ppo_low", "ppo_high"),
-                 params=_band_params("ppo", 0.8, 1.2))
 def _ppo_rule(x, cfg):
   return _ppo_family(x, cfg, cfg.ppo_low, cfg.ppo_high)
 
 
-@register_method("dapo", level="token", statistic="ratio",
-                 weight_fn=_ppo_weight_fn("dapo_low", "dapo_high"),
-                 params=_band_params("dapo", 0.8, 1.28))
+PPO = method("ppo", _ppo_rule, level="token", statistic="ratio",
+             weight_fn=_ppo_weight_fn("ppo_low", "ppo_high"),
+             params=_band_params("ppo", 0.8, 1.2))
+
+
 def _dapo_rule(x, cfg):
   return _ppo_family(x, cfg, cfg.dapo_low, cfg.dapo_high)
+
+
+DAPO = method("dapo", _dapo_rule, level="token", statistic="ratio",
+              weight_fn=_ppo_weight_fn("dapo_low", "dapo_high"),
+              params=_band_params("dapo", 0.8, 1.28))
 
 
 def _seq_log_ratio(x: TokenInputs) -> tuple[jax.Array, jax.Array]:
@@ -299,10 +313,6 @@ def _seq_log_ratio(x: TokenInputs) -> tuple[jax.Array, jax.Array]:
   return sum_B, len_B
 
 
-@register_method(
-    "gspo", level="sequence", statistic="ratio", params=_band_params("gspo", 0.9997, 1.0004),
-    sc_incompatible="its statistic is the sequence-level geometric-mean ratio, not a per-token ratio",
-    p_old_incompatible=_NO_P_OLD_SEQ_PPO)
 def _gspo_rule(x, cfg):
   """GSPO-token (Zheng et al. 2025) as in [SC]'s Table 1: per-token ratio sg(s_i) p_t / sg(p_t).
 
@@ -316,9 +326,12 @@ def _gspo_rule(x, cfg):
   return _ppo_surrogate(ratio_BT, x, cfg.gspo_low, cfg.gspo_high, cfg.dual_clip)
 
 
-@register_method(
-    "topr", level="sequence", statistic="ratio", params={"topr_high": _positive(1.0)},
-    sc_incompatible="its statistic is the sequence-level ratio, not a per-token ratio")
+GSPO = method(
+    "gspo", _gspo_rule, level="sequence", statistic="ratio", params=_band_params("gspo", 0.9997, 1.0004),
+    sc_incompatible="its statistic is the sequence-level geometric-mean ratio, not a per-token ratio",
+    p_old_incompatible=_NO_P_OLD_SEQ_PPO)
+
+
 def _topr_rule(x, cfg):
   """TOPR (Le Roux et al. 2025): A < 0 responses weighted by sg(min(prod_t p/q, high)).
 
@@ -333,11 +346,11 @@ def _topr_rule(x, cfg):
   return _sg_weight_rule(x, w, clipped=neg & (seq_log_r_BT > log_high))
 
 
-@register_method(
-    "dppo", level="token", statistic="tv",
-    params={"dppo_tv": Param(0.2, lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")},
-    sc_incompatible="its statistic is the binary total variation |p - q|, not a function of p_v / q_v",
-    p_old_incompatible=_NO_P_OLD_TV)
+TOPR = method(
+    "topr", _topr_rule, level="sequence", statistic="ratio", params={"topr_high": _positive(1.0)},
+    sc_incompatible="its statistic is the sequence-level ratio, not a per-token ratio")
+
+
 def _dppo_rule(x, cfg):
   """DPPO (Qi et al. 2026): ratio objective, trust region on binary TV |p(y_t) - q(y_t)|.
 
@@ -352,21 +365,13 @@ def _dppo_rule(x, cfg):
   return RuleOutput(objective, jnp.where(dropped, 0.0, sg(ratio)), f, dropped, f, f)
 
 
-@register_method(
-    "minirl", level="token", statistic="ratio+staleness",
-    sc_incompatible=("its mask M_t uses the staleness ratio p/p_old, which is only known on the "
-                     "sampled token, not on the sampler's top-k head"),
-    # p_old feeds the mask, and the IS weight under the -train_infer_is ablation.
-    needs_logp_old=lambda cfg: cfg.minirl_clip or not cfg.minirl_train_infer_is,
-    check=lambda cfg: require(
-        cfg.method != "minirl" or cfg.minirl_train_infer_is or cfg.is_ratio == "current", "is_ratio",
-        "'p_old' takes MiniRL's IS weight from p_old / q; minirl_train_infer_is=False replaces that "
-        "weight by p / p_old: choose one"),
-    params={"minirl_eps_low": Param(0.2, lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
-            "minirl_eps_high": Param(0.27, lambda v: v >= 0.0, "must be >= 0"),
-            "minirl_tis_c": _positive(5.0),
-            "minirl_train_infer_is": Param(True, owner_only=True),
-            "minirl_clip": Param(True, owner_only=True)})
+DPPO = method(
+    "dppo", _dppo_rule, level="token", statistic="tv",
+    params={"dppo_tv": Param(0.2, lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")},
+    sc_incompatible="its statistic is the binary total variation |p - q|, not a function of p_v / q_v",
+    p_old_incompatible=_NO_P_OLD_TV)
+
+
 def _minirl_rule(x, cfg):
   """MiniRL ([MiniRL], Eq. 7): J_t = M_t sg(min(p/q, C)) A log p.
 
@@ -389,6 +394,23 @@ def _minirl_rule(x, cfg):
                          masked=masked)
 
 
+MINIRL = method(
+    "minirl", _minirl_rule, level="token", statistic="ratio+staleness",
+    sc_incompatible=("its mask M_t uses the staleness ratio p/p_old, which is only known on the "
+                    "sampled token, not on the sampler's top-k head"),
+    # p_old feeds the mask, and the IS weight under the -train_infer_is ablation.
+    needs_logp_old=lambda cfg: cfg.minirl_clip or not cfg.minirl_train_infer_is,
+    check=lambda cfg: require(
+        cfg.method != "minirl" or cfg.minirl_train_infer_is or cfg.is_ratio == "current", "is_ratio",
+        "'p_old' takes MiniRL's IS weight from p_old / q; minirl_train_infer_is=False replaces that "
+        "weight by p / p_old: choose one"),
+    params={"minirl_eps_low": Param(0.2, lambda v: 0.0 <= v < 1.0, "must be in [0, 1)"),
+            "minirl_eps_high": Param(0.27, lambda v: v >= 0.0, "must be >= 0"),
+            "minirl_tis_c": _positive(5.0),
+            "minirl_train_infer_is": Param(True, owner_only=True),
+            "minirl_clip": Param(True, owner_only=True)})
+
+
 # --- The field's sequence-level corrections (docs/math.md#sequence-level-corrections) --------
 # Per token l_t = log p - log q (stop-gradient; p = p_old under is_ratio='p_old'); sequence i has
 # S_i = sum_t l_t over its L_i response tokens. A sequence statistic and every token weight it
@@ -409,8 +431,6 @@ def _seq_B_to_BT(x: TokenInputs, v_B: jax.Array) -> jax.Array:
 
 
 # seq_tis_c = 2: verl's rollout correction, sequence-level TIS threshold (docs/references.md).
-@register_method("seq_tis", level="sequence", statistic="ratio", sc_incompatible=_SEQ_NO_SC,
-                 params={"seq_tis_c": _positive(2.0)})
 def _seq_tis_rule(x, cfg):
   """Every token of sequence i weighted by sg(min(exp(S_i), C)), C = seq_tis_c (in log space)."""
   sum_B, _ = _seq_log_ratio(x)
@@ -419,9 +439,11 @@ def _seq_tis_rule(x, cfg):
   return _sg_weight_rule(x, _seq_B_to_BT(x, w_B), clipped=_seq_B_to_BT(x, sum_B > log_c))
 
 
+SEQ_TIS = method("seq_tis", _seq_tis_rule, level="sequence", statistic="ratio", sc_incompatible=_SEQ_NO_SC,
+                 params={"seq_tis_c": _positive(2.0)})
+
+
 # [0.5, 2.0]: verl's sequence-level masked IS preset (docs/references.md).
-@register_method("seq_mis", level="sequence", statistic="ratio", sc_incompatible=_SEQ_NO_SC,
-                 params=_seq_band_params("seq_mis", 0.5, 2.0), check=_ordered("seq_mis"))
 def _seq_mis_rule(x, cfg):
   """Sequence i weighted by sg(exp(S_i)) when seq_mis_low <= exp(S_i) <= seq_mis_high, else dropped."""
   sum_B, _ = _seq_log_ratio(x)
@@ -430,11 +452,11 @@ def _seq_mis_rule(x, cfg):
   return drop_rows(out, ~inside_B, count_as_dropped=True)
 
 
+SEQ_MIS = method("seq_mis", _seq_mis_rule, level="sequence", statistic="ratio", sc_incompatible=_SEQ_NO_SC,
+                 params=_seq_band_params("seq_mis", 0.5, 2.0), check=_ordered("seq_mis"))
+
+
 # [0.99, 1.01] and C = 2: SkyRL's geometric sequence mask and token TIS defaults (docs/references.md).
-@register_method("geo_mask", level="sequence", statistic="ratio", sc_incompatible=_SEQ_NO_SC,
-                 params={**_seq_band_params("geo_mask", 0.99, 1.01),
-                         "geo_mask_tis_c": _positive(2.0)},
-                 check=_ordered("geo_mask"))
 def _geo_mask_rule(x, cfg):
   """Sequence i dropped when G_i = exp(S_i / L_i) is outside [geo_mask_low, geo_mask_high], else
   each token weighted by sg(min(r_t, geo_mask_tis_c)) (token TIS)."""
@@ -446,18 +468,18 @@ def _geo_mask_rule(x, cfg):
   return drop_rows(out, ~inside_B, count_as_dropped=True)
 
 
+GEO_MASK = method("geo_mask", _geo_mask_rule, level="sequence", statistic="ratio", sc_incompatible=_SEQ_NO_SC,
+                  params={**_seq_band_params("geo_mask", 0.99, 1.01),
+                          "geo_mask_tis_c": _positive(2.0)},
+                  check=_ordered("geo_mask"))
+
+
 def _opsm_base_ok(name: str) -> bool:
   spec = METHOD_REGISTRY.get(name)
   return name != "opsm" and spec is not None and spec.level == "token" and spec.weight_fn is not None
 
 
 # opsm_delta = 1e-4: slime's OPSM threshold (docs/references.md); kept sequences are plain PG.
-@register_method(
-    "opsm", level="sequence", statistic="ratio", sc_incompatible=_SEQ_NO_SC,
-    params={"opsm_delta": Param(1e-4, lambda v: v >= 0.0, "must be >= 0 (an on-policy sequence, "
-                                "whose statistic is 0, is never dropped)"),
-            "opsm_base": Param("pg", _opsm_base_ok, "must be a token-level method with a per-token "
-                               "ratio weight (pg, naive_is, tis, cispo, mis, ppo, dapo)")})
 def _opsm_rule(x, cfg):
   """Off-policy sequence masking: the `opsm_base` rule, with sequence i dropped when A_i < 0 and
   (1/L_i) sum_t (log q - log p) > opsm_delta (the sampler found it likelier than the trainer)."""
@@ -467,19 +489,38 @@ def _opsm_rule(x, cfg):
   return drop_rows(out, drop_B, count_as_dropped=True)
 
 
+OPSM = method(
+    "opsm", _opsm_rule, level="sequence", statistic="ratio", sc_incompatible=_SEQ_NO_SC,
+    params={"opsm_delta": Param(1e-4, lambda v: v >= 0.0, "must be >= 0 (an on-policy sequence, "
+                             "whose statistic is 0, is never dropped)"),
+            "opsm_base": Param("pg", _opsm_base_ok, "must be a token-level method with a per-token "
+                            "ratio weight (pg, naive_is, tis, cispo, mis, ppo, dapo)")})
+
+
 # Band 0.8 / 1.2 (SPEC's PPO clip) and cap 5: AReaL's decoupled loss with its example configs'
 # behav_imp_weight_cap (docs/references.md).
-@register_method(
-    "decoupled_ppo", level="token", statistic="ratio+staleness",
-    sc_incompatible=("its ratio is the staleness ratio p/p_old, and p_old is only known on the "
-                     "sampled token, not on the sampler's top-k head"),
-    needs_logp_old=lambda cfg: True,
-    params={**_band_params("decoupled_ppo", 0.8, 1.2), "decoupled_ppo_c": _positive(5.0)})
 def _decoupled_ppo_rule(x, cfg):
   """Decoupled PPO: PPO's surrogate on s_t = p/p_old (band, dual clip) times the behaviour weight
   sg(min(p_old/q, decoupled_ppo_c)). Decoupled by definition: `is_ratio` leaves it unchanged."""
   return _decoupled_ppo_surrogate(x, cfg.decoupled_ppo_low, cfg.decoupled_ppo_high, cfg.dual_clip,
                                   cfg.decoupled_ppo_c)
+
+
+DECOUPLED_PPO = method(
+    "decoupled_ppo", _decoupled_ppo_rule, level="token", statistic="ratio+staleness",
+    sc_incompatible=("its ratio is the staleness ratio p/p_old, and p_old is only known on the "
+                           "sampled token, not on the sampler's top-k head"),
+    needs_logp_old=lambda cfg: True,
+    params={**_band_params("decoupled_ppo", 0.8, 1.2), "decoupled_ppo_c": _positive(5.0)})
+
+
+# The built-in methods, explicitly and in one place, in the order every derived list uses (METHODS,
+# the sweeps, the tests): a new method is its rule and spec above plus one entry here. loss_config
+# puts them in METHOD_REGISTRY before LossConfig is created; a user's module adds its own with
+# `registry.register_method`.
+BUILTIN_METHODS: tuple[MethodSpec, ...] = (
+    PG, NAIVE_IS, TIS, CISPO, MIS, PPO, DAPO, GSPO,
+    TOPR, DPPO, MINIRL, SEQ_TIS, SEQ_MIS, GEO_MASK, OPSM, DECOUPLED_PPO)
 
 
 WeightFn = Callable[[jax.Array, jax.Array, "LossConfig"], jax.Array]
