@@ -14,7 +14,9 @@ from rl_jax import sharding as sh
 from rl_jax import train_state
 from rl_jax.configs import countdown_tiny
 from rl_jax.optim import make_optimizer
+from rl_jax.rl import run_state
 from rl_jax.rl.job import RLJob
+from rl_jax.study import sweeps
 
 CONFIG = "configs/countdown_tiny.py:test"
 
@@ -299,3 +301,25 @@ def test_kv_cache_sizing_is_the_cache_and_its_product():
   assert values < total < 1.2 * values   # the scales on top
   assert text.startswith("8 rows per device (128 over 16) x S 33024 (P 256 + T 32768) x 48 layers x 2 (K, V) x "
                          "4 kv heads x 128 head dim x 1 B (fp8"), text
+
+
+@pytest.mark.parametrize("overrides,extra", [
+    ({}, set()),
+    ({"rl.staleness": 2}, {"sampler_src"}),
+    # The planner's own list once counted the copy only under staleness (issue 55).
+    ({"rl.mode": "async", "rl.stale_policy": "drop", "rl.sampler_sync_every": 2}, {"sampler_src"}),
+    ({"sampler.noise": "relative", "sampler.noise_sigma": 0.01}, {"noise"}),
+])
+def test_the_planner_counts_the_run_state_the_trainer_holds(overrides, extra):
+  """The planner's resident copies are `jax.eval_shape` of the trainer's own (`run_state.copies`,
+  what `init_state` adds to the params and optimizer state): the same entries, each with the
+  per-device bytes of the real one."""
+  job = RLJob.from_config(sweeps.apply_overrides(countdown_tiny.get_config("test"), overrides))
+  mesh = _mesh2()
+  optimizer = make_optimizer(job.optim)
+  held = run_state.init_state(job, train_state.init_params(job.model, 0, mesh)[1], optimizer, mesh)
+  counted = plan_steps.resident_state(job, plan_state.abstract_params(job.model, mesh)[1])
+  assert set(held) == {"params", "opt_state"} | extra and set(counted) == extra
+  d0 = jax.devices()[0]
+  for k, v in counted.items():
+    assert plan_state.device_bytes(v) == _device0_bytes(held[k], d0) > 0, k

@@ -16,6 +16,7 @@ from rl_jax.plan.cost import ProgramPlan, attn_flops, compile_program, dispatch_
 from rl_jax.plan.state import (abstract_opt_state, abstract_params, device_bytes, kv_cache_sizing,
                                opt_state_like_params, sds)
 from rl_jax.rl import programs as programs_lib
+from rl_jax.rl import run_state
 
 
 def plan_step(job, mesh, programs: tuple[str, ...] | None = None, group: str = "") -> list[ProgramPlan]:
@@ -56,13 +57,9 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
     print(f"[plan] warning: the optimizer state takes {hw.gib(n_opt)} per device as "
           f"train_state.init_opt_state lays it out (moments not sharded like their params); sharded like "
           f"the params it would take {hw.gib(n_opt_like)}. The figures below are today's layout.")
-  trainer_extra = {}
-  delta = None
-  if scfg.noise != "none":
-    delta = jax.tree.map(lambda x: sds(jax.ShapeDtypeStruct(x.shape, jnp.float32), x.sharding), params)
-    trainer_extra["sampler noise"] = device_bytes(delta)
-  if rl.staleness > 1:
-    trainer_extra["sampler_src copy"] = n_params
+  state = resident_state(job, params)
+  delta = state.get("noise")
+  trainer_extra = {RESIDENT_NAMES[k]: device_bytes(v) for k, v in state.items()}
   if rl.mode == "async" and rl.p_old_version == "rollout":
     trainer_extra["params copy (p_old at the rollout's version)"] = n_params
   plans = []
@@ -178,6 +175,18 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
     q.comm_model = dispatch_comm(job, mesh, (rows / div) * s) * (1 + n_bwd * (2 if mcfg.remat else 1))
     plans.append(q)
   return [q for q in plans if q.name in programs]
+
+
+# The run state's copies of the params (`rl.run_state.copies`), as the tables name them.
+RESIDENT_NAMES = {"noise": "sampler noise", "sampler_src": "sampler_src copy"}
+
+
+def resident_state(job, params) -> dict:
+  """The trainer's run state beyond its params and optimizer state (`rl.run_state.copies`) as
+  abstract arrays laid out like the params, by `jax.eval_shape` over `params`: the planner counts
+  what the trainer holds, not a list of its own."""
+  state = jax.eval_shape(lambda p: run_state.copies(job, p), params)
+  return {k: jax.tree.map(lambda x, p: sds(x, p.sharding), v, params) for k, v in state.items()}
 
 
 def prompt_args(rows: int, prompt_len: int, mesh):

@@ -29,6 +29,7 @@ from rl_jax.rl import inflight_updates
 from rl_jax.rl import mismatch_attribution as attribution_lib
 from rl_jax.rl import programs as programs_lib
 from rl_jax.rl import resume
+from rl_jax.rl import run_state
 from rl_jax.rl import source_metrics
 from rl_jax.rl import summary as summary_lib
 from rl_jax.tasks import build as task_build
@@ -36,7 +37,6 @@ from rl_jax.tasks import build as task_build
 from rl_jax.rl.job import RLConfig, RLJob, WarmStartConfig  # noqa: F401
 from rl_jax.rl.step import TrainBatch
 from rl_jax.rl.warm_start import check_sft_section, warm_start
-from rl_jax.sampler import weights as sampler_weights
 
 
 class RLTrainer:
@@ -102,17 +102,7 @@ class RLTrainer:
     self.graphdef, params = (train_state.init_params(job.model, job.seed, self.mesh) if self.resuming
                              else self._warm_start())
     self.optimizer = make_optimizer(job.optim)
-    opt_state = train_state.init_opt_state(self.optimizer, params, self.mesh)
-    noise_key = jax.random.fold_in(jax.random.key(job.seed), 0x5E5)
-    delta = sampler_weights.make_noise(params, job.sampler.noise, job.sampler.noise_sigma, noise_key)
-    # The sampler refreshes from `sampler_src` (the trainer's params at the last sync).
-    self.state = {"params": params, "opt_state": opt_state}
-    if delta is not None:
-      self.state["noise"] = delta
-    if job.rl.staleness > 1 or job.rl.sampler_sync_every > 1:
-      # A copy: the trainer's params are donated to every update. Checkpointed, so a resumed
-      # sampler holds the very weights of the uninterrupted run's (async 'drop': an older version).
-      self.state["sampler_src"] = jax.tree.map(jnp.copy, params)
+    self.state = run_state.init_state(job, params, self.optimizer, self.mesh)
     self.start_step = 0
     meta = {}
     if self.resuming:
