@@ -10,8 +10,8 @@ setup(
     # named `configs` lands in site-packages beside a user's own.
     packages=find_packages(include=["rl_jax", "rl_jax.*"]) + ["rl_jax.configs"],
     package_dir={"rl_jax.configs": "configs"},
-    # The native top-k's source: built with the system's compiler on first use (rl_jax/sampler/native_topk.py).
-    package_data={"rl_jax.sampler": ["native/*.cc"], "rl_jax.ops": ["native/*.cc", "native/*.h"]},
+    # The native handlers' sources: built with the system's compiler on first use (rl_jax/ops/native_build.py).
+    package_data={"rl_jax.ops": ["native/*.cc", "native/*.h"]},
     python_requires=">=3.11",
     install_requires=[
         # jax 0.10.x resolves on Python 3.11, 0.12.x on 3.12.

@@ -49,7 +49,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_sampler_peers  # pylint: disable=g-import-not-at-top,wrong-import-position
 from rl_jax import host_memory  # pylint: disable=wrong-import-position
 from rl_jax.models.transformer import Transformer  # pylint: disable=wrong-import-position
-from rl_jax.sampler import decode, topk, xla_options  # pylint: disable=wrong-import-position
+from rl_jax.ops import topk  # pylint: disable=wrong-import-position
+from rl_jax.sampler import decode, xla_options  # pylint: disable=wrong-import-position
 from rl_jax.sampler import generate as gen  # pylint: disable=wrong-import-position
 from rl_jax.sampler.config import SamplerConfig  # pylint: disable=wrong-import-position
 

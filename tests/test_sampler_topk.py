@@ -1,10 +1,11 @@
-"""The recording's top-k (rl_jax/sampler/topk.py) is lax.top_k bit for bit: values, ids, tie order."""
+"""The recording's top-k (rl_jax/ops/topk.py) is lax.top_k bit for bit: values, ids, tie order."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_jax.sampler import decode, topk
+from rl_jax.ops import topk
+from rl_jax.sampler import decode
 
 
 def _assert_same(got, want):
@@ -84,7 +85,7 @@ NATIVE_SIZES = [(32, 4096, 128), (2, 65, 8), (2, 64, 8), (3, 5000, 1), (2, 40, 4
 def test_native_top_k_equals_lax_top_k(b, v, k):
   """The native handler (built here: CI has a C++ compiler) is lax.top_k bit for bit on every case,
   k = 1 and k = V included, and under vmap (leading axes are rows)."""
-  from rl_jax.sampler import native_topk  # pylint: disable=g-import-not-at-top
+  from rl_jax.ops import native_topk  # pylint: disable=g-import-not-at-top
   assert native_topk.available(), "the native top-k did not build (see the warning above)"
   x = 3 * jax.random.normal(jax.random.key(v + k), (b, v))
   _assert_every_case(jax.jit(lambda x: native_topk.top_k(x, k)), x, k)
@@ -95,7 +96,7 @@ def test_native_top_k_equals_lax_top_k(b, v, k):
 def test_recorded_top_k_takes_the_native_handler_on_cpu(monkeypatch):
   """The recording goes through the handler on CPU (its custom call in the program), not XLA's top-k
   (`chlo.top_k`, which the same program holds when the handler is not usable)."""
-  from rl_jax.sampler import native_topk  # pylint: disable=g-import-not-at-top
+  from rl_jax.ops import native_topk  # pylint: disable=g-import-not-at-top
   lowered = lambda: jax.jit(lambda x: decode.recorded_top_k(x, 8)).lower(jnp.zeros((4, 64))).as_text()
   text = lowered()
   assert "rl_jax_topk_f32" in text and "chlo.top_k" not in text
@@ -107,7 +108,7 @@ def test_recorded_top_k_takes_the_native_handler_on_cpu(monkeypatch):
 def test_native_build_failure_is_named_and_leaves_no_library(tmp_path, monkeypatch):
   """A failing compiler raises with its command (and `available()` then falls back to lax.top_k);
   nothing half-written is left under the library's name."""
-  from rl_jax.sampler import native_topk  # pylint: disable=g-import-not-at-top
+  from rl_jax.ops import native_topk  # pylint: disable=g-import-not-at-top
   monkeypatch.setenv("CXX", "false")
   with pytest.raises(RuntimeError, match="building the native top-k failed"):
     native_topk.build(str(tmp_path / "topk.so"))

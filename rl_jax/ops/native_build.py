@@ -1,4 +1,4 @@
-"""Builds the native XLA FFI handlers (`ops/native/*.cc`, `sampler/native/*.cc`) into a per-user cache on first use."""
+"""Builds the native XLA FFI handlers (`ops/native/*.cc`) into a per-user cache on first use."""
 from __future__ import annotations
 
 import glob

@@ -10,7 +10,7 @@ from rl_jax.models.kv_cache import cache_len, init_cache
 from rl_jax.models.layers import dtype_of
 from rl_jax.models.transformer import default_positions
 from rl_jax.rollout import Rollout, expert_id_dtype
-from rl_jax.sampler import native_topk
+from rl_jax.ops import native_topk
 from rl_jax.sampler.config import SamplerConfig
 
 
