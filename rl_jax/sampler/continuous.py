@@ -1,19 +1,18 @@
 """The continuous-batching engine: a fixed set of slots decodes together, a finished row's slot takes the next prompt."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl_jax.logprobs import next_token_logq
 from rl_jax.models.kv_cache import cache_prefix, init_cache, put_cache_prefix
 from rl_jax.models.layers import dtype_of
 from rl_jax.models.transformer import default_positions
 from rl_jax.rollout import expert_id_dtype
 from rl_jax.sampler import decode as decode_lib
+from rl_jax.sampler import decode_step
 from rl_jax.sampler.config import SamplerConfig
 
 # The program (one `lax.while_loop`, everything on device; docs/architecture.md#the-sampler-engines):
@@ -101,7 +100,6 @@ def init(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: SamplerConfig, 
   n = cfg.slots_for(b, div)
   n_moe, k_exp = mcfg.n_moe_layers, mcfg.n_experts_per_tok
   record_experts = cfg.record_experts and n_moe > 0
-  k_rec = cfg.record_topk
   backend = getattr(cfg.quant, "backend", "auto")
 
   tokens_BP, pvalid_BP = constrain(decode_lib.left_pad(prompts_BP, valid_BP.astype(bool), p, cfg.pad_id))
@@ -122,48 +120,34 @@ def init(model, prompts_BP, valid_BP, keys_B, max_new_B, *, cfg: SamplerConfig, 
   else:
     cache = constrain(init_cache(mcfg, n, s, dtype_of(mcfg.dtype), kv_spec, backend=backend))
 
+  rec = decode_step.init_records(tokens_BP, n, mcfg.vocab_size, cfg, experts_BSLK=experts_BSLK, versions=versions)
   carry = dict(
       # The rows' fixed inputs: prompts laid out, positions, key masks, keys, length limits.
       tokens_BP=tokens_BP, pvalid_BP=pvalid_BP, prompt_len_B=prompt_len_B, positions_BP=positions_BP,
       positions_BS=positions_BS, kv_valid_BS=kv_valid_BS, keys_B=keys_B, max_new_B=max_new_B,
       cache=cache,
-      tokens_BS=jnp.concatenate([tokens_BP, jnp.full((b, t), cfg.pad_id, jnp.int32)], axis=1),
-      active_BT=jnp.zeros((b, t), bool), logq_BT=jnp.zeros((b, t), jnp.float32),
-      topk_ids_BTK=jnp.zeros((b, t, k_rec), jnp.int32) if k_rec else None,
-      topk_logq_BTK=jnp.zeros((b, t, k_rec), jnp.float32) if k_rec else None,
-      head_mass_BT=jnp.zeros((b, t), jnp.float32), experts_BSLK=experts_BSLK,
-      # Each token's policy version (in-flight weight updates), 0 where no token.
-      version_BT=jnp.zeros((b, t), jnp.int32) if versions else None,
       # Slot state: its row (b = none), the row's decode step, whether the row is unfinished,
       # whether its prompt is all in the cache, and the start of its next prefill chunk.
       row_N=jnp.arange(n, dtype=jnp.int32), step_N=jnp.zeros((n,), jnp.int32),
       live_N=jnp.ones((n,), bool), ready_N=jnp.ones((n,), bool), chunk_N=jnp.zeros((n,), jnp.int32),
-      next_row=jnp.asarray(n, jnp.int32),
-      # The previous step's distribution, its top-k recorded one step late (software pipelining,
-      # as the static engine): where it goes (row b = nowhere) and its step.
-      pending_logq_NV=jnp.zeros((n, mcfg.vocab_size), jnp.float32) if k_rec else None,
-      pending_row_N=jnp.full((n,), b, jnp.int32) if k_rec else None,
-      pending_step_N=jnp.zeros((n,), jnp.int32) if k_rec else None)
-  for name in _trunc_keys(cfg):
-    carry[name] = jnp.zeros((b, t), jnp.int32 if name == "trunc_size_BT" else jnp.float32)
-  return constrain(carry)
+      next_row=jnp.asarray(n, jnp.int32))
+  return constrain(with_records(carry, rec))
 
 
-def _trunc_keys(cfg: SamplerConfig) -> tuple[str, ...]:
-  return ("trunc_thresh_BT", "trunc_logmass_BT", "trunc_size_BT") if cfg.truncates else ()
+def records(c: dict) -> decode_step.Records:
+  """The carry's records (`decode_step.Records`: its per-row buffers, kept in the carry under their
+  own names, so a checkpointed carry is a flat dict)."""
+  return decode_step.Records(**{f: c.get(f) for f in decode_step.Records._fields})
+
+
+def with_records(c: dict, rec: decode_step.Records) -> dict:
+  """`c` with `rec` written back; the kept-set fields only where the config records them."""
+  return {**c, **{k: v for k, v in rec._asdict().items() if v is not None or k not in decode_step.TRUNC_FIELDS}}
 
 
 def unfinished(c: dict) -> jax.Array:
   """Whether the carry has rows left: one decoding, or one still in the queue."""
   return jnp.any(c["live_N"]) | (c["next_row"] < c["tokens_BS"].shape[0])
-
-
-def _record_topk(c, logq_NV, row_N, step_N, k_rec: int) -> dict:
-  top_logq_NK, top_ids_NK = decode_lib.recorded_top_k(logq_NV, k_rec)
-  at = (row_N, step_N)
-  return dict(topk_ids_BTK=c["topk_ids_BTK"].at[at].set(top_ids_NK.astype(jnp.int32), mode="drop"),
-              topk_logq_BTK=c["topk_logq_BTK"].at[at].set(top_logq_NK, mode="drop"),
-              head_mass_BT=c["head_mass_BT"].at[at].set(jnp.sum(jnp.exp(top_logq_NK), axis=-1), mode="drop"))
 
 
 def run(model, carry: dict, *, cfg: SamplerConfig, constrain, div: int, version=None, n_iters=None) -> dict:
@@ -176,7 +160,6 @@ def run(model, carry: dict, *, cfg: SamplerConfig, constrain, div: int, version=
   p, s = cfg.max_prompt_len, cfg.max_len
   n_moe = mcfg.n_moe_layers
   record_experts = cfg.record_experts and n_moe > 0
-  k_rec = cfg.record_topk
   exp_dtype = expert_id_dtype(mcfg.n_experts)
   ch = min(cfg.prefill_chunk, p - 1)  # prompt slots per refill chunk (0: nothing to prefill)
   n = carry["row_N"].shape[0]
@@ -222,35 +205,13 @@ def run(model, carry: dict, *, cfg: SamplerConfig, constrain, div: int, version=
     r_N = jnp.minimum(c["row_N"], b - 1)
     j_N = c["step_N"]
     slot_N = p - 1 + j_N
-    tok_N1 = c["tokens_BS"][r_N, slot_N][:, None]
-    pos_N1 = c["positions_BS"][r_N, slot_N][:, None]
     # A slot that does not decode writes at the phase's last cache slot: at or past its own row's
     # frontier (>= P - 1), so its row writes that slot before any query of it reads it.
-    out = model(tok_N1, pos_N1, cache=c["cache"], cache_index=jnp.where(dec_N, slot_N, l - 1),
-                kv_valid_BC=c["kv_valid_BS"][r_N, :l])
-    logits_NV = out.logits_BSV[:, 0]
-    logq_NV = next_token_logq(logits_NV, cfg.temperature)
-    y_N, trunc = decode_lib.sample(logits_NV, logq_NV, c["keys_B"][r_N], j_N, cfg)
-    y_N = jnp.where(dec_N, y_N, cfg.pad_id)
-    logq_N = jnp.take_along_axis(logq_NV, y_N[:, None], axis=-1)[:, 0]
-    w_N = jnp.where(dec_N, c["row_N"], b)  # row b: out of bounds, dropped
-    at = (w_N, j_N)
-    new = dict(c, cache=out.cache)
-    new["tokens_BS"] = c["tokens_BS"].at[w_N, slot_N + 1].set(y_N, mode="drop")
-    new["active_BT"] = c["active_BT"].at[at].set(True, mode="drop")
-    new["logq_BT"] = c["logq_BT"].at[at].set(logq_N, mode="drop")
-    if c["version_BT"] is not None:
-      new["version_BT"] = c["version_BT"].at[at].set(jnp.asarray(version, jnp.int32), mode="drop")
-    for name, v_N in trunc.items():
-      new[name] = c[name].at[at].set(v_N, mode="drop")
-    if k_rec:
-      new.update(_record_topk(c, c["pending_logq_NV"], c["pending_row_N"], c["pending_step_N"], k_rec))
-      new["pending_logq_NV"], new["pending_row_N"], new["pending_step_N"] = logq_NV, w_N, j_N
-    else:
-      new["head_mass_BT"] = c["head_mass_BT"].at[at].set(jnp.exp(jnp.max(logq_NV, axis=-1)), mode="drop")
-    if record_experts:
-      new["experts_BSLK"] = c["experts_BSLK"].at[w_N, slot_N].set(
-          out.expert_ids_BSLK[:, 0].astype(exp_dtype), mode="drop")
+    rec, cache, y_N = decode_step.decode_and_record(
+        model, records(c), c["cache"], c["tokens_BS"][r_N, slot_N][:, None], c["positions_BS"][r_N, slot_N][:, None],
+        cache_index=jnp.where(dec_N, slot_N, l - 1), kv_valid_NC=c["kv_valid_BS"][r_N, :l], keys_N=c["keys_B"][r_N],
+        step_N=j_N, row_N=jnp.where(dec_N, c["row_N"], b), cfg=cfg, version=version)
+    new = with_records(dict(c, cache=cache), rec)
     ended_N = dec_N & ((y_N == cfg.eos_id) | (j_N + 1 >= c["max_new_B"][r_N]))
     new["step_N"] = jnp.where(dec_N, j_N + 1, j_N)
     new["live_N"] = c["live_N"] & ~ended_N
@@ -304,13 +265,7 @@ def phase_slots(cfg: SamplerConfig) -> tuple[int, ...]:
 
 def finish(c: dict, *, cfg: SamplerConfig, constrain):
   """The Rollout of a carry whose rows have all ended (the last step's top-k recorded)."""
-  k_rec = cfg.record_topk
-  if k_rec:
-    c = {**c, **_record_topk(c, c["pending_logq_NV"], c["pending_row_N"], c["pending_step_N"], k_rec)}
-  ro = decode_lib.assemble_rollout(c, c["pvalid_BP"], c["prompt_len_B"], _trunc_keys(cfg))
-  if c["version_BT"] is not None:
-    ro = dataclasses.replace(ro, version_BT=c["version_BT"])
-  return constrain(ro)
+  return constrain(decode_lib.assemble_rollout(decode_step.flush(records(c), cfg), c["pvalid_BP"], c["prompt_len_B"]))
 
 
 # -- resuming a carry without its KV cache --------------------------------------------------------

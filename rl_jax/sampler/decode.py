@@ -1,5 +1,5 @@
 """The sampler's row-level building blocks, shared by both engines: sampling (exact top-k, top-k / top-p truncation,
-the two-stage categorical), left padding, the chunked prompt prefill, top-k recording and the Rollout assembly."""
+the two-stage categorical), left padding, the chunked prompt prefill and the Rollout assembly."""
 from __future__ import annotations
 
 import jax
@@ -170,18 +170,6 @@ def left_pad(prompts_BP, valid_BP, width: int, pad_id: int):
   return jnp.where(valid, toks, pad_id).astype(jnp.int32), valid
 
 
-def record_topk(c, logq_BV, active_B, j, k: int) -> dict:
-  """Top-k log q, ids and head mass of the distribution of step j, written at j (0 where inactive)."""
-  top_logq_BK, top_ids_BK = recorded_top_k(logq_BV, k)
-  top_logq_BK = jnp.where(active_B[:, None], top_logq_BK, 0.0)
-  top_ids_BK = jnp.where(active_B[:, None], top_ids_BK, 0).astype(jnp.int32)
-  head_B = jnp.where(active_B, jnp.sum(jnp.exp(top_logq_BK), axis=-1), 0.0)
-  return dict(
-      topk_ids_BTK=jax.lax.dynamic_update_slice(c["topk_ids_BTK"], top_ids_BK[:, None], (0, j, 0)),
-      topk_logq_BTK=jax.lax.dynamic_update_slice(c["topk_logq_BTK"], top_logq_BK[:, None], (0, j, 0)),
-      head_mass_BT=jax.lax.dynamic_update_slice(c["head_mass_BT"], head_B[:, None], (0, j)))
-
-
 def prefill(model, tokens_BP, positions_BP, pvalid_BP, kv_valid_BC, cache_slots: int, *, cfg, kv_spec,
              constrain, div):
   """The prompt prefill (no logits) into a fresh cache of `cache_slots` slots, `cfg.prefill_rows`
@@ -206,10 +194,10 @@ def prefill(model, tokens_BP, positions_BP, pvalid_BP, kv_valid_BC, cache_slots:
   return [merge_kv(kv) for kv in caches], microbatch.merge(experts)
 
 
-def assemble_rollout(c: dict, pvalid_BP, prompt_len_B, trunc_keys) -> Rollout:
-  """The Rollout from a finished decode's per-row buffers (either engine's): masks, positions,
-  the routes masked to the slots that carry one."""
-  resp_BT = c["active_BT"]
+def assemble_rollout(rec, pvalid_BP, prompt_len_B) -> Rollout:
+  """The Rollout from a finished decode's records (`decode_step.Records`, either engine's, flushed):
+  masks, positions, the routes masked to the slots that carry one."""
+  resp_BT = rec.active_BT
   b, p = pvalid_BP.shape
   t = resp_BT.shape[1]
   zeros_BP = jnp.zeros((b, p), bool)
@@ -218,14 +206,15 @@ def assemble_rollout(c: dict, pvalid_BP, prompt_len_B, trunc_keys) -> Rollout:
   # Slot p-1+j was fed at step j, which produced a real token iff resp_BT[:, j]; the
   # last response slot is never fed. So a route exists exactly where resp_BT says.
   expert_valid_BS = jnp.concatenate([pvalid_BP[:, :p - 1], resp_BT, jnp.zeros((b, 1), bool)], axis=1)
-  experts = c["experts_BSLK"]
+  experts = rec.experts_BSLK
   if experts is not None:
     experts = jnp.where(expert_valid_BS[:, :, None, None], experts, 0)
   return Rollout(
-      tokens_BS=c["tokens_BS"],
+      tokens_BS=rec.tokens_BS,
       positions_BS=default_positions(prompt_mask_BS | response_mask_BS),
       prompt_mask_BS=prompt_mask_BS, response_mask_BS=response_mask_BS,
-      logq_BT=c["logq_BT"], topk_ids_BTK=c["topk_ids_BTK"], topk_logq_BTK=c["topk_logq_BTK"],
-      head_mass_BT=c["head_mass_BT"], expert_ids_BSLK=experts, expert_valid_BS=expert_valid_BS,
+      logq_BT=rec.logq_BT, topk_ids_BTK=rec.topk_ids_BTK, topk_logq_BTK=rec.topk_logq_BTK,
+      head_mass_BT=rec.head_mass_BT, expert_ids_BSLK=experts, expert_valid_BS=expert_valid_BS,
       lengths_B=jnp.sum(resp_BT, axis=1, dtype=jnp.int32), prompt_lengths_B=prompt_len_B,
-      prompt_len=p, **{k: c[k] for k in trunc_keys})
+      prompt_len=p, trunc_thresh_BT=rec.trunc_thresh_BT, trunc_logmass_BT=rec.trunc_logmass_BT,
+      trunc_size_BT=rec.trunc_size_BT, version_BT=rec.version_BT)
