@@ -265,8 +265,8 @@ def main():
     call = med[a_name]["attribution"]
     e = args.attribution_every
     print(f"one attribution call: {call:.4f} s = {call / med[b_name]['step']:.1%} of a median step "
-          f"({len(trainers[a_name].programs.attribution_variants)} variants: "
-          f"{', '.join(n for n, _, _ in trainers[a_name].programs.attribution_variants)}; "
+          f"({len(trainers[a_name].programs.learner.attribution_variants)} variants: "
+          f"{', '.join(n for n, _, _ in trainers[a_name].programs.learner.attribution_variants)}; "
           f"rl.attribution_rows={trainers[a_name].job.rl.attribution_rows}); every {e} steps: ratio "
           f"{1.0 + call / (e * med[b_name]['step']):.3f} (no target: a diagnostic's cost, set by its period)")
   elif args.compare == "p_old":

@@ -60,7 +60,7 @@ def main() -> None:
   ids, valid = rollout_lib.repeat_prompts((ids, valid), cfg.rl.group_size)
   ids, valid = jnp.asarray(ids, jnp.int32), jnp.asarray(valid, bool)
   key = jax.random.key(0)
-  ro = tr.programs.generate(tr.sampler_state, ids, valid, key)
+  ro = tr.programs.sampler.generate(tr.sampler_state, ids, valid, key)
   rewards = np.random.default_rng(0).binomial(1, 0.3, ids.shape[0]).astype(np.float32)
   batch, _ = tr.prepare(ro, rewards)
   many = lambda t: seed_batch.stack([t] * s)
@@ -68,15 +68,15 @@ def main() -> None:
   sids = None if ro.expert_ids_BSLK is None or not tr.job.model.is_moe else many(ro.expert_ids_BSLK)
   svalid = many(ro.expert_valid_BS)
   rows = {
-      "generate": (lambda: tr.programs.generate(tr.sampler_state, ids, valid, key),
+      "generate": (lambda: tr.programs.sampler.generate(tr.sampler_state, ids, valid, key),
                    lambda: progs["generate"](ss, many(ids), many(valid), jax.random.split(key, s))),
-      "p_old forward": (lambda: tr.programs.old_forward(tr.state["params"], batch, ro.expert_ids_BSLK if sids is not None else None,
+      "p_old forward": (lambda: tr.programs.learner.old_forward(tr.state["params"], batch, ro.expert_ids_BSLK if sids is not None else None,
                                                         ro.expert_valid_BS),
                         lambda: progs["old_forward"](params, batches, sids, svalid)),
   }
   # The updates donate their inputs: both time fresh copies (the copy is the same share of each).
   copy = lambda t: jax.tree.map(jnp.copy, t)
-  rows["update"] = (lambda: tr.programs.update(copy(tr.state["params"]), copy(tr.state["opt_state"]), batch),
+  rows["update"] = (lambda: tr.programs.learner.update(copy(tr.state["params"]), copy(tr.state["opt_state"]), batch),
                     lambda: progs["update"](copy(params), copy(opt), batches))
   print(f"seed batching, {'dense' if args.dense else 'MoE'} tiny model, {ids.shape[0]} responses per seed, "
         f"{s} seeds; backend {jax.default_backend()}, {jax.device_count()} device(s)")

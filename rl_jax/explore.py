@@ -155,7 +155,7 @@ def sample(model_cfg: Any, params: Any, ids_BP: jax.Array, valid_BP: jax.Array, 
   if cfg.noise != "none":
     delta = sampler_weights.make_noise(params, cfg.noise, cfg.noise_sigma,
                                        noise_key if noise_key is not None else jax.random.key(1))
-  return progs.generate(progs.sync(params, delta), ids_BP, valid_BP, key)
+  return progs.sampler.generate(progs.sampler.sync(params, delta), ids_BP, valid_BP, key)
 
 
 def regimes(presets: Sequence[str], noise_sigmas: Sequence[float], base: SamplerConfig,
@@ -195,7 +195,7 @@ def replay_trajectory(graphdef: nnx.GraphDef, params: Any, opt_state: Any, ro: r
                       n_minibatches: int, aux_coef: float = 0.0) -> dict[str, np.ndarray]:
   """One global step of the trainer, N mini-batch updates, probed before each update.
 
-  As `rl_jax.rl.trainer` does it, with its programs (`programs.build_local`): `StepPrograms.prepare`
+  As `rl_jax.rl.trainer` does it, with its programs (`programs.build_local`): `LearnerPrograms.prepare`
   (p_old under the replay's routing, the replay ids: R2 theta_old's own experts, R3 the
   sampler's), then the update per mini-batch. Before mini-batch i's update, at theta_i (i
   updates in), it records over that mini-batch's response tokens the IS log-ratio
@@ -211,20 +211,20 @@ def replay_trajectory(graphdef: nnx.GraphDef, params: Any, opt_state: Any, ro: r
   progs = programs_lib.build_local(graphdef, loss_cfg, replay=replay, optimizer=optimizer, aux_coef=aux_coef)
   # The trainer's update donates params and optimizer state: it gets copies, the caller keeps its own.
   params, opt_state = jax.tree.map(jnp.copy, (params, opt_state))
-  batch, old_m = progs.prepare(params, ro, adv_B)
+  batch, old_m = progs.learner.prepare(params, ro, adv_B)
   rows = batch.rows // n_minibatches
   rec = {k: [] for k in ("is_abs_mean", "is_abs_max", "stale_abs_mean", "stale_abs_max", "agreement_L", "loss")}
   for i in range(n_minibatches):
     sl = slice(i * rows, (i + 1) * rows)
     mb = batch.slice_rows(sl.start, sl.stop)
-    logp_BT, agree_L = progs.probe(params, mb, ro.expert_ids_BSLK[sl], ro.expert_valid_BS[sl])
+    logp_BT, agree_L = progs.learner.probe(params, mb, ro.expert_ids_BSLK[sl], ro.expert_valid_BS[sl])
     mask = mb.response_mask_BT
     for name, d_BT in (("is", logp_BT - mb.logq_BT), ("stale", logp_BT - mb.logp_old_BT)):
       a_BT = jnp.abs(d_BT)
       rec[f"{name}_abs_mean"].append(float(step_lib.masked_mean(a_BT, mask)))
       rec[f"{name}_abs_max"].append(float(jnp.max(jnp.where(mask, a_BT, 0.0))))
     rec["agreement_L"].append(np.asarray(agree_L))
-    params, opt_state, m = progs.update(params, opt_state, mb)
+    params, opt_state, m = progs.learner.update(params, opt_state, mb)
     rec["loss"].append(float(m["loss"]))
   out = {k: np.asarray(v) for k, v in rec.items()}
   out["old_forward"] = {k: float(v) for k, v in old_m.items()}

@@ -181,7 +181,7 @@ def test_trainer_logs_attribution_of_the_run_sources(tmp_path):
   tr.job = dataclasses.replace(tr.job, rl=dataclasses.replace(tr.job.rl, attribution_rows=rows))
   assert not any(k.startswith("attribution/") for k in tr.train_step(0))
   row = tr.train_step(1)   # step 2: attributed, the sampler one sync behind
-  names = [n for n, _, _ in tr.programs.attribution_variants]
+  names = [n for n, _, _ in tr.programs.learner.attribution_variants]
   assert names == ["noise", "staleness", "total", attribution.TRAINER_ROUTES]   # the :test sampler is fp32
   assert row["attribution/staleness/kl"] > 0 and row["time/attribution_s"] > 0
   # Over every row of the step, the teacher-forced total is the run's own mismatch meter.

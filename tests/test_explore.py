@@ -151,8 +151,8 @@ def test_replay_trajectory_staleness_starts_at_zero():
   # called), and the caller's params survived the update's donation.
   for r in out:
     progs = programs_lib.build_local(graphdef, LossConfig(), replay=r, optimizer=opt)
-    assert progs.old_forward._cache_size() == 1, r  # pylint: disable=protected-access
-    assert progs.probe._cache_size() >= 1 and progs.update._cache_size() >= 1, r  # pylint: disable=protected-access
+    assert progs.learner.old_forward._cache_size() == 1, r  # pylint: disable=protected-access
+    assert progs.learner.probe._cache_size() >= 1 and progs.learner.update._cache_size() >= 1, r  # pylint: disable=protected-access
   assert not any(x.is_deleted() for x in jax.tree.leaves(params))
   # The first update sees identical inputs whatever the replay only when routing agrees: at
   # least its loss is finite and the same sign convention holds.

@@ -172,7 +172,7 @@ def _derived_step_arguments_lower_like_the_trainers(tr):
   rewards = jax.numpy.linspace(0.0, 1.0, ro.tokens_BS.shape[0])
   batch, _ = tr.prepare(ro, rewards)
   mb = next(tr.minibatches(batch))
-  real = {"old_forward": (progs.train_batch(ro, progs.advantages(rewards)), ro.expert_ids_BSLK, ro.expert_valid_BS),
+  real = {"old_forward": (progs.learner.train_batch(ro, progs.learner.advantages(rewards)), ro.expert_ids_BSLK, ro.expert_valid_BS),
           "prepared": batch, "update": (mb,)}
   sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
   params, opt_state = (jax.tree.map(sds, tr.state[k]) for k in ("params", "opt_state"))
@@ -180,9 +180,9 @@ def _derived_step_arguments_lower_like_the_trainers(tr):
     derived = plan_steps.step_args(progs, params, jax.tree.map(sds, tr.sampler_state), tr.mesh)
     for name in real:
       assert _shapes(derived[name]) == _shapes(real[name]), name
-    text = {side: {"old_forward": progs.lower_old_forward(params, *args["old_forward"]).as_text(),
-                   "update": progs.lower_update(params, opt_state, *args["update"]).as_text(),
-                   "first_order": progs.lower_first_order(params, *args["update"]).as_text()}
+    text = {side: {"old_forward": progs.learner.lower_old_forward(params, *args["old_forward"]).as_text(),
+                   "update": progs.learner.lower_update(params, opt_state, *args["update"]).as_text(),
+                   "first_order": progs.learner.lower_first_order(params, *args["update"]).as_text()}
             for side, args in (("trainer", real), ("planner", derived))}
   for name, want in text["trainer"].items():
     assert text["planner"][name] == want, name
@@ -206,9 +206,9 @@ def test_planner_compiles_the_programs_the_trainer_runs(tmp_path, fast_compile):
     sampler_ids = ro.expert_ids_BSLK if tr.job.model.is_moe else None
     raw = batch.replace(logp_old_BT=None, replay_ids_BSLK=None, replay_mask_BS=None)
     with sh.mesh_context(tr.mesh):
-      lowered = {"old_forward": tr.programs.old_forward.lower(tr.state["params"], raw, sampler_ids,
+      lowered = {"old_forward": tr.programs.learner.old_forward.lower(tr.state["params"], raw, sampler_ids,
                                                               ro.expert_valid_BS),
-                 "update": tr.programs.update.lower(tr.state["params"], tr.state["opt_state"], batch)}
+                 "update": tr.programs.learner.update.lower(tr.state["params"], tr.state["opt_state"], batch)}
     want = {k: plan_cost.fingerprint(v.compile()) for k, v in lowered.items()}
     plans = plan_steps.plan_step(tr.job, tr.mesh, programs=("old_forward", "update"))
   assert {p.name: p.fingerprint for p in plans} == want

@@ -53,18 +53,18 @@ def test_local_programs_lower_to_the_trainers(replay):
   key = jax.eval_shape(lambda: jax.random.key(0))
   texts = {}
   for name, progs in (("trainer", trainer), ("local", local)):
-    sampler_state = jax.eval_shape(progs.sync, params, None)
-    ro = trainer.rollout_shapes(sampler_state, prompts, valid, key)
+    sampler_state = jax.eval_shape(progs.sampler.sync, params, None)
+    ro = trainer.sampler.rollout_shapes(sampler_state, prompts, valid, key)
     adv = jax.ShapeDtypeStruct((b,), jnp.float32)
     # The trainer's own batch (RLTrainer.prepare) against the local programs' `train_batch`.
     make = ((lambda r, a: step_lib.TrainBatch.from_rollout(r, a, with_topk=True, truncated=job.loss.kept_set_mask))
-            if name == "trainer" else progs.train_batch)
+            if name == "trainer" else progs.learner.train_batch)
     batch, ids, ids_valid = jax.eval_shape(lambda r, a: (make(r, a), r.expert_ids_BSLK, r.expert_valid_BS), ro, adv)
     assert batch.topk_ids_BTK is not None
     texts[name] = dict(
-        old_forward=progs.old_forward.lower(params, batch, ids, ids_valid).as_text(),
-        sync=progs.lower_sync(params, None).as_text(),
-        generate=progs.lower_generate(sampler_state, prompts, valid, key).as_text())
+        old_forward=progs.learner.old_forward.lower(params, batch, ids, ids_valid).as_text(),
+        sync=progs.sampler.lower_sync(params, None).as_text(),
+        generate=progs.sampler.lower_generate(sampler_state, prompts, valid, key).as_text())
   for program, text in texts["trainer"].items():
     assert texts["local"][program] == text, program
   # The sync quantized the tagged weights: the two programs agree on something non-trivial.
@@ -79,7 +79,7 @@ def test_build_local_needs_what_each_program_reads():
   with pytest.raises(ValueError, match="ModelConfig"):
     programs_lib.build_local(sampler=job.sampler)
   progs = programs_lib.build_local(graphdef, job.loss)
-  assert progs.update is None and progs.sampler_graphdef is None and progs.old_forward is not None
+  assert progs.learner.update is None and progs.sampler.graphdef is None and progs.learner.old_forward is not None
 
 
 def test_explore_jits_nothing_of_its_own():

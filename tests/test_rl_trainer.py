@@ -91,7 +91,7 @@ def test_r3_p_old_replays_the_sampler_so_first_minibatch_ratios_are_one(tmp_path
   tr = trainer_lib.RLTrainer(_config(**{"rl.routing_replay": "R3", "sampler.quant": "fp4_w",
                                         "loss.method": "minirl", "loss.score_centering": "none"}),
                              str(tmp_path))
-  assert tr.programs.old_in_update
+  assert tr.programs.learner.old_in_update
   _, ro = tr.rollout(0)
   rewards = np.tile([1.0, 0.0], ro.tokens_BS.shape[0] // 2).astype(np.float32)
   tr_sep = copy.copy(tr)  # the same trainer with the separate p_old forward
@@ -124,7 +124,7 @@ def test_injected_nan_stops_cleanly_and_keeps_last_checkpoint(tmp_path, monkeypa
   workdir = str(tmp_path)
   tr = trainer_lib.RLTrainer(_config(**{"rl.steps": 3, "rl.eval_size": 0}), workdir)
   # Fault injection from outside the library: the 2nd update (step 2, N=1) gets NaN advantages.
-  real_update, calls = tr.programs.update, []
+  real_update, calls = tr.programs.learner.update, []
 
   def poisoned(params, opt_state, mb):
     calls.append(1)
@@ -263,7 +263,7 @@ def test_eval_sampled_mean_and_pass_at_k_line_up_with_their_prompts(tmp_path, mo
   outcomes = [v for k, v in out.items() if k.startswith("eval_greedy_outcome/")]
   assert outcomes and abs(sum(outcomes) - 1.0) < 1e-9, out
   tr.programs = dataclasses.replace(tr.programs, eval_sampled_cfg=dataclasses.replace(
-      tr.programs.eval_sampled_cfg, temperature=5.0))
+      tr.programs.sampler.eval_sampled_cfg, temperature=5.0))
   hot = tr.evaluate()
   # Hot samples differ from greedy: some prompt's k samples disagree, so pass@k exceeds mean@k
   # (equal at the near-zero temperature above). Comparing mean@k with the cold run's instead

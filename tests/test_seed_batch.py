@@ -33,7 +33,7 @@ def test_a_vmapped_seed_equals_the_seed_alone(tmp_path):
     prompts = [tr.prompts(0) for tr in trs]
     ids = [rollout_lib.repeat_prompts((i, v), tr.job.rl.group_size) for (_, i, v), tr in zip(prompts, trs)]
     keys = [jax.random.fold_in(jax.random.key(tr.job.seed), 0) for tr in trs]
-    alone = [tr.programs.generate(tr.sampler_state, *iv, k) for tr, iv, k in zip(trs, ids, keys)]
+    alone = [tr.programs.sampler.generate(tr.sampler_state, *iv, k) for tr, iv, k in zip(trs, ids, keys)]
     ro = progs["generate"](seed_batch.stack([tr.sampler_state for tr in trs]),
                            jnp.stack([jnp.asarray(i, jnp.int32) for i, _ in ids]),
                            jnp.stack([jnp.asarray(v, bool) for _, v in ids]), jnp.stack(keys))
@@ -46,7 +46,7 @@ def test_a_vmapped_seed_equals_the_seed_alone(tmp_path):
     opt = seed_batch.stack([tr.state["opt_state"] for tr in trs])
     new_params, _, m = progs["update"](params, opt, seed_batch.stack(batches))
     for s, (tr, b) in enumerate(zip(trs, batches)):
-      p1, _, m1 = tr.programs.update(tr.state["params"], tr.state["opt_state"], b)
+      p1, _, m1 = tr.programs.learner.update(tr.state["params"], tr.state["opt_state"], b)
       for x, y in zip(jax.tree.leaves(seed_batch.unstack(new_params, 2)[s]), jax.tree.leaves(p1)):
         np.testing.assert_allclose(x, y, atol=ATOL, err_msg=f"seed {s}")
       np.testing.assert_allclose(m["loss"][s], m1["loss"], rtol=1e-5, err_msg=f"seed {s}")

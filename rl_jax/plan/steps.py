@@ -68,7 +68,7 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
   sync = ProgramPlan("sync", args={"params": n_params, **({"noise": trainer_extra["sampler noise"]}
                                                           if delta is not None else {})},
                      resident={"optimizer state": n_opt})
-  lowered = progs.lower_sync(params, delta)
+  lowered = progs.sampler.lower_sync(params, delta)
   compiled = compile_program(sync, lowered)
   sampler_state = jax.tree.map(sds, lowered.out_info, compiled.output_shardings)
   n_sampler = device_bytes(sampler_state)
@@ -107,7 +107,7 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
                    "sampler.decode_phases=1 drops them)")
     g.kv_cache, g.kv_cache_sizing = kv_cache_sizing(mcfg, cfg, cache_rows, kv_spec if getattr(
         kv_spec, "format", None) not in (None, "fp32") else None, mesh)
-    compile_program(g, progs.lower_generate(state, prompts, pvalid, key, kind))
+    compile_program(g, progs.sampler.lower_generate(state, prompts, pvalid, key, kind))
     if kind == "rollout" and rl.inflight_updates and rl.max_staleness > 1:
       # The other rollouts in generation keep their carries (KV cache and the rows' buffers, about
       # generate's outputs) on the sampler's devices between their chunks.
@@ -124,14 +124,14 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
   if "generate" in programs:
     plan_generate("generate", "rollout", b_global, sampler_state, n_sampler, scfg)
   clean = None
-  for name, kind, rows, cfg in (("eval_greedy", "greedy", rl.eval_size, progs.eval_cfg),
-                                ("eval_sampled", "sampled", rl.eval_size * rl.eval_samples, progs.eval_sampled_cfg)):
+  for name, kind, rows, cfg in (("eval_greedy", "greedy", rl.eval_size, progs.sampler.eval_cfg),
+                                ("eval_sampled", "sampled", rl.eval_size * rl.eval_samples, progs.sampler.eval_sampled_cfg)):
     if name in programs and rows:  # rl.eval_size = 0: no evaluation, nothing to plan
       if clean is None:
-        clean = jax.tree.map(sds, *_lowered_out(progs.clean_weights, params))
+        clean = jax.tree.map(sds, *_lowered_out(progs.sampler.clean_weights, params))
       plan_generate(name, kind, rows, clean, device_bytes(clean), cfg)
 
-  # The train batch: `jax.eval_shape` of the trainer's own assembly (`StepPrograms.batch_shapes`)
+  # The train batch: `jax.eval_shape` of the trainer's own assembly (`LearnerPrograms.batch_shapes`)
   # over the rollout the sampler's generate returns, laid out like the rollout (rows over the batch
   # axes); the sampler's expert ids (compact: uint8 up to 256 experts) ride along.
   if not {"old_forward", "update", "first_order"} & set(programs):
@@ -143,7 +143,7 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
                     resident={"optimizer state": n_opt, **({"sampler weights": n_sampler} if n_sampler else {}),
                               **trainer_extra})
   if "old_forward" in programs:
-    compile_program(old, progs.lower_old_forward(params, batch, sampler_ids, sampler_valid))
+    compile_program(old, progs.learner.lower_old_forward(params, batch, sampler_ids, sampler_valid))
     old.flops_model = 2 * mm * b_dev * s + attn_flops(mcfg, b_dev * s, s / 2)
     old.comm_model = dispatch_comm(job, mesh, b_dev * s)
     plans.append(old)
@@ -163,10 +163,10 @@ def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "")
                 **({"rest of the global batch": n_full - n_mb} if n_full > n_mb else {})}
     if name == "update":
       args["optimizer state"] = n_opt
-      lowered = progs.lower_update(params, opt_state, mb)
+      lowered = progs.learner.lower_update(params, opt_state, mb)
     else:   # the meter reads the params before the update: the optimizer state stays resident
       resident["optimizer state"] = n_opt
-      lowered = progs.lower_first_order(params, mb)
+      lowered = progs.learner.lower_first_order(params, mb)
     q = ProgramPlan(name, args=args, resident=resident)
     compile_program(q, lowered)
     q.flops_model = fwd_flops * passes[name][1 if mcfg.remat else 0]
@@ -199,13 +199,13 @@ def prompt_args(rows: int, prompt_len: int, mesh):
 def step_args(progs, params, sampler_state, mesh) -> dict:
   """The abstract batch arguments of the trainer's programs, derived (not built): the rollout is
   `jax.eval_shape` of the sampler's generate over the step's prompts, the batches are
-  `StepPrograms.batch_shapes` of it (the trainer's own `train_batch`, `prepare`, `minibatches`).
+  `LearnerPrograms.batch_shapes` of it (the trainer's own `train_batch`, `prepare`, `minibatches`).
   'old_forward': (batch, sampler expert ids, their valid mask); 'prepared': the step's batch;
   'update' / 'first_order': (mini-batch,). Every array is laid out like the rollout's rows."""
   rl, scfg = progs.job.rl, progs.job.sampler
   rows = rl.prompts_per_step * rl.group_size
-  ro = progs.rollout_shapes(sampler_state, *prompt_args(rows, scfg.max_prompt_len, mesh))
-  shapes = progs.batch_shapes(params, ro, jax.ShapeDtypeStruct((rows,), jnp.float32))
+  ro = progs.sampler.rollout_shapes(sampler_state, *prompt_args(rows, scfg.max_prompt_len, mesh))
+  shapes = progs.learner.batch_shapes(params, ro, jax.ShapeDtypeStruct((rows,), jnp.float32))
   rows_sharded = lambda tree: jax.tree.map(lambda x: sds(x, sh.batch_sharding(mesh, x.ndim)), tree)
   old = rows_sharded((shapes["old_forward"], ro.expert_ids_BSLK, ro.expert_valid_BS))
   mb = rows_sharded(shapes["minibatch"])

@@ -19,7 +19,7 @@ def evaluate(task: Any, score: Callable, completions: Callable, generate: Callab
 
   `score(problems, rollout)` gives rewards and `completions(rollout)` the texts (the
   trainer's host-side helpers); `generate(state, ids, valid, key, kind)` is the run's
-  generate program (`programs.StepPrograms.generate`: kind 'greedy' or 'sampled');
+  generate program (`SamplerPrograms.generate`: kind 'greedy' or 'sampled');
   `clean_state` are the float32 weights (no quant, no noise). A task with `source_of` (the
   dataset task) also gets `eval/<source>/...` metrics (source_metrics.eval_metrics) given `eos_id`.
   """

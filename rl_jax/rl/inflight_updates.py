@@ -54,7 +54,7 @@ def begin(tr, step: int, version: int, keep=None) -> Partial:
   problems, ids, valid, key = rollout_inputs(tr, step)
   with sh.mesh_context(tr.sampler_mesh):
     t = time.perf_counter()
-    carry = tr.busy.track("sampler", tr.programs.start_rollout(tr.sampler_state, ids, valid, key, version=version,
+    carry = tr.busy.track("sampler", tr.programs.sampler.start_rollout(tr.sampler_state, ids, valid, key, version=version,
                                                                n_iters=tr.job.rl.inflight_chunk), t)
   return Partial(step=step, version=version, problems=problems, carry=carry, advanced=version, keep=keep)
 
@@ -64,7 +64,7 @@ def advance(tr, part: Partial, version: int, to_the_end: bool = False) -> None:
   n = {} if to_the_end else {"n_iters": tr.job.rl.inflight_chunk}
   with sh.mesh_context(tr.sampler_mesh):
     t = time.perf_counter()
-    part.carry = tr.busy.track("sampler", tr.programs.advance_rollout(tr.sampler_state, part.carry, version=version,
+    part.carry = tr.busy.track("sampler", tr.programs.sampler.advance_rollout(tr.sampler_state, part.carry, version=version,
                                                                       **n), t)
   part.advanced = version
 
@@ -115,7 +115,7 @@ def async_step(tr, step: int) -> dict:
   tr.sync_sampler()  # version `step`
   advance(tr, head, step, to_the_end=True)
   with sh.mesh_context(tr.sampler_mesh):
-    ro = tr.programs.finish_rollout(head.carry)
+    ro = tr.programs.sampler.finish_rollout(head.carry)
   for part in tr.queue:
     if part.advanced < step:
       advance(tr, part, step)
@@ -157,7 +157,7 @@ def to_tree(tr, part: Partial, form: str) -> dict:
   keep = {"keep": part.keep} if part.keep is not None else {}
   if form == "reprefill":
     with sh.mesh_context(tr.sampler_mesh):
-      prog = tr.programs.rollout_progress(part.carry)
+      prog = tr.programs.sampler.rollout_progress(part.carry)
     prog = {k: v for k, v in prog.items() if v is not None}
     return {"progress": sh.on_mesh(prog, tr.mesh, _row_shardings(prog, tr.mesh)), **keep}
   carry = {k: v for k, v in part.carry.items() if v is not None}
@@ -171,11 +171,11 @@ def from_tree(tr, tree: dict, abstract_carry: dict, step: int, version: int, adv
   slot's KV cache re-prefilled by the sampler's current weights (`chunked.resume`)."""
   problems, ids, valid, key = rollout_inputs(tr, step)
   if form == "reprefill":
-    abstract = tr.programs.rollout_progress_shapes(abstract_carry)
+    abstract = tr.programs.sampler.rollout_progress_shapes(abstract_carry)
     prog = sh.on_mesh(tree["progress"], tr.sampler_mesh)
     prog = {k: prog.get(k) if v is not None else None for k, v in abstract.items()}
     with sh.mesh_context(tr.sampler_mesh):
-      carry = tr.programs.resume_rollout(tr.sampler_state, ids, valid, key, prog)
+      carry = tr.programs.sampler.resume_rollout(tr.sampler_state, ids, valid, key, prog)
   else:
     carry = sh.on_mesh(tree["carry"], tr.sampler_mesh)
     carry = {k: carry.get(k) if v is not None else None for k, v in abstract_carry.items()}
@@ -190,7 +190,7 @@ def restore_targets(tr, abstract_carry: dict, keep_params: bool, form: str) -> d
   the next chunk lays it out as the engine does); 'reprefill': the progress in the engine's layout
   (`_row_shardings`), no KV cache."""
   if form == "reprefill":
-    prog = {k: v for k, v in tr.programs.rollout_progress_shapes(abstract_carry).items() if v is not None}
+    prog = {k: v for k, v in tr.programs.sampler.rollout_progress_shapes(abstract_carry).items() if v is not None}
     tree = {"progress": jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), prog,
                                      _row_shardings(prog, tr.mesh))}
   else:

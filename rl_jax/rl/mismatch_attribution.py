@@ -96,7 +96,7 @@ def _divergences(logq_BTV, logp_BTV, y_BT, mask_BT) -> dict[str, jax.Array]:
 
 def attribute(ref_params, stale_params, noise, ro: Rollout, *, graphdef: nnx.GraphDef,
               variant_graphs: tuple[tuple[str, Variant, nnx.GraphDef], ...], temperature: float) -> dict:
-  """The traceable attribution of `ro`'s rows (the jit is `programs.StepPrograms.attribution`).
+  """The traceable attribution of `ro`'s rows (the jit is `programs.LearnerPrograms.attribution`).
 
   ref_params: the trainer's weights of the p_old forward; stale_params: the weights the sampler
   was synced from (None without staleness); noise: the run's weight-noise offsets (None without).

@@ -1,8 +1,10 @@
 """The one factory of an RL step's jitted programs: the trainer runs them, the planner compiles them.
 
-`build(job, mesh, graphdef, ...)` returns the sampler-weight sync, generate (rollout, greedy and
-sampled evaluation), the p_old forward, the update, the first-order meter and the replay probe,
-each with the run's static configuration, shardings and donation; `build_local(...)` the same
+`build(job, mesh, graphdef, ...)` returns `StepPrograms`: the sampler's (`SamplerPrograms`, the
+`Sampler` seam of rl_jax/sampler/programs.py: the weight sync, generate for the rollout and the
+greedy and sampled evaluation, chunked rollouts) and the learner's (`LearnerPrograms`: the p_old
+forward, the update, the first-order meter, the replay probe, the advantages), each with the
+run's static configuration, shardings, donation and its role's mesh; `build_local(...)` the same
 programs without a job, on one device, for notebooks (`rl_jax.explore`). Nothing else in the
 package jits them.
 """
@@ -23,10 +25,8 @@ from rl_jax.rl import mismatch_attribution as attribution_lib
 from rl_jax.rl import step as step_lib
 from rl_jax.rl.advantages import compute_advantages
 from rl_jax.rl.loss.loss_config import LossConfig
-
-from rl_jax.sampler import chunked
-from rl_jax.sampler import generate as gen
 from rl_jax.sampler import weights as sampler_weights
+from rl_jax.sampler.programs import SamplerPrograms
 from rl_jax.sampler.config import SamplerConfig
 
 
@@ -43,8 +43,9 @@ def _minibatch(mesh, start: int, stop: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class StepPrograms:
-  """The jitted programs of one RL run (fields) and the host wrappers that call them (methods).
+class LearnerPrograms:
+  """The learner's side of an RL run: its jitted programs (fields) and the host wrappers that call
+  them (methods), on the trainer's `mesh`.
 
   `old_forward(params, batch, sampler_ids, sampler_valid)`, `update(params, opt_state, mb)`
   (donates both), `first_order(params, mb)`, `probe(params, mb, sampler_ids, sampler_valid)` and
@@ -52,17 +53,10 @@ class StepPrograms:
   the `lower_*` methods (rl_jax.plan). The step's host side is here too, so the trainer, the
   planner and the notebooks assemble one batch: `train_batch`, `forward_old`, `prepare` (p_old
   and the routing-replay choice), `minibatches`, and their abstract twins `batch_shapes`.
-  `job` is None for `build_local`'s programs, which leave out what their arguments do not define
-  (None fields).
+  `build_local`'s programs leave out what their arguments do not define (None fields).
   """
-  job: Any
   mesh: Any
-  sampler_mesh: Any
   graphdef: nnx.GraphDef | None
-  sampler_graphdef: nnx.GraphDef | None
-  eval_graphdef: nnx.GraphDef | None
-  eval_cfg: SamplerConfig | None
-  eval_sampled_cfg: SamplerConfig | None
   forward_microbatches: int
   update_microbatches: int
   optimizer: Any
@@ -73,100 +67,13 @@ class StepPrograms:
   # `attribution.attribute` jitted (None with rl.attribution_every = 0) and the variants it runs.
   attribution: Any = None
   attribution_variants: tuple = ()
-  # The sampler's config, the leaves its sync quantizes (the model's parameter tags), the loss
-  # and routing replay the batches are prepared for, and the replay probe (`probe`).
-  sampler_cfg: SamplerConfig | None = None
-  quant_plan: Any = None
+  # The loss and routing replay the batches are prepared for, and the replay probe (`probe`).
   loss_cfg: LossConfig | None = None
   replay: step_lib.Replay = "none"
   probe: Any = None
   n_minibatches: int = 1
   # The p_old forward is the update's own (`RLJob.old_in_update`): `prepare` runs none.
   old_in_update: bool = False
-
-  # -- the sampler -------------------------------------------------------------------------
-
-  def sync(self, params, delta):
-    """Sampler weights cast(quantize(params + delta)) (`sampler_weights.sync_weights`)."""
-    return sampler_weights.sync_weights(params, delta, self.sampler_cfg.quant, self.sampler_cfg.dtype,
-                                        self.quant_plan)
-
-  def lower_sync(self, params, delta):
-    """`sync`'s program lowered for these (possibly abstract) arguments."""
-    return sampler_weights.lower_sync(params, delta, self.sampler_cfg.quant, self.sampler_cfg.dtype, self.quant_plan)
-
-  def clean_weights(self, params):
-    """The float32 evaluation weights (no noise, no quantization)."""
-    return sampler_weights.sync_weights(params, None, None, "float32")
-
-  def _generate_args(self, kind: str):
-    if kind == "rollout":
-      return self.sampler_graphdef, self.sampler_cfg
-    if kind == "greedy":
-      return self.eval_graphdef, self.eval_cfg
-    if kind == "sampled":
-      return self.eval_graphdef, self.eval_sampled_cfg
-    raise ValueError(f"generate kind {kind!r}: one of 'rollout', 'greedy', 'sampled'")
-
-  def _generate_mesh(self, kind: str):
-    # Rollouts run on the sampler's devices (async RL may split them off); evaluation on the trainer's.
-    return self.sampler_mesh if kind == "rollout" else self.mesh
-
-  def generate(self, state, prompts_BP, valid_BP, key, kind: str = "rollout"):
-    """`kind` 'rollout' (the sampler's weights and config), 'greedy' / 'sampled' (evaluation)."""
-    graphdef, cfg = self._generate_args(kind)
-    return gen.generate(graphdef, state, prompts_BP, valid_BP, key, cfg, mesh=self._generate_mesh(kind))
-
-  def lower_generate(self, state, prompts_BP, valid_BP, key, kind: str = "rollout"):
-    """`generate`'s program of `kind` lowered for these (possibly abstract) arguments."""
-    graphdef, cfg = self._generate_args(kind)
-    return gen.lower_generate(graphdef, state, prompts_BP, valid_BP, key, cfg, mesh=self._generate_mesh(kind))
-
-  def rollout_shapes(self, state, prompts_BP, valid_BP, key):
-    """The abstract Rollout of a rollout `generate` (shapes and dtypes; nothing runs)."""
-    graphdef, cfg = self._generate_args("rollout")
-    return gen.rollout_shapes(graphdef, state, prompts_BP, valid_BP, key, cfg, mesh=self.sampler_mesh)
-
-  # In-flight weight updates: a rollout in chunks (`rl_jax/sampler/chunked.py`), on the sampler's devices.
-
-  def start_rollout(self, state, prompts_BP, valid_BP, key, *, version: int, n_iters: int):
-    """A rollout `generate` begun: its carry after at most `n_iters` engine iterations at `version`."""
-    return chunked.start(self.sampler_graphdef, state, prompts_BP, valid_BP, key, self.sampler_cfg, version=version,
-                         n_iters=n_iters, mesh=self.sampler_mesh)
-
-  def advance_rollout(self, state, carry, *, version: int, n_iters: int = chunked.TO_THE_END):
-    """`carry` (donated) continued by the weights `state` of `version`, at most `n_iters` iterations."""
-    return chunked.advance(self.sampler_graphdef, state, carry, self.sampler_cfg, version=version, n_iters=n_iters,
-                           mesh=self.sampler_mesh)
-
-  def finish_rollout(self, carry) -> rollout_lib.Rollout:
-    """The Rollout of a carry advanced to its end."""
-    return chunked.finish(carry, self.sampler_cfg, mesh=self.sampler_mesh)
-
-  def rollout_carry_shapes(self, state, prompts_BP, valid_BP, key):
-    """The abstract carry of `start_rollout` (shapes and dtypes; nothing runs)."""
-    cfg = self.sampler_cfg
-    kv_spec = gen.resolve_kv_spec(None, cfg)
-    return jax.eval_shape(functools.partial(chunked.start_program, self.sampler_graphdef, cfg=cfg, kv_spec=kv_spec,
-                                            mesh=self.sampler_mesh), state, prompts_BP, valid_BP, key, None,
-                          jnp.int32(0), jnp.int32(1))
-
-  def rollout_progress(self, carry) -> dict:
-    """`carry`'s progress: the carry less its KV cache and what the prompts and key derive (a
-    checkpoint's form under `rl.inflight_resume='reprefill'`)."""
-    return chunked.progress(carry, self.sampler_cfg, mesh=self.sampler_mesh)
-
-  def rollout_progress_shapes(self, abstract_carry) -> dict:
-    """`rollout_progress`'s abstract output (nothing runs)."""
-    return chunked.progress_shapes(abstract_carry, self.sampler_cfg)
-
-  def resume_rollout(self, state, prompts_BP, valid_BP, key, progress):
-    """The carry of `progress` (the rollout's `start_rollout` arguments again), its KV cache
-    re-prefilled by the weights `state`."""
-    return chunked.resume(self.sampler_graphdef, state, prompts_BP, valid_BP, key, progress, self.sampler_cfg,
-                          mesh=self.sampler_mesh)
-
-  # -- the trainer -------------------------------------------------------------------------
 
   def train_batch(self, ro: rollout_lib.Rollout, adv_B) -> step_lib.TrainBatch:
     """The rollout's TrainBatch before the p_old forward: the sampler's top-k rides along whenever it
@@ -240,6 +147,16 @@ class StepPrograms:
     return self.first_order.lower(params, mb)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepPrograms:
+  """One RL run's programs: the sampler's (`sampler`: rl_jax.sampler.programs.SamplerPrograms, the
+  `Sampler` seam) and the learner's (`learner`), each given its mesh by role (`build`), for `job`
+  (None for `build_local`'s)."""
+  job: Any
+  sampler: SamplerPrograms
+  learner: LearnerPrograms
+
+
 def routing_agreement_per_layer(trainer_ids_BSLK: jax.Array, sampler_ids_BSLK: jax.Array,
                                 valid_BS: jax.Array) -> jax.Array:
   """[L]: per MoE layer, the fraction of (token, slot) whose sampler expert is among the trainer's top-k."""
@@ -296,22 +213,25 @@ def build(job, mesh, graphdef: nnx.GraphDef, param_shardings, opt_shardings, opt
     variants = tuple((name, v, sampler_weights.sampler_graphdef(job.model, v.dtype)) for name, v in found.items())
     attribution = jax.jit(functools.partial(attribution_lib.attribute, graphdef=graphdef, variant_graphs=variants,
                                             temperature=job.sampler.temperature))
-  return StepPrograms(
-      job=job, mesh=mesh, sampler_mesh=mesh if sampler_mesh is None else sampler_mesh, graphdef=graphdef,
-      sampler_graphdef=sampler_weights.sampler_graphdef(job.model, job.sampler.dtype),
+  # Each role's mesh: rollouts on the sampler's devices (async RL may split them off), evaluation
+  # and every learner program on the trainer's.
+  sampler = SamplerPrograms(
+      cfg=job.sampler, graphdef=sampler_weights.sampler_graphdef(job.model, job.sampler.dtype),
+      meshes={"rollout": mesh if sampler_mesh is None else sampler_mesh, "eval": mesh},
+      quant_plan=sampler_weights.quant_plan(job.model),
       # Evaluation uses the clean float32 weights whatever the sampler's dtype.
-      eval_graphdef=sampler_weights.sampler_graphdef(job.model, "float32"),
-      eval_cfg=greedy, eval_sampled_cfg=sampled, forward_microbatches=fwd_n, update_microbatches=upd_n,
-      optimizer=optimizer,
+      eval_graphdef=sampler_weights.sampler_graphdef(job.model, "float32"), eval_cfg=greedy, eval_sampled_cfg=sampled)
+  learner = LearnerPrograms(
+      mesh=mesh, graphdef=graphdef, forward_microbatches=fwd_n, update_microbatches=upd_n, optimizer=optimizer,
       **_step_programs(graphdef, job.loss, rl.routing_replay, mesh, fwd_n=fwd_n, upd_n=upd_n, optimizer=optimizer,
                        aux_coef=job.model.router_aux_loss_coef, param_shardings=param_shardings,
                        opt_shardings=opt_shardings),
       # Laid out like the rollout's rows (as the planner's train batch is), not replicated.
       advantages=jax.jit(functools.partial(compute_advantages, group_size=rl.group_size, cfg=job.advantage),
                          out_shardings=sh.batch_sharding(mesh, 1)),
-      attribution=attribution, attribution_variants=variants,
-      sampler_cfg=job.sampler, quant_plan=sampler_weights.quant_plan(job.model), loss_cfg=job.loss,
+      attribution=attribution, attribution_variants=variants, loss_cfg=job.loss,
       replay=rl.routing_replay, n_minibatches=rl.n_minibatches, old_in_update=job.old_in_update())
+  return StepPrograms(job=job, sampler=sampler, learner=learner)
 
 
 def build_local(graphdef: nnx.GraphDef | None = None, loss: LossConfig | None = None, *, model=None,
@@ -338,13 +258,14 @@ def _build_local(graphdef, loss, model, sampler, replay, optimizer, aux_coef) ->
     progs = _step_programs(graphdef, loss, replay, mesh, optimizer=optimizer, aux_coef=aux_coef)
   if sampler is not None and model is None:
     raise ValueError("build_local: a SamplerConfig needs the model's ModelConfig (model=...)")
-  return StepPrograms(
-      job=None, mesh=mesh, sampler_mesh=mesh, graphdef=graphdef,
-      sampler_graphdef=None if sampler is None else sampler_weights.sampler_graphdef(model, sampler.dtype),
-      eval_graphdef=None, eval_cfg=None, eval_sampled_cfg=None, forward_microbatches=1, update_microbatches=1,
-      optimizer=optimizer, old_forward=progs.get("old_forward"), update=progs.get("update"),
-      first_order=progs.get("first_order"), probe=progs.get("probe"), advantages=None, sampler_cfg=sampler,
-      quant_plan=None if model is None else sampler_weights.quant_plan(model), loss_cfg=loss, replay=replay)
+  sampler_progs = SamplerPrograms(
+      cfg=sampler, graphdef=None if sampler is None else sampler_weights.sampler_graphdef(model, sampler.dtype),
+      meshes={"rollout": mesh, "eval": mesh}, quant_plan=None if model is None else sampler_weights.quant_plan(model))
+  learner = LearnerPrograms(
+      mesh=mesh, graphdef=graphdef, forward_microbatches=1, update_microbatches=1, optimizer=optimizer,
+      old_forward=progs.get("old_forward"), update=progs.get("update"), first_order=progs.get("first_order"),
+      probe=progs.get("probe"), advantages=None, loss_cfg=loss, replay=replay)
+  return StepPrograms(job=None, sampler=sampler_progs, learner=learner)
 
 
 def attribution_stale(job) -> bool:

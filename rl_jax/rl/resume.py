@@ -53,12 +53,12 @@ def restore_inflight(trainer, meta: dict) -> list[inflight_lib.InFlight]:
   if job.rl.inflight_updates:
     return restore_partial(trainer, meta, ids, valid)
   with sh.mesh_context(trainer.sampler_mesh):
-    ro = trainer.programs.rollout_shapes(trainer.sampler_state, ids, valid, jax.random.key(0))
+    ro = trainer.programs.sampler.rollout_shapes(trainer.sampler_state, ids, valid, jax.random.key(0))
   rewards = jax.ShapeDtypeStruct((ids.shape[0],), jnp.float32)
   old_params = trainer.state["params"] if job.rl.p_old_version == "rollout" else None
   shapes = jax.eval_shape(lambda r, w: inflight_lib.to_tree(inflight_lib.InFlight(
-      0, 0, r, w, None if old_params is None else trainer.programs.forward_old(
-          old_params, r, trainer.programs.advantages(w)))), ro, rewards)
+      0, 0, r, w, None if old_params is None else trainer.programs.learner.forward_old(
+          old_params, r, trainer.programs.learner.advantages(w)))), ro, rewards)
   targets = {"inflight": {str(i): inflight_lib.target(shapes, trainer.mesh) for i in range(len(steps))}}
   items, _, _ = trainer.ckpt.restore(targets, step=trainer.start_step)
   prompt_len = job.sampler.max_prompt_len
@@ -75,7 +75,7 @@ def restore_partial(trainer, meta: dict, ids, valid) -> list:
   steps, versions, advanced = meta["inflight_steps"], meta["inflight_versions"], meta["inflight_advanced"]
   form = meta.get("inflight_resume", "carry")
   with sh.mesh_context(trainer.sampler_mesh):
-    abstract = trainer.programs.rollout_carry_shapes(trainer.sampler_state, ids, valid, jax.random.key(0))
+    abstract = trainer.programs.sampler.rollout_carry_shapes(trainer.sampler_state, ids, valid, jax.random.key(0))
   one = inflight_updates.restore_targets(trainer, abstract, trainer.job.rl.p_old_version == "rollout", form)
   items, _, _ = trainer.ckpt.restore({"inflight": {str(i): one for i in range(len(steps))}}, step=trainer.start_step)
   t = time.perf_counter()

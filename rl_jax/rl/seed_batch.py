@@ -41,12 +41,12 @@ def vmapped(programs) -> dict[str, Any]:
   """
   job = programs.job
   kv_spec = gen.resolve_kv_spec(None, job.sampler)
-  generate = functools.partial(gen.generate_program, programs.sampler_graphdef, cfg=job.sampler,
+  generate = functools.partial(gen.generate_program, programs.sampler.graphdef, cfg=job.sampler,
                                kv_spec=kv_spec, mesh=None)
-  cfg = dict(graphdef=programs.graphdef, loss_cfg=job.loss)
+  cfg = dict(graphdef=programs.learner.graphdef, loss_cfg=job.loss)
   old = functools.partial(step_lib.old_forward, **cfg, replay=job.rl.routing_replay,
-                          microbatches=programs.forward_microbatches)
+                          microbatches=programs.learner.forward_microbatches)
   update = functools.partial(step_lib.update, **cfg, aux_coef=job.model.router_aux_loss_coef,
-                             optimizer=programs.optimizer, microbatches=programs.update_microbatches)
+                             optimizer=programs.learner.optimizer, microbatches=programs.learner.update_microbatches)
   return {"generate": sampler_jit(jax.vmap(generate)), "old_forward": jax.jit(jax.vmap(old)),
           "update": jax.jit(jax.vmap(update), donate_argnums=(0, 1))}

@@ -158,10 +158,10 @@ class RLTrainer:
     """The sampler's weights from the trainer params `src` (copied to its devices first when split)."""
     t = time.perf_counter()
     if self._sampler_shardings is None:
-      return self.busy.track("sampler", self.programs.sync(src, self.state.get("noise")), t)
+      return self.busy.track("sampler", self.programs.sampler.sync(src, self.state.get("noise")), t)
     src = sh.on_mesh(src, self.sampler_mesh, self._sampler_shardings)
     with sh.mesh_context(self.sampler_mesh):
-      return self.busy.track("sampler", self.programs.sync(src, getattr(self, "_noise_s", None)), t)
+      return self.busy.track("sampler", self.programs.sampler.sync(src, getattr(self, "_noise_s", None)), t)
 
   def prompts(self, step: int, split: str = "train", count: int | None = None, start: int | None = None):
     count = count or self.job.rl.prompts_per_step
@@ -183,7 +183,7 @@ class RLTrainer:
       ids, valid = rollout_lib.repeat_prompts((ids, valid), g)
       key = jax.random.fold_in(jax.random.key(self.job.seed), step)
       t = time.perf_counter()
-      ro = self.busy.track("sampler", self.programs.generate(
+      ro = self.busy.track("sampler", self.programs.sampler.generate(
           self.sampler_state if weights is None else weights, ids, valid, key), t)
     return [p for p in problems for _ in range(g)], ro
 
@@ -217,10 +217,10 @@ class RLTrainer:
     return item
 
   def _old_forward(self, params, ro, rewards):
-    """`StepPrograms.forward_old` of the rollout at `params`, timed on the trainer's busy clock."""
+    """`LearnerPrograms.forward_old` of the rollout at `params`, timed on the trainer's busy clock."""
     t = time.perf_counter()
-    return self.busy.track("trainer", self.programs.forward_old(
-        params, ro, self.programs.advantages(jnp.asarray(rewards))), t)
+    return self.busy.track("trainer", self.programs.learner.forward_old(
+        params, ro, self.programs.learner.advantages(jnp.asarray(rewards))), t)
 
   def completions(self, ro) -> list[str]:
     """Response texts on the host: the only place tokens leave the device."""
@@ -249,9 +249,9 @@ class RLTrainer:
     (`produce`); None runs it here at the policy `rl.p_old_version` names, or leaves it to the
     update's own forward where that is the same (`RLJob.old_in_update`).
     """
-    if old is None and not self.programs.old_in_update:
+    if old is None and not self.programs.learner.old_in_update:
       old = self._old_forward(self._p_old_params(), ro, rewards)
-    return self.programs.prepare(None, ro, self.programs.advantages(jnp.asarray(rewards)), old)
+    return self.programs.learner.prepare(None, ro, self.programs.learner.advantages(jnp.asarray(rewards)), old)
 
   def _p_old_params(self):
     """The weights of the sync loop's p_old forward (emulated staleness: the rollout's version is
@@ -269,7 +269,7 @@ class RLTrainer:
     sub = jax.tree.map(lambda x: x[::stride][:n], ro)
     stale = self.state["sampler_src"] if programs_lib.attribution_stale(self.job) else None
     t0 = time.perf_counter()
-    out = self.busy.track("trainer", self.programs.attribution(
+    out = self.busy.track("trainer", self.programs.learner.attribution(
         self._p_old_params(), stale, self.state.get("noise"), sub), t0)
     raw = sh.to_host(out)
     self.busy.observed("trainer", out)
@@ -278,8 +278,8 @@ class RLTrainer:
     return m
 
   def minibatches(self, batch: TrainBatch):
-    """The step's group-aligned mini-batches (`StepPrograms.minibatches`)."""
-    return self.programs.minibatches(batch)
+    """The step's group-aligned mini-batches (`LearnerPrograms.minibatches`)."""
+    return self.programs.learner.minibatches(batch)
 
   def update(self, batch: TrainBatch, step: int) -> dict:
     """N optimizer updates on group-aligned mini-batches; raises on a non-finite step."""
@@ -287,7 +287,7 @@ class RLTrainer:
     for i, mb in enumerate(self.minibatches(batch)):
       t = time.perf_counter()
       # Watched through its metrics (never donated; every output of the update is ready together).
-      params, opt_state, m = self.programs.update(self.state["params"], self.state["opt_state"], mb)
+      params, opt_state, m = self.programs.learner.update(self.state["params"], self.state["opt_state"], mb)
       self.busy.track("trainer", m, t)
       # Params were donated: keep the returned ones (unchanged when the step was not finite).
       self.state["params"], self.state["opt_state"] = params, opt_state
@@ -331,7 +331,7 @@ class RLTrainer:
       # On the first mini-batch at theta_old, before its update (which donates the params):
       # fetched to the host here, so the meter has finished reading them.
       t = time.perf_counter()
-      fo = self.busy.track("trainer", self.programs.first_order(self.state["params"],
+      fo = self.busy.track("trainer", self.programs.learner.first_order(self.state["params"],
                                                                 next(self.minibatches(batch))), t)
       m_first = {f"first_order/{k}": float(v) for k, v in sh.to_host(fo).items()}
       self.busy.observed("trainer", fo)
@@ -369,9 +369,9 @@ class RLTrainer:
       return {}
     n, k = self.job.rl.eval_size, self.job.rl.eval_samples
     problems, ids, valid = self.prompts(0, split="eval", count=n, start=0)
-    clean = self.programs.clean_weights(self.state["params"])
+    clean = self.programs.sampler.clean_weights(self.state["params"])
     key = jax.random.fold_in(jax.random.key(self.job.seed), 0xE7A1)
-    return evaluate_lib.evaluate(self.task, self.score, self.completions, self.programs.generate, clean, ids,
+    return evaluate_lib.evaluate(self.task, self.score, self.completions, self.programs.sampler.generate, clean, ids,
                                  valid, problems, key, k, eos_id=self.job.sampler.eos_id)
 
   def save(self, step: int) -> None:
