@@ -73,7 +73,7 @@ def test_split_of_a_batch_sharded_array_moves_nothing():
 
 
 def test_rl_minibatches_keep_their_rows_sharded_and_compile_once():
-  """`StepPrograms.minibatches` (rl.n_minibatches = 2 on a 4-device batch mesh): each mini-batch is
+  """`LearnerPrograms.minibatches` (rl.n_minibatches = 2 on a 4-device batch mesh): each mini-batch is
   its rows of the batch, split over the batch axes (not replicated), and a second step's slices reuse
   the first step's programs (a fresh jit per call would compile them again every step)."""
   from types import SimpleNamespace  # pylint: disable=g-import-not-at-top
@@ -82,7 +82,7 @@ def test_rl_minibatches_keep_their_rows_sharded_and_compile_once():
   batch = jax.device_put(_batch(), sh.batch_sharding(mesh, 1))
   owner = SimpleNamespace(n_minibatches=2, mesh=mesh)
   for _ in range(2):
-    mbs = list(programs_lib.StepPrograms.minibatches(owner, batch))
+    mbs = list(programs_lib.LearnerPrograms.minibatches(owner, batch))
     for i, mb in enumerate(mbs):
       np.testing.assert_array_equal(mb.tokens_BS, np.asarray(batch.tokens_BS)[4 * i:4 * (i + 1)])
       assert mb.tokens_BS.sharding.is_equivalent_to(sh.batch_sharding(mesh, 2), 2)

@@ -156,7 +156,7 @@ def test_every_family_quantizes_its_linear_weights_only(family):
     assert k in flat and k not in quantized, k
 
 
-def test_a_new_tagged_linear_weight_is_quantized_without_a_name_list(monkeypatch):
+def test_a_new_tagged_linear_weight_is_quantized_without_a_name_list(monkeypatch, request):
   """A family's new linear weight needs only its tag: an MLP with an extra `quantize=True` weight
   under a name nothing lists is quantized in every layer of the real model through its plan (and its
   nnx.State); the same weight untagged stays plain."""
@@ -172,8 +172,10 @@ def test_a_new_tagged_linear_weight_is_quantized_without_a_name_list(monkeypatch
 
   cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
   qcfg = QuantConfig.preset("int8_wa_int4_kv")
+  request.addfinalizer(families.clear_abstract_models)   # no later test may get the patched model
   for tags, expect in (({"quantize": True}, True), ({}, False)):
     monkeypatch.setattr(transformer, "MLP", mlp_with(tags))
+    families.clear_abstract_models()   # the cache is keyed by the config, which the patch leaves alone
     state = nnx.state(families.abstract_model(cfg))
     plan = plan_of(state)
     assert ("layers/1/ffn/w_novel" in plan.paths("quantize")) == expect

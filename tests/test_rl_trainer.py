@@ -95,7 +95,7 @@ def test_r3_p_old_replays_the_sampler_so_first_minibatch_ratios_are_one(tmp_path
   _, ro = tr.rollout(0)
   rewards = np.tile([1.0, 0.0], ro.tokens_BS.shape[0] // 2).astype(np.float32)
   tr_sep = copy.copy(tr)  # the same trainer with the separate p_old forward
-  tr_sep.programs = dataclasses.replace(tr.programs, old_in_update=False)
+  tr_sep.programs = dataclasses.replace(tr.programs, learner=dataclasses.replace(tr.programs.learner, old_in_update=False))
   batch, m_old = tr_sep.prepare(ro, rewards)
   assert float(m_old["mismatch/routing_agreement"]) < 1.0  # replay actually changes the routing
   mb = next(tr.minibatches(batch))
@@ -131,7 +131,7 @@ def test_injected_nan_stops_cleanly_and_keeps_last_checkpoint(tmp_path, monkeypa
     if len(calls) == 2:
       mb = mb.replace(adv_B=mb.adv_B * np.float32("nan"))
     return real_update(params, opt_state, mb)
-  monkeypatch.setattr(tr, "programs", dataclasses.replace(tr.programs, update=poisoned))
+  monkeypatch.setattr(tr, "programs", dataclasses.replace(tr.programs, learner=dataclasses.replace(tr.programs.learner, update=poisoned)))
   with pytest.raises(FloatingPointError, match="non-finite.*step 2.*not applied"):
     tr.run()
   ck = Checkpointer(workdir)
@@ -262,8 +262,8 @@ def test_eval_sampled_mean_and_pass_at_k_line_up_with_their_prompts(tmp_path, mo
   assert out["eval_pass_at_k"] == out["eval_greedy_accuracy"], out
   outcomes = [v for k, v in out.items() if k.startswith("eval_greedy_outcome/")]
   assert outcomes and abs(sum(outcomes) - 1.0) < 1e-9, out
-  tr.programs = dataclasses.replace(tr.programs, eval_sampled_cfg=dataclasses.replace(
-      tr.programs.sampler.eval_sampled_cfg, temperature=5.0))
+  tr.programs = dataclasses.replace(tr.programs, sampler=dataclasses.replace(tr.programs.sampler, eval_sampled_cfg=(
+      dataclasses.replace(tr.programs.sampler.eval_sampled_cfg, temperature=5.0))))
   hot = tr.evaluate()
   # Hot samples differ from greedy: some prompt's k samples disagree, so pass@k exceeds mean@k
   # (equal at the near-zero temperature above). Comparing mean@k with the cold run's instead

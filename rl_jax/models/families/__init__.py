@@ -53,6 +53,12 @@ def abstract_model(cfg: ModelConfig):
   return nnx.merge(*_abstract_split(cfg), copy=True)
 
 
+def clear_abstract_models() -> None:
+  """Forgets the cached abstract states (`abstract_model`): after a change to the model's classes
+  themselves (a test that patches one), whose effect the cache, keyed by the config, cannot see."""
+  _abstract_split.cache_clear()
+
+
 @functools.lru_cache(maxsize=16)
 def _abstract_split(cfg: ModelConfig):
   # Tracing every parameter's initializer costs ~25 ms a parameter (6 s for the 30B MoE, whose
@@ -64,4 +70,4 @@ def _abstract_split(cfg: ModelConfig):
 
 
 __all__ = ["FAMILIES", "Family", "HfReader", "MODEL_TYPES", "TensorEntry", "abstract_model",
-           "build_model", "checkpoint_dtype", "get", "of", "reference_configs"]
+           "build_model", "checkpoint_dtype", "clear_abstract_models", "get", "of", "reference_configs"]
