@@ -31,7 +31,8 @@ _ROW_IMPL = {"slab": "ragged_dot", "ragged_dot": "ragged_dot", "grouped": "palla
 # `_sort_by_expert` counts instead of sorting when the groups are few and the rows many: XLA:CPU's
 # sort of the s32[18432] ids of the study model's update (4 experts + padding, top-2) takes ~6.1 ms
 # on one thread, the counting ~1.5 ms; with 129 groups the [M, groups] prefix sum is ~7x the sort,
-# and at a decode step's 512 rows the sort is as fast (docs/performance.md#the-moe-dispatchs-sort).
+# and at a decode step's 512 rows the sort is as fast
+# (docs/performance.md#the-moe-dispatchs-sort-issue-54-item-3-2026-12-07).
 _COUNT_MAX_GROUPS, _COUNT_MIN_ROWS = 16, 2048
 
 
