@@ -36,7 +36,6 @@ def plan_step(job, mesh, programs: tuple[str, ...] | None = None, group: str = "
 
 
 def _plan_step(job, mesh, programs: tuple[str, ...] = PROGRAMS, group: str = "") -> list[ProgramPlan]:
-
   mcfg, scfg, rl = job.model, job.sampler, job.rl
   graphdef, params = abstract_params(mcfg, mesh)
   optimizer = make_optimizer(job.optim)
